@@ -1,0 +1,48 @@
+"""The ``overlap-runtime`` command line.
+
+Each subcommand lives in its own module that defines ``add_arguments(parser)`` and
+``run(args) -> int``; this file only lists them, so ``overlap-runtime --help`` stays fast and a
+subcommand's heavy imports happen only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+# name -> (module, one-line help). Modules are imported when the parser is built; keep their
+# top-level imports light (heavy imports go inside ``run``).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("overlap_runtime.demo", "run the main job on CPU ranks spawned here (gloo)"),
+    "info": ("overlap_runtime.info", "print the platform: device kinds, counts, backends"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="overlap-runtime",
+        description="Pipeline, expert and context parallelism with communication hidden behind "
+        "computation.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 0
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

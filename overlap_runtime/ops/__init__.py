@@ -1,0 +1,1 @@
+"""Operators: differentiable collectives (``comm``), Gated DeltaNet (``gdn``), attention."""
