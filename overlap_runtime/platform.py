@@ -83,17 +83,30 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown device kind {kind!r}; supported kinds are {list(DEVICE_KINDS)}")
 
 
+def _parse(device: str | torch.device) -> tuple[str, int | None]:
+    """Split a device into (kind, index) without asking torch to know the kind.
+
+    ``torch.device("npu")`` only parses once torch_npu is imported, so strings are parsed here.
+    """
+    if isinstance(device, torch.device):
+        kind, index = device.type, device.index
+    else:
+        text = str(device).strip()
+        kind, _, idx = text.partition(":")
+        if idx and not idx.isdigit():
+            raise ValueError(f"device {text!r}: index {idx!r} is not a non-negative integer")
+        index = int(idx) if idx else None
+    _check_kind(kind)
+    return kind, index
+
+
 def resolve_device(device: str | torch.device | None = None, local_rank: int = 0) -> torch.device:
     """Turn ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu"`` or a torch.device into a checked device.
 
     A bare accelerator kind becomes ``<kind>:<local_rank>``. An unknown kind, an unavailable kind
     or an index past the device count raises, naming what was asked and what exists.
     """
-    if device is None:
-        device = "cpu"
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    kind = dev.type
-    _check_kind(kind)
+    kind, index = _parse("cpu" if device is None else device)
     if kind == "cpu":
         return torch.device("cpu")
     if kind == "npu":
@@ -104,7 +117,7 @@ def resolve_device(device: str | torch.device | None = None, local_rank: int = 0
             f"device {str(device)!r} asked for, but kind {kind!r} is not available here; "
             f"available kinds: {avail}"
         )
-    index = dev.index if dev.index is not None else local_rank
+    index = index if index is not None else local_rank
     count = _device_count(kind)
     if index >= count:
         raise DeviceUnavailableError(
@@ -115,9 +128,7 @@ def resolve_device(device: str | torch.device | None = None, local_rank: int = 0
 
 def device_kind(device: str | torch.device) -> str:
     """The kind (``cpu``/``cuda``/``npu``) of a device or device string; unknown kinds raise."""
-    kind = torch.device(device).type
-    _check_kind(kind)
-    return kind
+    return _parse(device)[0]
 
 
 def backend_for(device: str | torch.device) -> str:

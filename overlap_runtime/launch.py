@@ -1,0 +1,356 @@
+"""Starting ranks: ``spawn`` for the embedded default, ``init_from_env`` for torchrun.
+
+``spawn(fn, world_size)`` runs ``fn(rank, world_size, *args)`` in ``world_size`` child processes
+that form one process group, and returns each rank's return value. It never hangs and never
+leaves orphans:
+
+* the rendezvous store is hosted by the parent on a port the OS picks (no free-port race);
+* each child reports through its own pipe; the parent waits on pipes and process sentinels at
+  once, so a child that raises, exits or crashes is seen at once;
+* on the first failure every other child is killed and :class:`RankFailedError` carries the
+  failing rank's traceback;
+* at the deadline the parent asks the survivors for their Python stacks (``faulthandler`` on
+  SIGUSR1), kills them, and raises :class:`RanksTimeoutError` naming the ranks still running
+  with their stacks;
+* children die with their parent (``PR_SET_PDEATHSIG``) even if the parent is SIGKILLed.
+
+Children start from a forkserver that has already imported torch, so a rank costs a fork, not a
+fresh interpreter (the first spawn in a process pays the import once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import io
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from overlap_runtime.platform import backend_for, resolve_device, set_device
+
+DEFAULT_SPAWN_TIMEOUT_S = 300.0
+_PR_SET_PDEATHSIG = 1
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died; ``rank`` and ``child_traceback`` say which and where."""
+
+    def __init__(self, rank: int, message: str, child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.child_traceback = child_traceback
+
+
+class RanksTimeoutError(TimeoutError):
+    """Ranks were still running at the deadline; ``ranks`` lists them, ``stacks`` their stacks."""
+
+    def __init__(self, message: str, ranks: list[int], stacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.stacks = stacks
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank knows about itself after :func:`init_from_env`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # pragma: no cover - non-glibc systems
+        pass
+
+
+def init_from_env(
+    device: str | None = None,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_SPAWN_TIMEOUT_S,
+) -> RankContext:
+    """Join the process group described by torchrun's environment.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (a missing one raises naming
+    it). ``device`` is a kind (``cpu``/``cuda``/``npu``); accelerators get ``<kind>:LOCAL_RANK``.
+    ``backend`` defaults to the device kind's backend (gloo/nccl/hccl).
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_env: environment variables {missing} are not set; start the program "
+            f"with torchrun or use overlap_runtime.launch.spawn"
+        )
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device or "cpu", local_rank=local_rank)
+    set_device(dev)
+    be = backend or backend_for(dev)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {}
+        if dev.type != "cpu":
+            kwargs["device_id"] = dev
+        dist.init_process_group(
+            backend=be,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    return RankContext(rank, world_size, local_rank, dev, be)
+
+
+def _child_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    conn: mpc.Connection,
+    store_port: int,
+    backend: str,
+    device: str,
+    timeout_s: float,
+    stack_file: str,
+    env: dict[str, str],
+    num_threads: int,
+) -> None:
+    _die_with_parent()
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store_port),
+        }
+    )
+    stack_fh = open(stack_file, "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=True)
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+    status: tuple[str, Any]
+    try:
+        dev = resolve_device(device, local_rank=rank)
+        set_device(dev)
+        store = dist.TCPStore(
+            "127.0.0.1",
+            store_port,
+            world_size=None,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        result = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        status = ("ok", buf.getvalue())
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        status = ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
+    try:
+        conn.send(status)
+    finally:
+        conn.close()
+    # No destroy_process_group and no interpreter teardown: both can block on the gloo threads of
+    # a group whose peer failed, and the parent already has the result.
+    stack_fh.flush()
+    os._exit(0 if status[0] == "ok" else 1)
+
+
+_CTX: Any = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        method = os.environ.get("OVERLAP_RUNTIME_START_METHOD", "forkserver")
+        _CTX = mp.get_context(method)
+        if method == "forkserver":
+            _CTX.set_forkserver_preload(["torch", "torch.distributed", "overlap_runtime.launch"])
+    return _CTX
+
+
+def _kill_all(procs: Sequence[Any], grace_s: float = 2.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
+
+
+def _death_message(rank: int, world_size: int, code: int | None) -> str:
+    if code is not None and code < 0:
+        how = f"was killed by signal {signal.Signals(-code).name}"
+    else:
+        how = f"died with exit code {code}"
+    return f"rank {rank} of {world_size} {how} without a result"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    backend: str | None = None,
+    device: str = "cpu",
+    timeout_s: float = DEFAULT_SPAWN_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+    num_threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
+
+    Args:
+        fn: a module-level (picklable) function. Its return value is sent back with torch.save,
+            so tensors and plain Python data are fine.
+        world_size: number of ranks (>= 1).
+        backend: process-group backend; defaults to the device kind's (cpu -> gloo).
+        device: device kind for every rank; accelerators use ``<kind>:<rank>``.
+        timeout_s: wall-clock limit for the whole job, also the process group's timeout.
+        env: extra environment variables for the children.
+        num_threads: torch intra-op threads per rank (0 leaves torch's default).
+
+    Raises:
+        RankFailedError: a rank raised (its traceback is in the message) or died.
+        RanksTimeoutError: ranks were still running after ``timeout_s`` (named, with stacks).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    be = backend or backend_for(device)
+    ctx = _context()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size=None, is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+    )
+    tmpdir = tempfile.mkdtemp(prefix="overlap_runtime_spawn_")
+    stack_files = [os.path.join(tmpdir, f"rank{r}.stack") for r in range(world_size)]
+    procs: list[Any] = []
+    conns: dict[Any, int] = {}
+    try:
+        for r in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child_main,
+                args=(fn, r, world_size, tuple(args), child_conn, store.port, be, device,
+                      timeout_s, stack_files[r], dict(env or {}), num_threads),
+                name=f"overlap_runtime-rank{r}",
+                daemon=True,
+            )
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            conns[parent_conn] = r
+        results: dict[int, Any] = {}
+        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                running = sorted(set(range(world_size)) - set(results))
+                stacks = {}
+                for r in running:
+                    if procs[r].is_alive():
+                        try:
+                            os.kill(procs[r].pid, signal.SIGUSR1)
+                        except ProcessLookupError:
+                            pass
+                time.sleep(0.5)
+                for r in running:
+                    stacks[r] = _read(stack_files[r])
+                _kill_all(procs)
+                detail = "\n".join(f"--- rank {r} stack ---\n{stacks[r] or '(no stack)'}" for r in running)
+                raise RanksTimeoutError(
+                    f"{len(running)} of {world_size} ranks still running after {timeout_s:.1f}s: "
+                    f"ranks {running}\n{detail}",
+                    running,
+                    stacks,
+                )
+            ready = mpc.wait(list(conns) + list(sentinels), timeout=remaining)
+            for obj in ready:
+                if obj in conns:
+                    r = conns.pop(obj)
+                    try:
+                        kind, payload = obj.recv()
+                    except EOFError:
+                        procs[r].join(2.0)
+                        _kill_all(procs)
+                        raise RankFailedError(r, _death_message(r, world_size, procs[r].exitcode)) from None
+                    if kind == "error":
+                        _kill_all(procs)
+                        exc_type, exc_msg, tb = payload
+                        raise RankFailedError(
+                            r,
+                            f"rank {r} of {world_size} raised {exc_type}: {exc_msg}\n"
+                            f"--- rank {r} traceback ---\n{tb}",
+                            tb,
+                        )
+                    results[r] = torch.load(io.BytesIO(payload), weights_only=False)
+                elif obj in sentinels:
+                    r = sentinels.pop(obj)
+                    procs[r].join(0.1)
+                    if r not in results and not any(c_r == r for c_r in conns.values()):
+                        continue
+                    if r not in results:
+                        # Give the pipe a moment: the result may be in flight behind the exit.
+                        c = next(c for c, c_r in conns.items() if c_r == r)
+                        if c.poll(1.0):
+                            continue
+                        _kill_all(procs)
+                        raise RankFailedError(r, _death_message(r, world_size, procs[r].exitcode))
+        return [results[r] for r in range(world_size)]
+    finally:
+        _kill_all(procs)
+        for c in conns:
+            c.close()
+        for f in stack_files:
+            try:
+                os.remove(f)
+            except OSError:
+                pass
+        try:
+            os.rmdir(tmpdir)
+        except OSError:
+            pass
+        del store

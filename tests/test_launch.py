@@ -1,0 +1,151 @@
+"""The spawn harness: results, failures, hangs, crashes, orphans, torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap_runtime.launch import RankFailedError, RanksTimeoutError, init_from_env, spawn
+from overlap_runtime.testing import run_ranks
+
+
+def _identity(rank: int, world: int, base: float) -> dict:
+    return {"rank": rank, "world": world, "t": torch.full((2,), base + rank),
+            "dist_rank": dist.get_rank(), "backend": str(dist.get_backend())}
+
+
+def test_results_come_back_in_rank_order() -> None:
+    out = run_ranks(_identity, 4, args=(10.0,))
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert [o["dist_rank"] for o in out] == [0, 1, 2, 3]
+    assert all(o["world"] == 4 and o["backend"] == "gloo" for o in out)
+    assert torch.equal(out[3]["t"], torch.tensor([13.0, 13.0]))
+
+
+def _record_pid(pid_dir: str, rank: int) -> None:
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def _wait_dead(pids: list[int], seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _one_rank_raises(rank: int, world: int, pid_dir: str) -> None:
+    _record_pid(pid_dir, rank)
+    dist.barrier()  # every pid is on disk before anyone fails
+    if rank == 2:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # the others block here until they are killed
+
+
+def test_a_rank_that_raises_fails_all_fast_and_leaves_no_orphans(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_one_rank_raises, 4, timeout_s=60, args=(str(tmp_path),))
+    assert time.monotonic() - t0 < 30
+    assert info.value.rank == 2
+    assert "rank 2 of 4 raised ValueError: boom on purpose" in str(info.value)
+    assert "_one_rank_raises" in info.value.child_traceback
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 4
+    assert _wait_dead(pids) == [], "orphan ranks survived"
+
+
+def _one_rank_hangs(rank: int, world: int, pid_dir: str) -> None:
+    _record_pid(pid_dir, rank)
+    dist.barrier()
+    if rank in (1, 3):
+        while True:
+            time.sleep(0.05)
+
+
+def test_a_hang_fails_naming_the_ranks_still_running(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RanksTimeoutError) as info:
+        run_ranks(_one_rank_hangs, 4, timeout_s=4, args=(str(tmp_path),))
+    assert time.monotonic() - t0 < 20
+    assert info.value.ranks == [1, 3]
+    assert "ranks [1, 3]" in str(info.value)
+    assert "_one_rank_hangs" in info.value.stacks[1]
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert _wait_dead(pids) == []
+
+
+def _one_rank_dies(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_a_rank_that_dies_is_reported_with_its_exit_code() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_one_rank_dies, 2, timeout_s=60)
+    assert info.value.rank == 1
+    assert "exit code 3" in str(info.value)
+
+
+def _ctx_from_env(rank: int, world: int) -> tuple[int, int, int, str]:
+    ctx = init_from_env(device="cpu")  # already initialised by spawn: must just describe it
+    return ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend
+
+
+def test_init_from_env_reads_the_environment() -> None:
+    out = run_ranks(_ctx_from_env, 2)
+    assert out == [(0, 2, 0, "gloo"), (1, 2, 1, "gloo")]
+
+
+def test_init_from_env_without_torchrun_names_the_missing_variables(monkeypatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="RANK.*WORLD_SIZE.*torchrun"):
+        init_from_env()
+
+
+def test_spawn_argument_checks() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        spawn(_identity, 0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        spawn(_identity, 1, timeout_s=0)
+
+
+def test_torchrun_with_init_from_env(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from overlap_runtime.launch import init_from_env
+        from overlap_runtime.ops.comm import all_gather
+        ctx = init_from_env(device="cpu")
+        out = all_gather(torch.tensor([float(ctx.rank)]))
+        assert out.tolist() == [0.0, 1.0], out
+        print(f"rank {ctx.rank} ok {ctx.backend}")
+        dist.destroy_process_group()
+    """))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", str(script)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0 ok gloo" in proc.stdout and "rank 1 ok gloo" in proc.stdout
