@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both bootstrap .venv once.
+#
+# TORCH_SPEC picks the torch that goes into the venv. The default pins the release whose CPU
+# build lies on this project's CI machines (pip takes it from local disk: no multi-GB CUDA
+# download there; on other machines the same pin fetches PyPI's build for your platform).
+# On a GPU machine, ask for what you need, e.g.  make test TORCH_SPEC='torch>=2.6'
+# An existing torch in the venv that satisfies the project is never replaced.
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS     ?= dev,triton
+PYTEST_ARGS ?=
+
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.bootstrapped
+
+.PHONY: demo test venv bench clean-venv help
+
+help:
+	@echo "make demo   run the main job on CPU ranks spawned here (gloo)"
+	@echo "make test   run the test suite"
+	@echo "variables: TORCH_SPEC='$(TORCH_SPEC)' EXTRAS='$(EXTRAS)' PYTHON=$(PYTHON)"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), f"Python >= 3.10 needed, found {sys.version.split()[0]}"'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/overlap-runtime demo
+
+# pytest exits 5 when it collects no tests: that is not a failure of the suite.
+test: $(STAMP)
+	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+
+clean-venv:
+	rm -rf $(VENV)
