@@ -1,0 +1,49 @@
+"""Gated DeltaNet core: recurrent reference, chunked eager form, affine state summaries, backends.
+
+See docs/gdn.md for the semantics, the chunked WY form and the summary algebra.
+"""
+
+from .backend import (
+    SUPPORTED_BACKENDS,
+    EagerBackend,
+    GDNBackend,
+    TritonBackend,
+    chunk_gated_delta_rule,
+    get_backend,
+    validate_inputs,
+)
+from .chunk import PreparedChunks, chunk_output, prepare_chunks
+from .reference import l2norm, recurrent_gated_delta_rule
+from .summary import (
+    apply_summary,
+    apply_summary_backward,
+    chunk_transitions,
+    compose,
+    output_state_grad,
+    state_summary,
+    summarize,
+    tree_compose,
+)
+
+__all__ = [
+    "SUPPORTED_BACKENDS",
+    "EagerBackend",
+    "GDNBackend",
+    "PreparedChunks",
+    "TritonBackend",
+    "apply_summary",
+    "apply_summary_backward",
+    "chunk_gated_delta_rule",
+    "chunk_output",
+    "chunk_transitions",
+    "compose",
+    "get_backend",
+    "l2norm",
+    "output_state_grad",
+    "prepare_chunks",
+    "recurrent_gated_delta_rule",
+    "state_summary",
+    "summarize",
+    "tree_compose",
+    "validate_inputs",
+]

@@ -1,0 +1,262 @@
+"""Backend contract and dispatch for ``chunk_gated_delta_rule``.
+
+A backend is an object with a ``name``, a ``check(...)`` that raises when it cannot run the given
+inputs, and a ``forward(...)`` that returns ``(o, final_state)``. Dispatch is explicit: the
+caller names the backend; there is no ``auto`` and never a silent fallback to another backend.
+
+Order of checks in :func:`chunk_gated_delta_rule`:
+
+1. the backend name (``ValueError`` naming it and the supported set);
+2. :func:`validate_inputs`, the layout rules every backend shares (``ValueError`` /
+   ``TypeError`` naming the value and the rule);
+3. ``backend.check(...)``, the backend's own capabilities (device, dtypes, head dims, chunk
+   size); ``NotImplementedError`` for what the backend does not do.
+
+Extension point: the Triton kernels (a later issue) fill in :class:`TritonBackend` - ``check``
+for device (cuda, npu, or cpu under ``TRITON_INTERPRET=1``), bf16 q/k/v/beta, fp32 g, head dims
+and chunk size; ``forward`` importing the kernels lazily. Nothing here imports triton.
+"""
+
+from __future__ import annotations
+
+import numbers
+from abc import ABC, abstractmethod
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+
+from .function import DEFAULT_BLOCK_CHUNKS, chunk_gated_delta_rule_eager
+
+__all__ = [
+    "GDNBackend",
+    "EagerBackend",
+    "TritonBackend",
+    "SUPPORTED_BACKENDS",
+    "get_backend",
+    "validate_inputs",
+    "chunk_gated_delta_rule",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STATE_DTYPES = (torch.float32, torch.float64)
+
+
+class GDNBackend(ABC):
+    """One implementation of the chunked gated delta rule."""
+
+    name: str
+
+    @abstractmethod
+    def check(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        initial_state: torch.Tensor | None,
+        chunk_size: int,
+    ) -> None:
+        """Raise (NotImplementedError / ValueError) if this backend cannot run these inputs.
+
+        Called after :func:`validate_inputs`, so shapes are already consistent.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        scale: float,
+        initial_state: torch.Tensor | None,
+        use_qk_l2norm: bool,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(o [B, T, HV, V], final_state [B, HV, K, V] fp32)``, differentiable."""
+
+
+class EagerBackend(GDNBackend):
+    """PyTorch ops only: any device and float dtype, any chunk size.
+
+    Computes in fp32 (float64 for float64 inputs); the backward recomputes ``block_chunks``
+    chunks at a time (see function.py).
+    """
+
+    name = "eager"
+
+    def __init__(self, block_chunks: int = DEFAULT_BLOCK_CHUNKS) -> None:
+        if block_chunks < 1:
+            raise ValueError(f"block_chunks={block_chunks} must be >= 1")
+        self.block_chunks = block_chunks
+
+    def check(self, q, k, v, g, beta, *, initial_state, chunk_size) -> None:  # noqa: D102
+        return None  # the shared validation covers everything eager needs
+
+    def forward(self, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm, chunk_size):
+        return chunk_gated_delta_rule_eager(
+            q, k, v, g, beta, scale, initial_state, use_qk_l2norm, chunk_size,
+            self.block_chunks,
+        )
+
+
+class TritonBackend(GDNBackend):
+    """Placeholder for the Triton kernels of a later issue: every call raises."""
+
+    name = "triton"
+
+    def check(self, q, k, v, g, beta, *, initial_state, chunk_size) -> None:  # noqa: D102
+        raise NotImplementedError(
+            "GDN backend='triton' is not implemented yet: the Triton kernels arrive in a later "
+            "issue. Use backend='eager' explicitly; there is no automatic fallback."
+        )
+
+    def forward(self, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm, chunk_size):
+        self.check(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+_BACKENDS: Mapping[str, GDNBackend] = MappingProxyType(
+    {"eager": EagerBackend(), "triton": TritonBackend()}
+)
+SUPPORTED_BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
+
+
+def get_backend(name: str) -> GDNBackend:
+    """The registered backend called ``name``; ValueError naming it and the supported set."""
+    if not isinstance(name, str) or name not in _BACKENDS:
+        raise ValueError(
+            f"unknown GDN backend {name!r}; supported backends: {SUPPORTED_BACKENDS} "
+            "(there is no 'auto': choose one explicitly)"
+        )
+    return _BACKENDS[name]
+
+
+def _shape(x: torch.Tensor) -> str:
+    return "[" + ", ".join(str(d) for d in x.shape) + "]"
+
+
+def validate_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    scale: float | None = None,
+) -> None:
+    """The layout rules shared by every backend; raises naming the value and the rule.
+
+    q, k ``[B, T, H, K]`` (same shape and dtype); v ``[B, T, HV, V]`` (q's dtype) with
+    ``HV % H == 0``; g, beta ``[B, T, HV]``, g float32/float64; initial_state ``[B, HV, K, V]``
+    float32/float64; T >= 1; chunk_size a positive int; one device for all tensors.
+    """
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    if initial_state is not None:
+        named["initial_state"] = initial_state
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    for name, x in named.items():
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; GDN needs one of {_FLOAT_DTYPES}")
+    devices = {name: x.device for name, x in named.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all GDN inputs must be on one device, got {devices}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {_shape(q)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {_shape(q)} ([B, T, H, K]), got {_shape(k)}")
+    if v.dim() != 4:
+        raise ValueError(f"v must be [B, T, HV, V], got shape {_shape(v)}")
+    batch, seq_len, num_heads, key_dim = q.shape
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"v has (B, T) = {tuple(v.shape[:2])} but q has {tuple(q.shape[:2])}: they must match"
+        )
+    num_value_heads, value_dim = v.shape[2], v.shape[3]
+    if num_value_heads % num_heads != 0:
+        raise ValueError(
+            f"HV % H != 0: v has HV={num_value_heads} heads, q/k have H={num_heads}; each key "
+            "head must serve a whole group of value heads"
+        )
+    if seq_len < 1:
+        raise ValueError(f"sequence length T={seq_len} must be >= 1")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}"
+        )
+    expected = (batch, seq_len, num_value_heads)
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != expected:
+            raise ValueError(
+                f"{name} must be [B, T, HV] = {list(expected)}, got {_shape(x)}"
+            )
+    if g.dtype not in _STATE_DTYPES:
+        raise TypeError(
+            f"g (log decay) must be float32 or float64, got {g.dtype}: it is summed over each "
+            "chunk and half precision loses the decay"
+        )
+    if initial_state is not None:
+        expected_state = (batch, num_value_heads, key_dim, value_dim)
+        if tuple(initial_state.shape) != expected_state:
+            raise ValueError(
+                f"initial_state must be [B, HV, K, V] = {list(expected_state)}, "
+                f"got {_shape(initial_state)}"
+            )
+        if initial_state.dtype not in _STATE_DTYPES:
+            raise TypeError(
+                f"initial_state must be float32 or float64 (the state is kept in fp32), "
+                f"got {initial_state.dtype}"
+            )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
+    if scale is not None and not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    backend: str = "eager",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked gated delta rule (decay first, then the delta update), differentiable.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]`` (``HV % H == 0``, value head j uses key head
+            ``j // (HV // H)``); g: ``[B, T, HV]`` log decay, fp32; beta: ``[B, T, HV]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[B, HV, K, V]`` fp32, or None for zeros.
+        output_final_state: return the final state (else None).
+        use_qk_l2norm: l2-normalise q and k over the head dim.
+        chunk_size: tokens per chunk (64).
+        backend: ``"eager"`` or ``"triton"``; no automatic choice, no fallback.
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32 or None)``; with float64
+        inputs the eager backend computes and returns the state in float64.
+    """
+    impl = get_backend(backend)
+    validate_inputs(q, k, v, g, beta, initial_state, chunk_size, scale)
+    impl.check(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o, final_state = impl.forward(
+        q, k, v, g, beta, scale=float(scale), initial_state=initial_state,
+        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+    )
+    return o, (final_state if output_final_state else None)

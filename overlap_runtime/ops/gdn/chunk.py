@@ -1,0 +1,247 @@
+"""Chunked (WY / UT) form of the gated delta rule, as separate pieces.
+
+Within a chunk of ``C`` tokens with entering state ``h`` (``[K, V]``), ``gamma_i`` the cumulative
+sum of ``g`` inside the chunk, and rows of ``Q, K, V`` being tokens (q already l2-normed and
+scaled)::
+
+    A      = strict_lower(diag(beta) (K K^T) * exp(gamma_i - gamma_j))      [C, C]
+    u      = (I + A)^-1 diag(beta) V                                          [C, V]
+    w      = (I + A)^-1 diag(beta exp(gamma)) K                               [C, K]
+    v_new  = u - w h              (the delta-rule residuals r_t of the chunk) [C, V]
+    o      = diag(exp(gamma)) Q h + (Q K^T * exp(gamma_i - gamma_j), i >= j) v_new
+    h'     = exp(gamma_C) h + Ktail^T v_new,  Ktail_j = exp(gamma_C - gamma_j) k_j
+
+The pieces, so that a context-parallel layer can split them around the arrival of ``H_in``:
+
+* :func:`prepare_chunks` - everything that does not depend on the state, all chunks at once;
+* :func:`scan_states` - the sequential inter-chunk state scan from an entering state;
+* :func:`chunk_outputs` - intra-chunk attention + q . state, all chunks at once;
+* :func:`chunk_output` - scan + outputs from a prepared segment and its entering state;
+* :func:`chunk_forward` - all of the above on raw inputs (plain autograd, chunk-level graph).
+
+All functions are differentiable through autograd. Tensors inside are laid out
+``[B, HV, N, C, D]`` (N chunks); the compute dtype is fp32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .reference import compute_dtype, expand_heads, l2norm
+
+__all__ = [
+    "PreparedChunks",
+    "prepare_chunks",
+    "scan_states",
+    "chunk_outputs",
+    "chunk_output",
+    "chunk_forward",
+]
+
+
+@dataclass(frozen=True)
+class PreparedChunks:
+    """State-independent per-chunk tensors of one segment (output of :func:`prepare_chunks`).
+
+    Shapes use ``N = ceil(T / C)``; a partial last chunk is zero padded (``k = v = q = 0``,
+    ``g = beta = 0``: an identity step that leaves the state unchanged). dtype: the compute dtype.
+
+    Attributes:
+        q: ``[B, HV, N, C, K]`` queries, l2-normed (if asked), scaled, expanded to HV heads.
+        k: ``[B, HV, N, C, K]`` keys, l2-normed (if asked), expanded to HV heads.
+        w: ``[B, HV, N, C, K]`` WY factor ``(I + A)^-1 diag(beta exp(gamma)) K``.
+        u: ``[B, HV, N, C, V]`` WY factor ``(I + A)^-1 diag(beta) V``.
+        gamma: ``[B, HV, N, C]`` within-chunk cumulative sum of g.
+        attn: ``[B, HV, N, C, C]`` intra-chunk ``(Q K^T) * exp(gamma_i - gamma_j)`` for i >= j.
+        seq_len: T, the number of real (unpadded) tokens.
+        out_dtype: dtype of the output o (v's dtype).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    gamma: torch.Tensor
+    attn: torch.Tensor
+    seq_len: int
+    out_dtype: torch.dtype
+
+    @property
+    def num_chunks(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def chunk_size(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def chunk_decay(self) -> torch.Tensor:
+        """``[B, HV, N]`` total decay ``exp(gamma_C)`` of each chunk."""
+        return self.gamma[..., -1].exp()
+
+    @property
+    def k_tail(self) -> torch.Tensor:
+        """``[B, HV, N, C, K]`` keys decayed to the chunk end, ``exp(gamma_C - gamma_j) k_j``."""
+        return self.k * (self.gamma[..., -1:] - self.gamma).exp()[..., None]
+
+
+def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``[B, T, H, *D] -> [B, H, N, C, *D]``, zero padding T up to ``N * C``."""
+    batch, seq_len = x.shape[:2]
+    num_chunks = -(-seq_len // chunk_size)
+    pad = num_chunks * chunk_size - seq_len
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
+    # [B, N, C, H, *D] -> [B, H, N, C, *D]
+    return x.movedim(3, 1)
+
+
+def from_chunks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[B, H, N, C, D] -> [B, T, H, D]``, dropping the padding."""
+    batch, heads, num_chunks, chunk_size, dim = x.shape
+    x = x.movedim(1, 3).reshape(batch, num_chunks * chunk_size, heads, dim)
+    return x[:, :seq_len]
+
+
+def prepare_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> PreparedChunks:
+    """Gate cumsum, decayed KKT, triangular solve and the WY factors of every chunk, in parallel.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g, beta: ``[B, T, HV]`` (g: log decay).
+        scale: query scale, default ``K ** -0.5``.
+        use_qk_l2norm: l2-normalise q and k first.
+        chunk_size: C.
+
+    Returns:
+        :class:`PreparedChunks` in the compute dtype (fp32, float64 for float64 inputs).
+    """
+    seq_len, num_value_heads, key_dim = q.shape[1], v.shape[2], q.shape[3]
+    if scale is None:
+        scale = key_dim**-0.5
+    dtype = compute_dtype(q.dtype)
+    q, k = q.to(dtype), k.to(dtype)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = to_chunks(expand_heads(q, num_value_heads) * scale, chunk_size)
+    k = to_chunks(expand_heads(k, num_value_heads), chunk_size)
+    vc = to_chunks(v.to(dtype), chunk_size)
+    gamma = to_chunks(g.to(dtype), chunk_size).cumsum(dim=-1)  # [B, HV, N, C]
+    beta_c = to_chunks(beta.to(dtype), chunk_size)
+
+    # exp(gamma_i - gamma_j) on and below the diagonal; the exponent is masked *before* exp so the
+    # (positive, possibly huge) entries above the diagonal never overflow.
+    idx = torch.arange(chunk_size, device=q.device)
+    causal = idx[:, None] >= idx[None, :]
+    gap = gamma[..., :, None] - gamma[..., None, :]
+    decay = gap.masked_fill(~causal, float("-inf")).exp()  # [B, HV, N, C, C]
+
+    strict = idx[:, None] > idx[None, :]
+    kkt = (k @ k.transpose(-1, -2)) * decay * beta_c[..., :, None]
+    kkt = kkt.masked_fill(~strict, 0.0)
+    # (I + A) is unit lower triangular: solve_triangular(unitriangular=True) never reads the
+    # diagonal, so A itself is passed. This is the UT transform applied to both right-hand sides.
+    rhs = torch.cat([beta_c[..., None] * vc, (beta_c * gamma.exp())[..., None] * k], dim=-1)
+    sol = torch.linalg.solve_triangular(kkt, rhs, upper=False, unitriangular=True)
+    value_dim = vc.shape[-1]
+    u, w = sol[..., :value_dim], sol[..., value_dim:]
+
+    attn = (q @ k.transpose(-1, -2)) * decay  # decay is already zero above the diagonal
+    return PreparedChunks(
+        q=q, k=k, w=w, u=u, gamma=gamma, attn=attn, seq_len=seq_len, out_dtype=v.dtype
+    )
+
+
+def scan_states(
+    prep: PreparedChunks, initial_state: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequential inter-chunk scan (the only step that walks the chunks in order).
+
+    Args:
+        prep: the prepared segment.
+        initial_state: ``[B, HV, K, V]`` entering state, or None for zeros.
+
+    Returns:
+        ``(states, v_new, final_state)``: states ``[B, HV, N, K, V]`` (state entering each chunk),
+        v_new ``[B, HV, N, C, V]`` (residuals ``u - w h``), final_state ``[B, HV, K, V]``; all in
+        the compute dtype.
+    """
+    batch, heads, num_chunks, _, key_dim = prep.k.shape
+    value_dim = prep.u.shape[-1]
+    if initial_state is None:
+        h = prep.u.new_zeros(batch, heads, key_dim, value_dim)
+    else:
+        h = initial_state.to(prep.u.dtype)
+    k_tail_t = prep.k_tail.transpose(-1, -2)  # [B, HV, N, K, C]
+    chunk_decay = prep.chunk_decay[..., None, None]  # [B, HV, N, 1, 1]
+    states, residuals = [], []
+    for n in range(num_chunks):
+        states.append(h)
+        v_new = prep.u[:, :, n] - prep.w[:, :, n] @ h
+        residuals.append(v_new)
+        h = chunk_decay[:, :, n] * h + k_tail_t[:, :, n] @ v_new
+    return torch.stack(states, dim=2), torch.stack(residuals, dim=2), h
+
+
+def chunk_outputs(prep: PreparedChunks, states: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+    """Outputs of all chunks at once: ``diag(exp(gamma)) Q h_n + attn_n v_new_n``.
+
+    Args:
+        prep: the prepared segment.
+        states: ``[B, HV, N, K, V]`` state entering each chunk (from :func:`scan_states`).
+        v_new: ``[B, HV, N, C, V]`` residuals (from :func:`scan_states`).
+
+    Returns:
+        o ``[B, T, HV, V]`` in ``prep.out_dtype``.
+    """
+    q_decayed = prep.q * prep.gamma.exp()[..., None]
+    o = q_decayed @ states + prep.attn @ v_new
+    return from_chunks(o, prep.seq_len).to(prep.out_dtype)
+
+
+def chunk_output(
+    prep: PreparedChunks, initial_state: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state-dependent half of a segment: scan from ``initial_state``, then the outputs.
+
+    Returns:
+        ``(o [B, T, HV, V] in prep.out_dtype, final_state [B, HV, K, V] compute dtype)``.
+    """
+    states, v_new, final_state = scan_states(prep, initial_state)
+    return chunk_outputs(prep, states, v_new), final_state
+
+
+def chunk_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole chunked forward with plain autograd (keeps a chunk-level graph of the segment).
+
+    Used by the memory-lean autograd function per block (without a graph in its forward, with
+    autograd in its backward) and by the benchmark as the "plain autograd" baseline.
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] compute dtype)``.
+    """
+    prep = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
+    states, v_new, final_state = scan_states(prep, initial_state)
+    return chunk_outputs(prep, states, v_new), final_state
