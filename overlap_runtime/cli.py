@@ -17,6 +17,7 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("overlap_runtime.demo", "run the main job on CPU ranks spawned here (gloo)"),
     "info": ("overlap_runtime.info", "print the platform: device kinds, counts, backends"),
+    "schedule": ("overlap_runtime.schedules.cli", "build, check and simulate a pipeline schedule"),
 }
 
 

@@ -1,0 +1,40 @@
+"""Task DAG: compute and communication tasks, validation, cost-model simulation, traces."""
+
+from .grid import format_grid, format_timeline
+from .simulate import CostModel, SimulationResult, TimelineEntry, simulate
+from .task_graph import EDGE_KINDS, CommInfo, Task, TaskGraph, is_comm_lane
+from .trace import chrome_trace, write_chrome_trace
+from .validate import (
+    CollectiveOrderError,
+    CommMatching,
+    DeadlockError,
+    GraphValidationError,
+    UnmatchedCommError,
+    match_comm,
+    rendezvous_edges,
+    validate_graph,
+)
+
+__all__ = [
+    "EDGE_KINDS",
+    "CollectiveOrderError",
+    "CommInfo",
+    "CommMatching",
+    "CostModel",
+    "DeadlockError",
+    "GraphValidationError",
+    "SimulationResult",
+    "Task",
+    "TaskGraph",
+    "TimelineEntry",
+    "UnmatchedCommError",
+    "chrome_trace",
+    "format_grid",
+    "format_timeline",
+    "is_comm_lane",
+    "match_comm",
+    "rendezvous_edges",
+    "simulate",
+    "validate_graph",
+    "write_chrome_trace",
+]

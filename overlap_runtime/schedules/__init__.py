@@ -1,0 +1,70 @@
+"""Pipeline schedules: IR, spec, builders, lowering, validation and compilation to a task graph.
+
+Names are re-exported lazily (PEP 562) so that ``overlap-runtime --help``, which imports the
+``schedule`` subcommand module, does not pay for pydantic and the passes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Action": "ir",
+    "ActionKind": "ir",
+    "Schedule": "ir",
+    "dump_csv": "ir",
+    "load_csv": "ir",
+    "parse_action": "ir",
+    "ScheduleKindInfo": "spec",
+    "ScheduleSpec": "spec",
+    "register_schedule_kind": "spec",
+    "schedule_kinds": "spec",
+    "build_1f1b": "builders",
+    "build_gpipe": "builders",
+    "build_interleaved_1f1b": "builders",
+    "build_schedule": "builders",
+    "pair_backward_forward": "builders",
+    "register_builder": "builders",
+    "split_backward": "builders",
+    "LoweringError": "lowering",
+    "lower": "lowering",
+    "ScheduleValidationError": "validate",
+    "infer_stage_to_rank": "validate",
+    "validate_schedule": "validate",
+    "CompiledSchedule": "compile",
+    "compile_schedule": "compile",
+    "compile_spec": "compile",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .builders import (
+        build_1f1b,
+        build_gpipe,
+        build_interleaved_1f1b,
+        build_schedule,
+        pair_backward_forward,
+        register_builder,
+        split_backward,
+    )
+    from .compile import CompiledSchedule, compile_schedule, compile_spec
+    from .ir import Action, ActionKind, Schedule, dump_csv, load_csv, parse_action
+    from .lowering import LoweringError, lower
+    from .spec import ScheduleKindInfo, ScheduleSpec, register_schedule_kind, schedule_kinds
+    from .validate import ScheduleValidationError, infer_stage_to_rank, validate_schedule

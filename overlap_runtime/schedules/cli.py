@@ -1,0 +1,135 @@
+"""``overlap-runtime schedule``: build, check and simulate a pipeline schedule.
+
+Example::
+
+    overlap-runtime schedule --kind interleaved_1f1b --pp 4 --microbatches 8 --virtual 2 \\
+        --overlap-b-f --trace trace.json --plot timeline.png
+
+prints the steps x ranks grid of the lowered schedule, the simulated timeline and the bubble
+(with the analytic value for equal costs), and writes a Chrome/Perfetto trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the ``schedule`` subcommand (keep imports light: nothing heavy here)."""
+    parser.add_argument("--kind", default="1f1b",
+                        help="schedule kind: gpipe, 1f1b, interleaved_1f1b (default 1f1b)")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8,
+                        help="microbatches per step (default 8)")
+    parser.add_argument("--virtual", "-v", type=int, default=1,
+                        help="stages (model chunks) per rank (default 1)")
+    parser.add_argument("--overlap-b-f", action="store_true",
+                        help="pair steady-state B_i with the next F into OVERLAP_B_F steps")
+    parser.add_argument("--no-overlap-p2p", action="store_true",
+                        help="SEND/RECV block the compute lane instead of using a comm lane")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="run each backward as I (input grad) then W (weight grad)")
+    parser.add_argument("--spec", metavar="FILE",
+                        help="read the ScheduleSpec from YAML/JSON (overrides the flags above)")
+    parser.add_argument("--cost-f", type=float, default=1.0, help="cost of F (default 1)")
+    parser.add_argument("--cost-b", type=float, default=2.0, help="cost of B (default 2)")
+    parser.add_argument("--cost-i", type=float, default=1.0, help="cost of I (default 1)")
+    parser.add_argument("--cost-w", type=float, default=1.0, help="cost of W (default 1)")
+    parser.add_argument("--comm-latency", type=float, default=0.0,
+                        help="latency of one SEND (default 0)")
+    parser.add_argument("--trace", default="trace.json", metavar="PATH",
+                        help="Chrome/Perfetto trace to write (default trace.json; '' to skip)")
+    parser.add_argument("--csv", metavar="PATH",
+                        help="also write the compute-only schedule as torch-format CSV")
+    parser.add_argument("--plot", metavar="PNG", help="draw the timeline (needs matplotlib)")
+    parser.add_argument("--no-grid", action="store_true", help="do not print the action grid")
+    parser.add_argument("--width", type=int, default=100, help="timeline width in characters")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from ..graph import CostModel, format_grid, format_timeline, write_chrome_trace
+    from .compile import compile_spec
+    from .ir import dump_csv
+    from .spec import ScheduleSpec
+
+    try:
+        if args.spec:
+            spec = ScheduleSpec.from_file(args.spec)
+        else:
+            spec = ScheduleSpec(
+                kind=args.kind, pp_size=args.pp, num_microbatches=args.microbatches,
+                virtual_stages=args.virtual, overlap_b_f=args.overlap_b_f,
+                overlap_p2p=not args.no_overlap_p2p, split_backward=args.split_backward,
+            )
+        costs = CostModel(F=args.cost_f, B=args.cost_b, I=args.cost_i, W=args.cost_w,
+                          comm_latency=args.comm_latency)
+    except (ValidationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --plot needs matplotlib; install the viz extra: "
+                  "pip install 'overlap_runtime[viz]'", file=sys.stderr)
+            return 2
+
+    compiled = compile_spec(spec)
+    result = compiled.simulate(costs)
+    p, m, v = spec.pp_size, spec.num_microbatches, spec.virtual_stages
+    print(f"schedule {spec.kind}: pp={p} microbatches={m} virtual={v} "
+          f"overlap_b_f={spec.overlap_b_f} overlap_p2p={spec.overlap_p2p} "
+          f"split_backward={spec.split_backward}")
+    if not args.no_grid:
+        print(format_grid(compiled.graph.programs, max_rows=10**9, max_ranks=10**9))
+        print()
+    print(format_timeline(result, width=args.width, comm=costs.comm_latency > 0))
+    print()
+    # docs/schedules.md section 7: (p-1)/(v*m+p-1) when m >= p, in general
+    # 1 - v*m / (v*max(m, p) + min(m, p) - 1); equal F and B costs, free communication
+    analytic = 1 - v * m / (v * max(m, p) + min(m, p) - 1)
+    print(f"makespan {result.makespan:g}  bubble {result.bubble_ratio:.4f}  "
+          f"(analytic {analytic:.4f} for equal stage costs, free comm)  "
+          f"exposed comm {result.exposed_comm:g}")
+    if args.trace:
+        write_chrome_trace(result, args.trace, pairs=compiled.comm_pairs)
+        print(f"wrote {args.trace}")
+    if args.csv:
+        dump_csv(compiled.compute, args.csv)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        _plot(result, args.plot, title=f"{spec.kind} pp={p} m={m} v={v}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot(result, path: str, title: str) -> None:  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#8172b3"}
+    ranks = result.ranks
+    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * len(ranks)))
+    for e in result.entries:
+        if e.end <= e.start:
+            continue
+        y = ranks.index(e.rank)
+        if e.is_comm:
+            ax.broken_barh([(e.start, e.end - e.start)], (y + 0.3, 0.35), color="#999999")
+            continue
+        ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.7),
+                       color=colors.get(e.kind, "#55a868"), edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(f"{title}: bubble {result.bubble_ratio:.3f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
