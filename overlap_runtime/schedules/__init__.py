@@ -1,4 +1,5 @@
-"""Pipeline schedules: IR, spec, builders, lowering, validation and compilation to a task graph.
+"""Pipeline schedules: IR, spec, builders, lowering, validation, compilation to a task graph, and
+the runtime that executes them (PipelineStage, PipelineSchedule).
 
 Names are re-exported lazily (PEP 562) so that ``overlap-runtime --help``, which imports the
 ``schedule`` subcommand module, does not pay for pydantic and the passes.
@@ -35,6 +36,18 @@ _EXPORTS = {
     "CompiledSchedule": "compile",
     "compile_schedule": "compile",
     "compile_spec": "compile",
+    "PipelineStage": "stage",
+    "TensorMeta": "stage",
+    "PipelineSchedule": "runtime",
+    "ScheduleGPipe": "runtime",
+    "Schedule1F1B": "runtime",
+    "ScheduleInterleaved1F1B": "runtime",
+    "PipelineTimeout": "context",
+    "ActionContext": "context",
+    "ExecutionTrace": "exec_trace",
+    "gather_traces": "exec_trace",
+    "measured_bubble": "exec_trace",
+    "write_execution_trace": "exec_trace",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -54,6 +67,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .context import ActionContext, PipelineTimeout
+    from .exec_trace import ExecutionTrace, gather_traces, measured_bubble, write_execution_trace
+    from .runtime import PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from .stage import PipelineStage, TensorMeta
     from .builders import (
         build_1f1b,
         build_gpipe,

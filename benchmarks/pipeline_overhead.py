@@ -1,0 +1,78 @@
+"""The pipeline runtime's own cost per action: no-op stages on CPU ranks (gloo).
+
+Each stage multiplies a [mb, 1] activation by a 1-element weight, so nearly all of a step's time
+is the runtime itself: program walk, context bookkeeping, autograd calls, point-to-point posting
+and waits on gloo. Reports the median step time divided by the actions a rank executes (compute
+and comm actions of the lowered program), max over ranks.
+
+    .venv/bin/python benchmarks/pipeline_overhead.py --ranks 2 --microbatches 32 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class NoOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def _rank(rank: int, world: int, kind: str, m: int, steps: int, virtual: int, overlap: bool) -> dict:
+    from overlap_runtime.ops.comm import all_gather
+    from overlap_runtime.schedules import ScheduleSpec
+    from overlap_runtime.schedules.runtime import PipelineSchedule
+    from overlap_runtime.schedules.stage import PipelineStage
+
+    spec = ScheduleSpec(kind=kind, pp_size=world, num_microbatches=m, virtual_stages=virtual,
+                        overlap_p2p=overlap)
+    stages = [PipelineStage(NoOp(), s, spec.num_stages) for s in range(spec.num_stages)
+              if spec.stage_to_rank(s) == rank]
+    sched = PipelineSchedule(spec, stages, lambda out, tgt: out.sum())
+    x, y = torch.ones(m, 1), torch.zeros(m, 1)
+    times = []
+    for i in range(steps + 3):
+        all_gather(torch.zeros(1))  # align ranks
+        t0 = time.perf_counter()
+        sched.step(x, target=y)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    n_actions = len(sched.program)
+    per_action = statistics.median(times) / n_actions
+    worst = all_gather(torch.tensor([per_action], dtype=torch.float64)).max().item()
+    return {"per_action_us": worst * 1e6, "actions": n_actions,
+            "step_ms": statistics.median(times) * 1e3}
+
+
+def main() -> None:
+    from overlap_runtime.launch import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    rows = []
+    for kind, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        for overlap in (False, True):
+            res = spawn(_rank, args.ranks, args=(kind, args.microbatches, args.steps, virtual, overlap))
+            rows.append((kind, virtual, overlap, res[0]["actions"], res[0]["step_ms"],
+                         res[0]["per_action_us"]))
+    print(f"| schedule | virtual | overlap_p2p | actions/rank | step ms (median) | us/action (max over ranks) |")
+    print("|---|---|---|---|---|---|")
+    for kind, v, ov, n, ms, us in rows:
+        print(f"| {kind} | {v} | {ov} | {n} | {ms:.2f} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

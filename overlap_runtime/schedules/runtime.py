@@ -1,0 +1,340 @@
+"""PipelineSchedule: run a compiled schedule over torch.distributed.
+
+``PipelineSchedule(spec, stages, loss_fn).step(*inputs, target=..., losses=[])`` splits the batch
+into microbatches, executes this rank's lowered program (the compiled, validated schedule of
+:func:`compile_spec`) and returns the merged output on the rank holding the last stage.
+
+Point-to-point, two modes (``spec.overlap_p2p``):
+
+* off: each SEND/RECV runs at its place in the program and is waited there (blocking semantics,
+  which the lowering proves deadlock-free);
+* on: receives are posted as early as the program allows and waited just before their consumer;
+  sends are waited at the end of the step (their buffers are never reused within a step). "As
+  early as allowed" keeps each peer's operations in program order (NCCL matches point-to-point
+  by order per peer; posting a receive ahead of an earlier send to the same peer can deadlock):
+  for every peer we post its receives up to, not past, its next send that has not been issued.
+
+Every wait is bounded by ``timeout_s``; a stall raises :class:`PipelineTimeout` naming the rank,
+step index, action and peer, with the rank x step grid.
+
+Custom functions: ``register_custom_function(kind, fn)`` for F, B, I, W, OVERLAP_B_F and
+OVERLAP_F_B; ``fn(action, ctx)`` with ``ctx`` an :class:`ActionContext`. Without one, a compound
+step runs its sub-actions in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from overlap_runtime.graph.grid import format_grid
+from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S, AsyncHandle, CommTimeoutError
+
+from .compile import compile_spec
+from .context import META_TAG, ActionContext, ActionFn, PipelineTimeout
+from .exec_trace import ExecutionTrace
+from .ir import Action, ActionKind
+from .spec import ScheduleSpec
+from .stage import PipelineStage, TensorMeta
+
+__all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+           "PipelineTimeout", "CUSTOM_FUNCTION_KINDS"]
+
+CUSTOM_FUNCTION_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W,
+                                   ActionKind.OVERLAP_B_F, ActionKind.OVERLAP_F_B})
+_HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.bool, torch.uint8, torch.int8, torch.int16]
+
+
+class PipelineSchedule:
+    """Execute ``spec`` with this rank's ``stages``.
+
+    Args:
+        spec: the schedule (validated, compiled and checked deadlock-free at construction).
+        stages: the :class:`PipelineStage` objects of this rank, those the spec's placement puts
+            here (any order).
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
+        group: the pipeline process group (None: the default group); ranks are group ranks.
+        timeout_s: bound of every wait.
+        scale_grads: divide each microbatch loss by the number of microbatches in the backward,
+            so the gradients equal those of the mean loss over the whole batch.
+    """
+
+    def __init__(self, spec: ScheduleSpec, stages: Sequence[PipelineStage],
+                 loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+                 group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
+                 scale_grads: bool = True) -> None:
+        self.spec = spec
+        self.group = group
+        self.loss_fn = loss_fn
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        self.loss_scale = 1.0 / spec.num_microbatches if scale_grads else 1.0
+        self.custom_functions: dict[ActionKind, ActionFn] = {}
+        self.rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        if world != spec.pp_size:
+            raise ValueError(f"the pipeline group has {world} ranks but spec.pp_size is {spec.pp_size}")
+        expected = [s for s in range(spec.num_stages) if spec.stage_to_rank(s) == self.rank]
+        given = sorted(st.stage_index for st in stages)
+        if given != expected:
+            raise ValueError(f"rank {self.rank}: got stages {given} but spec ({spec.kind}, pp "
+                             f"{spec.pp_size}, virtual {spec.virtual_stages}, placement "
+                             f"{spec.placement}) puts stages {expected} on this rank")
+        for st in stages:
+            if st.num_stages != spec.num_stages:
+                raise ValueError(f"stage {st.stage_index} was built with num_stages={st.num_stages} "
+                                 f"but the spec has {spec.num_stages} stages")
+        self.stages = {st.stage_index: st for st in stages}
+        self.compiled = compile_spec(spec)
+        self.program: list[Action] = [a for a in self.compiled.lowered[self.rank] if a is not None]
+        self._meta_done = all(self._meta_known(st) for st in stages)
+
+    # ------------------------------------------------------------------ public API
+    def register_custom_function(self, kind: ActionKind | str, fn: ActionFn) -> None:
+        """Run ``fn(action, ctx)`` instead of the built-in behaviour for actions of ``kind``."""
+        k = ActionKind(kind)
+        if k not in CUSTOM_FUNCTION_KINDS:
+            raise ValueError(f"custom functions are for {sorted(x.value for x in CUSTOM_FUNCTION_KINDS)}, "
+                             f"not {k.value}")
+        if not callable(fn):
+            raise TypeError(f"register_custom_function({k.value}): {fn!r} is not callable")
+        self.custom_functions[k] = fn
+
+    def grid(self, mark: tuple[int, int] | None = None) -> str:
+        """The lowered rank x step grid, optionally marking ``(rank, step)``."""
+        programs = {r: [str(a) for a in acts if a is not None]
+                    for r, acts in self.compiled.lowered.items()}
+        return format_grid(programs, {mark} if mark else set())
+
+    def timeout_error(self, rank: int, step_index: int, action: Action, peer: int | None,
+                      cause: Exception) -> PipelineTimeout:
+        peer_txt = f", waiting for rank {peer}" if peer is not None else ""
+        return PipelineTimeout(
+            f"pipeline timeout after {self.timeout_s:.1f}s on rank {rank} at step {step_index}: "
+            f"{action}{peer_txt} ({cause})\n{self.grid((rank, step_index))}",
+            rank, step_index, str(action), peer)
+
+    def step(self, *inputs: torch.Tensor, target: Any = None,
+             losses: list[torch.Tensor] | None = None,
+             trace: ExecutionTrace | None = None) -> torch.Tensor | None:
+        """One training step over all microbatches: forward, backward, gradients accumulated.
+
+        Args:
+            inputs: the whole batch on the rank holding stage 0 (split on dim 0 into
+                ``num_microbatches``); other ranks pass nothing.
+            target: the batch's target on the rank holding the last stage (split the same way).
+            losses: if given, each microbatch's (unscaled) loss is appended, in microbatch order.
+            trace: if given, filled with this rank's action and wait intervals.
+
+        Returns:
+            The outputs of the last stage concatenated over microbatches on its rank, else None.
+        """
+        m = self.spec.num_microbatches
+        has_first = 0 in self.stages
+        has_last = (self.spec.num_stages - 1) in self.stages
+        mb_inputs = _split_inputs(inputs, m, "inputs") if has_first else [() for _ in range(m)]
+        if has_last and target is not None:
+            mb_targets: list[Any] = _split_target(target, m)
+        else:
+            mb_targets = [None] * m
+        if has_first and not inputs:
+            raise ValueError(f"rank {self.rank} holds stage 0 and needs the batch inputs")
+        if not self._meta_done:
+            self._exchange_metadata(mb_inputs[0] if has_first else ())
+            self._meta_done = True
+        if trace is not None:
+            trace.rank = self.rank
+        ctx = ActionContext(self, self.rank, self.stages, mb_inputs, mb_targets, {}, trace)
+        try:
+            self._execute(ctx)
+            ctx.wait_sends()
+        except BaseException:
+            for st in self.stages.values():
+                st.clear()
+            raise
+        leftover = {s: sorted(st.microbatches) for s, st in self.stages.items() if st.microbatches}
+        if leftover:
+            raise RuntimeError(f"rank {self.rank}: step ended with microbatches whose backward "
+                               f"never ran: {leftover}")
+        if losses is not None and has_last:
+            losses.extend(ctx.losses[i] for i in sorted(ctx.losses))
+        if has_last:
+            return torch.cat([ctx.outputs[i] for i in range(m)], dim=0)
+        return None
+
+    # ------------------------------------------------------------------ execution
+    def _execute(self, ctx: ActionContext) -> None:
+        program = self.program
+        overlap = self.spec.overlap_p2p
+        # per peer: the program positions of its comm ops, for early posting
+        per_peer: dict[int, list[int]] = {}
+        if overlap:
+            for i, a in enumerate(program):
+                if a.is_comm:
+                    per_peer.setdefault(ctx._peer(a), []).append(i)
+        cursor = {p: 0 for p in per_peer}
+        posted: set[int] = set()
+        for i, action in enumerate(program):
+            ctx.step_index = i
+            ctx.current_action = action
+            if overlap:
+                for peer, idxs in per_peer.items():
+                    c = cursor[peer]
+                    while c < len(idxs):
+                        j = idxs[c]
+                        a = program[j]
+                        if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                            if j not in posted:
+                                ctx.post_recv(a)
+                                posted.add(j)
+                        elif j >= i:  # a send not issued yet: later receives must wait for it
+                            break
+                        c += 1
+                    cursor[peer] = c
+            kind = action.kind
+            if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                handle = ctx.post_send(action)
+                if not overlap:
+                    ctx._sends.pop()
+                    ctx._wait(handle, action, ctx._peer(action))
+            elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                if not overlap:
+                    ctx.post_recv(action)
+                    ctx.wait_recv(kind, action.stage, action.microbatch)
+            else:
+                ctx.run(action)
+
+    # ------------------------------------------------------------------ metadata
+    def _meta_known(self, st: PipelineStage) -> bool:
+        need_in = not st.is_first and (st.stage_index - 1) not in self.stages
+        need_out = not st.is_last and (st.stage_index + 1) not in self.stages
+        return (not need_in or st.input_meta is not None) and (not need_out or st.output_meta is not None)
+
+    def _exchange_metadata(self, first_inputs: tuple[torch.Tensor, ...]) -> None:
+        """Learn every boundary's shape and dtype once: stage by stage, a no-grad forward of
+        microbatch 0 and a small header sent to the next rank (bounded waits)."""
+        spec = self.spec
+        example: torch.Tensor | None = None
+        for s in range(spec.num_stages):
+            here = spec.stage_to_rank(s)
+            if s > 0 and spec.stage_to_rank(s - 1) != here and here == self.rank:
+                header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+                self._p2p("recv", header, spec.stage_to_rank(s - 1), f"metadata for stage {s}")
+                meta = _decode(header)
+                st = self.stages[s]
+                if st.input_meta is not None and st.input_meta != meta:
+                    raise ValueError(f"stage {s} was given input_meta {st.input_meta} but stage "
+                                     f"{s - 1} produces {meta}")
+                st.input_meta = meta
+                example = torch.zeros(meta.shape, dtype=meta.dtype, device=st.device)
+            if here != self.rank:
+                example = None
+                continue
+            st = self.stages[s]
+            if s > 0 and st.input_meta is None and example is not None:
+                st.input_meta = TensorMeta.of(example)
+            if st.is_last:
+                continue
+            ins = first_inputs if s == 0 else (example,)
+            with torch.no_grad():
+                out = st.module(*ins)
+            st.output_meta = TensorMeta.of(out)
+            example = out
+            nxt = spec.stage_to_rank(s + 1)
+            if nxt != self.rank:
+                self._p2p("send", _encode(st.output_meta), nxt, f"metadata of stage {s}")
+            else:
+                self.stages[s + 1].input_meta = st.output_meta
+
+    def _p2p(self, op: str, t: torch.Tensor, peer: int, what: str) -> None:
+        g = peer if self.group is None else dist.get_global_rank(self.group, peer)
+        tag = META_TAG
+        work = (dist.isend if op == "send" else dist.irecv)(t, g, group=self.group, tag=tag)
+        try:
+            AsyncHandle([work], what, self.timeout_s).wait()
+        except CommTimeoutError as exc:
+            raise PipelineTimeout(f"pipeline timeout on rank {self.rank}: {what} ({op} with rank "
+                                  f"{peer}): {exc}", self.rank, -1, what, peer) from exc
+
+
+def _encode(meta: TensorMeta) -> torch.Tensor:
+    if len(meta.shape) > _HEADER_LEN - 2:
+        raise ValueError(f"activations of rank {len(meta.shape)} > {_HEADER_LEN - 2} are not supported")
+    if meta.dtype not in _DTYPES:
+        raise ValueError(f"activation dtype {meta.dtype} is not supported across stages")
+    h = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+    h[0] = _DTYPES.index(meta.dtype)
+    h[1] = len(meta.shape)
+    h[2:2 + len(meta.shape)] = torch.tensor(meta.shape, dtype=torch.int64)
+    return h
+
+
+def _decode(h: torch.Tensor) -> TensorMeta:
+    n = int(h[1])
+    return TensorMeta(tuple(int(v) for v in h[2:2 + n]), _DTYPES[int(h[0])])
+
+
+def _split_inputs(inputs: Sequence[torch.Tensor], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:
+    for t in inputs:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: only tensors can be split into microbatches, got {type(t).__name__}")
+        if t.shape[0] < m or t.shape[0] % m:
+            raise ValueError(f"{what}: batch dimension {t.shape[0]} cannot be split into {m} equal "
+                             f"microbatches")
+    chunks = [torch.chunk(t, m, dim=0) for t in inputs]
+    return [tuple(c[i] for c in chunks) for i in range(m)]
+
+
+def _split_target(target: Any, m: int) -> list[Any]:
+    if isinstance(target, torch.Tensor):
+        return [t[0] for t in _split_inputs([target], m, "target")]
+    raise TypeError(f"target must be a tensor split on dim 0, got {type(target).__name__}")
+
+
+def _spec(kind: str, stages: Sequence[PipelineStage], num_microbatches: int, **flags: Any) -> ScheduleSpec:
+    if not stages:
+        raise ValueError("no stages given")
+    num_stages = stages[0].num_stages
+    pp = dist.get_world_size(flags.pop("group", None))
+    virtual = max(1, num_stages // pp)
+    if virtual * pp != num_stages:
+        raise ValueError(f"{num_stages} stages cannot be placed on {pp} ranks evenly")
+    return ScheduleSpec(kind=kind, pp_size=pp, num_microbatches=num_microbatches,
+                        virtual_stages=virtual, **flags)
+
+
+def ScheduleGPipe(stages: Sequence[PipelineStage] | PipelineStage, num_microbatches: int,
+                  loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = False,
+                  group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
+                  scale_grads: bool = True) -> PipelineSchedule:
+    """GPipe (all forwards, then all backwards) over ``spec`` built from the stages."""
+    st = [stages] if isinstance(stages, PipelineStage) else list(stages)
+    spec = _spec("gpipe", st, num_microbatches, overlap_p2p=overlap_p2p, group=group)
+    return PipelineSchedule(spec, st, loss_fn, group, timeout_s, scale_grads)
+
+
+def Schedule1F1B(stages: Sequence[PipelineStage] | PipelineStage, num_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = False,
+                 overlap_b_f: bool = False, group: dist.ProcessGroup | None = None,
+                 timeout_s: float | None = None, scale_grads: bool = True) -> PipelineSchedule:
+    """1F1B with one stage per rank."""
+    st = [stages] if isinstance(stages, PipelineStage) else list(stages)
+    spec = _spec("1f1b", st, num_microbatches, overlap_p2p=overlap_p2p, overlap_b_f=overlap_b_f,
+                 group=group)
+    return PipelineSchedule(spec, st, loss_fn, group, timeout_s, scale_grads)
+
+
+def ScheduleInterleaved1F1B(stages: Sequence[PipelineStage], num_microbatches: int,
+                            loss_fn: Callable[..., torch.Tensor] | None = None,
+                            overlap_p2p: bool = False, overlap_b_f: bool = False,
+                            group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
+                            scale_grads: bool = True) -> PipelineSchedule:
+    """Interleaved 1F1B: several virtual stages (model chunks) per rank, loop placement."""
+    st = list(stages)
+    spec = _spec("interleaved_1f1b", st, num_microbatches, overlap_p2p=overlap_p2p,
+                 overlap_b_f=overlap_b_f, group=group)
+    return PipelineSchedule(spec, st, loss_fn, group, timeout_s, scale_grads)
+
