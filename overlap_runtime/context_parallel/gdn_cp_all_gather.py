@@ -1,0 +1,70 @@
+"""Summary-AllGather GDN context parallelism (eager comparison mode).
+
+::
+
+    all ranks: halo conv -> prepare -> local summary (M_r, S_r)       parallel, differentiable
+      -> pack [M_r | S_r]  [B, HV, K, K + V] fp32
+      -> differentiable all_gather over the CP group                  [P, B, HV, K, K + V]
+      -> rank r: H_in = S of (summary_(r-1) o ... o summary_0)        prefix compose, rank order
+      -> local GDN from H_in (eager / triton backend)                 o [B, S/P, HV, V]
+
+No rank waits on a chain of receives; instead every rank holds all ``P`` summaries and composes
+its prefix (a tree over ``r`` entries). Backward is plain autograd: the gradient of ``H_in``
+flows through the compose into the gathered summaries, the all_gather's backward (all-to-all +
+sum) returns each rank the gradient of its own (M, S), and autograd continues through
+``summarize``. The summary keeps a chunk-level graph until backward (more memory than p2p);
+this mode exists to compare the mathematics and the communication pattern, not to ship with
+the fused backend (``all_gather`` + ``triton`` is refused at construction).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.ops import comm
+from overlap_runtime.ops.gdn import state_summary, tree_compose
+
+from .gdn_cp_common import GDNCPPlan, halo_conv_qkv
+
+__all__ = ["gathered_initial_state", "all_gather_forward"]
+
+
+def gathered_initial_state(
+    m: torch.Tensor, s: torch.Tensor, plan: GDNCPPlan
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """All-gather every rank's summary and compose the prefix before this rank.
+
+    Args:
+        m: ``[B, HV, K, K]``, s: ``[B, HV, K, V]`` this rank's summary (fp32).
+
+    Returns:
+        ``(H_in [B, HV, K, V] or None on rank 0, gathered [P, B, HV, K, K + V])``. ``gathered``
+        must reach the loss on every rank (rank 0 attaches it to its output), or the
+        all_gather's backward collective would run on some ranks only.
+    """
+    key_dim = m.shape[-1]
+    packed = torch.cat([m, s], dim=-1).unsqueeze(0)
+    gathered = comm.all_gather(packed, dim=0, group=plan.group, timeout_s=plan.timeout_s)
+    rank = plan.rank
+    if rank == 0:
+        return None, gathered
+    prefix = gathered[:rank].movedim(0, 2)  # [B, HV, r, K, K + V], rank order
+    _, h_in = tree_compose(prefix[..., :key_dim], prefix[..., key_dim:])  # zero start: H = S
+    return h_in, gathered
+
+
+def all_gather_forward(
+    module: GatedDeltaNet, plan: GDNCPPlan, hidden: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The whole layer on a local shard ``[B, S/P, hidden] -> [B, S/P, hidden]``."""
+    hidden = module.mask_input(hidden, mask)
+    proj = module.project(hidden)
+    q, k, v = halo_conv_qkv(module, proj.mixed_qkv, plan)
+    g, beta = module.gates(proj.a, proj.b, mask=mask)
+    m, s = state_summary(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=module.chunk_size)
+    h_in, gathered = gathered_initial_state(m, s, plan)
+    o = module.core(q, k, v, g, beta, initial_state=h_in, backend=plan.backend)
+    if h_in is None:
+        o = comm.attach(o, gathered)  # rank 0 reads no summary; keep the collective in its graph
+    return module.finish(o, proj.z, mask)

@@ -1,0 +1,114 @@
+"""Shared pieces of GDN context parallelism: the plan, point-to-point helpers, the halo conv.
+
+:class:`GDNCPPlan` is the immutable configuration one ``LinearAttentionContextParallel.apply``
+binds to a module (mode, backend, process group, timeouts). Nothing per call is stored on it or on
+the module: ranks are read from the group at each call, tensors travel as arguments.
+
+Sequence layout: contiguous. Rank ``r`` of ``P`` holds tokens ``[r*S/P, (r+1)*S/P)`` (the GDN
+recurrence and the causal conv run left to right, so rank ``r``'s tokens directly follow rank
+``r-1``'s; a zigzag layout is not supported by these modes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.ops import comm
+
+__all__ = [
+    "GDNCPPlan",
+    "post_recv",
+    "post_send",
+    "halo_conv_qkv",
+    "check_halo",
+]
+
+
+@dataclass(frozen=True)
+class GDNCPPlan:
+    """What ``LinearAttentionContextParallel.apply`` binds to a module (never per-call data).
+
+    Attributes:
+        mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"``.
+        backend: local GDN backend (``"eager"`` or ``"triton"``).
+        group: the CP process group (``cp_mesh.get_group()``).
+        cp_size: number of ranks in ``group``.
+        mesh: the 1-D CP device mesh (to rebuild DTensor outputs).
+        timeout_s: bound of every wait (None: ``comm.DEFAULT_TIMEOUT_S``).
+    """
+
+    mode: str
+    backend: str
+    group: dist.ProcessGroup
+    cp_size: int
+    mesh: DeviceMesh
+    timeout_s: float | None = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the CP group (read from the group on every call)."""
+        return dist.get_rank(self.group)
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def post_recv(buf: torch.Tensor, src: int, plan: GDNCPPlan, what: str) -> comm.AsyncHandle:
+    """Post ``irecv(buf)`` from CP rank ``src``; the returned handle waits with a bound.
+
+    P2P ordering (the invariant that keeps the chain hang-free, also under activation-checkpoint
+    recompute): between two neighbours every message of one direction is posted in the same
+    program order on both sides - forward ``halo`` then ``H`` (rank r -> r+1), backward ``dH``
+    then ``halo grad`` (r+1 -> r) - so untagged gloo/NCCL/HCCL matching pairs them correctly.
+    """
+    work = dist.irecv(buf, plan.global_rank(src), group=plan.group)
+    return comm.AsyncHandle([work], f"{what} (recv from cp rank {src})", plan.timeout_s)
+
+
+def post_send(x: torch.Tensor, dst: int, plan: GDNCPPlan, what: str) -> comm.AsyncHandle:
+    """Post ``isend(x)`` to CP rank ``dst``; the handle keeps ``x`` alive until waited."""
+    payload = x.detach().contiguous()
+    work = dist.isend(payload, plan.global_rank(dst), group=plan.group)
+    handle = comm.AsyncHandle([work], f"{what} (send to cp rank {dst})", plan.timeout_s)
+    handle.payload = payload  # type: ignore[attr-defined]  # the buffer must outlive the send
+    return handle
+
+
+def check_halo(module: GatedDeltaNet, local_len: int, plan: GDNCPPlan) -> None:
+    """Every rank's shard must hold the conv halo: ``local_len >= (kernel - 1) * dilation``."""
+    halo = module.conv_halo
+    if local_len < halo:
+        raise ValueError(
+            f"local sequence {local_len} is shorter than the conv halo {halo} "
+            f"((kernel {module.conv_kernel_size} - 1) * dilation {module.conv1d.dilation[0]}; "
+            f"mode={plan.mode!r}, cp={plan.cp_size}): each rank must hold at least the halo"
+        )
+
+
+def halo_conv_qkv(
+    module: GatedDeltaNet, mixed_qkv: torch.Tensor, plan: GDNCPPlan
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal conv of a sequence shard with the previous rank's halo, then split into q, k, v.
+
+    Only the last ``conv_halo`` positions of each shard travel, to the next rank
+    (``comm.halo_exchange``, point to point); rank 0 receives zeros, which equal the causal
+    padding of the unsplit conv. Backward returns the halo's gradient to the previous rank.
+
+    Args:
+        mixed_qkv: ``[B, T_local, conv_dim]`` projections before the conv.
+
+    Returns:
+        q, k ``[B, T_local, H, K]``, v ``[B, T_local, HV, V]`` in mixed_qkv's dtype.
+    """
+    check_halo(module, mixed_qkv.shape[1], plan)
+    halo = module.conv_halo
+    left = None
+    if halo > 0 and plan.cp_size > 1:
+        left = comm.halo_exchange(mixed_qkv, halo, dim=1, group=plan.group,
+                                  timeout_s=plan.timeout_s)
+    return module.split_qkv(module.causal_conv(mixed_qkv, left_context=left))

@@ -1,0 +1,309 @@
+"""Gated DeltaNet token mixer with the structure of Qwen3.5's linear-attention layer.
+
+::
+
+    hidden [B, T, hidden]
+      |-- in_proj_qkv --> mixed_qkv [B, T, 2*H*K + HV*V] --causal depthwise conv (kernel 4) + SiLU
+      |                     --> q [B, T, H, K], k [B, T, H, K], v [B, T, HV, V]
+      |-- in_proj_z   --> z [B, T, HV, V]                 (output gate)
+      |-- in_proj_b   --> beta = sigmoid(b)     [B, T, HV]
+      |-- in_proj_a   --> g = -exp(A_log) * softplus(a + dt_bias)   [B, T, HV] fp32 (log decay)
+      v
+    o = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)       [B, T, HV, V]
+    out = out_proj(RMSNormGated(o, z))                                     [B, T, hidden]
+
+``H`` key heads serve ``HV`` value heads (grouped: value head ``j`` reads key head
+``j // (HV // H)``; Qwen3.5 uses H=16, HV=32, K=V=128). The conv's channels are laid out
+``[q heads | k heads | v heads]``, each head's ``K`` (or ``V``) channels contiguous.
+
+The forward is a sequence of stateless pieces - :meth:`GatedDeltaNet.project`,
+:meth:`~GatedDeltaNet.causal_conv`, :meth:`~GatedDeltaNet.split_qkv`,
+:meth:`~GatedDeltaNet.gates`, :meth:`~GatedDeltaNet.core`, :meth:`~GatedDeltaNet.finish` - so
+that a context-parallel layer (``overlap_runtime.context_parallel.linear_attention``) can put
+communication between them and run them on slices (a halo of earlier tokens for the conv, a
+subset of the heads). Everything a call needs is passed in; the module holds only parameters
+and configuration.
+
+Padding: ``attention_mask`` ``[B, T]`` (1 = real token, 0 = padding) turns padded positions into
+exact no-ops: their hidden input is zeroed (so they add nothing to later tokens' conv windows,
+the projections have no bias), their ``g`` and ``beta`` are set to 0 (the GDN step with
+``beta = 0, g = 0`` leaves the state unchanged) and their output is zeroed. Padding may sit
+anywhere (left, right, between documents of one row); a padded row gives the real tokens exactly
+the output of the unpadded sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overlap_runtime.ops.gdn import chunk_gated_delta_rule
+
+__all__ = ["GatedDeltaNet", "GDNProjections", "RMSNormGated"]
+
+
+@dataclass(frozen=True)
+class GDNProjections:
+    """Per-call output of :meth:`GatedDeltaNet.project` (all in the input dtype).
+
+    Attributes:
+        mixed_qkv: ``[B, T, 2*H*K + HV*V]`` q, k, v channels before the conv.
+        z: ``[B, T, HV, V]`` output gate.
+        b: ``[B, T, HV]`` beta logits.
+        a: ``[B, T, HV]`` decay logits.
+    """
+
+    mixed_qkv: torch.Tensor
+    z: torch.Tensor
+    b: torch.Tensor
+    a: torch.Tensor
+
+
+class RMSNormGated(nn.Module):
+    """``weight * rmsnorm(x) * silu(gate)`` over the last dim, computed in fp32 (or float64).
+
+    x, gate: ``[..., D]`` any float dtype; returns x's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        compute = torch.promote_types(dtype, torch.float32)  # fp32, float64 stays float64
+        xc = x.to(compute)
+        xc = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        out = self.weight.to(compute) * xc * F.silu(gate.to(compute))
+        return out.to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5-style Gated DeltaNet layer (see the module docstring).
+
+    Args:
+        hidden_size: model width.
+        num_key_heads: H (q/k heads), Qwen3.5: 16.
+        num_value_heads: HV, a multiple of H, Qwen3.5: 32.
+        head_k_dim: K, head_v_dim: V (Qwen3.5: 128 each).
+        conv_kernel_size: causal depthwise conv width (4).
+        norm_eps: epsilon of the gated RMSNorm.
+        chunk_size: GDN chunk length (64).
+        backend: GDN backend of the single-device forward (``"eager"`` or ``"triton"``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 2048,
+        num_key_heads: int = 16,
+        num_value_heads: int = 32,
+        head_k_dim: int = 128,
+        head_v_dim: int = 128,
+        conv_kernel_size: int = 4,
+        norm_eps: float = 1e-6,
+        chunk_size: int = 64,
+        backend: str = "eager",
+    ) -> None:
+        super().__init__()
+        if num_value_heads % num_key_heads:
+            raise ValueError(
+                f"num_value_heads={num_value_heads} must be a multiple of "
+                f"num_key_heads={num_key_heads} (each key head serves a group of value heads)"
+            )
+        if conv_kernel_size < 1:
+            raise ValueError(f"conv_kernel_size={conv_kernel_size} must be >= 1")
+        self.hidden_size = hidden_size
+        self.num_key_heads = num_key_heads
+        self.num_value_heads = num_value_heads
+        self.head_k_dim = head_k_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_key_heads * head_k_dim
+        self.value_dim = num_value_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.chunk_size = chunk_size
+        self.backend = backend
+
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim,
+            padding=conv_kernel_size - 1, bias=False,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(1.0, 16.0).log())
+        self.norm = RMSNormGated(head_v_dim, eps=norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    # -- geometry --------------------------------------------------------------------------
+    @property
+    def conv_halo(self) -> int:
+        """Left context the causal conv needs: ``(kernel - 1) * dilation`` positions."""
+        return (self.conv_kernel_size - 1) * self.conv1d.dilation[0]
+
+    def conv_channels(self, key_heads: torch.Tensor, value_heads: torch.Tensor) -> torch.Tensor:
+        """Conv channel indices ``[q of key_heads | k of key_heads | v of value_heads]`` (int64).
+
+        ``key_heads`` may repeat a head (a replicated key head, see the Ulysses layout).
+        """
+        kd, vd = self.head_k_dim, self.head_v_dim
+        ar_k = torch.arange(kd)
+        ar_v = torch.arange(vd)
+        q_ch = (key_heads[:, None] * kd + ar_k).reshape(-1)
+        k_ch = self.key_dim + q_ch
+        v_ch = 2 * self.key_dim + (value_heads[:, None] * vd + ar_v).reshape(-1)
+        return torch.cat([q_ch, k_ch, v_ch])
+
+    # -- the pieces ------------------------------------------------------------------------
+    def project(self, hidden_states: torch.Tensor) -> GDNProjections:
+        """Input projections of ``hidden_states`` ``[B, T, hidden]`` (see :class:`GDNProjections`)."""
+        batch, seq_len, _ = hidden_states.shape
+        z = self.in_proj_z(hidden_states).view(batch, seq_len, self.num_value_heads, self.head_v_dim)
+        return GDNProjections(
+            mixed_qkv=self.in_proj_qkv(hidden_states),
+            z=z,
+            b=self.in_proj_b(hidden_states),
+            a=self.in_proj_a(hidden_states),
+        )
+
+    def causal_conv(
+        self,
+        mixed_qkv: torch.Tensor,
+        left_context: torch.Tensor | None = None,
+        channels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over the sequence.
+
+        Args:
+            mixed_qkv: ``[B, T, C]`` conv input (C = conv_dim, or ``len(channels)``).
+            left_context: ``[B, conv_halo, C]`` the positions just before this segment (a CP
+                halo), or None for the zeros of causal padding.
+            channels: int64 indices of the conv channels ``mixed_qkv`` holds (a head slice),
+                or None for all channels.
+
+        Returns:
+            ``[B, T, C]`` in mixed_qkv's dtype.
+        """
+        weight = self.conv1d.weight  # [conv_dim, 1, kernel]
+        if channels is not None:
+            weight = weight.index_select(0, channels.to(weight.device))
+        halo = self.conv_halo
+        x = mixed_qkv.transpose(1, 2)  # [B, C, T]
+        if left_context is None:
+            x = F.pad(x, (halo, 0))
+        else:
+            x = torch.cat([left_context.transpose(1, 2), x], dim=2)
+        out = F.conv1d(x, weight, None, 1, 0, self.conv1d.dilation, weight.shape[0])
+        return F.silu(out).transpose(1, 2)
+
+    def split_qkv(
+        self, conv_out: torch.Tensor, num_key_heads: int | None = None,
+        num_value_heads: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B, T, 2*h*K + hv*V] -> q [B, T, h, K], k [B, T, h, K], v [B, T, hv, V]``.
+
+        ``h``/``hv`` default to all heads; a CP layer passes its per-rank counts.
+        """
+        h = self.num_key_heads if num_key_heads is None else num_key_heads
+        hv = self.num_value_heads if num_value_heads is None else num_value_heads
+        batch, seq_len, _ = conv_out.shape
+        q, k, v = conv_out.split([h * self.head_k_dim, h * self.head_k_dim, hv * self.head_v_dim], -1)
+        return (
+            q.reshape(batch, seq_len, h, self.head_k_dim),
+            k.reshape(batch, seq_len, h, self.head_k_dim),
+            v.reshape(batch, seq_len, hv, self.head_v_dim),
+        )
+
+    def gates(
+        self, a: torch.Tensor, b: torch.Tensor, value_heads: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``.
+
+        Args:
+            a, b: ``[B, T, hv]`` logits of the heads ``value_heads`` (all heads when None).
+            value_heads: int64 indices into A_log / dt_bias.
+            mask: ``[B, T]`` 1 for real tokens, 0 for padding: padded positions get
+                ``g = beta = 0`` (an identity GDN step).
+
+        Returns:
+            ``(g [B, T, hv] fp32 (float64 for float64 a), beta [B, T, hv] in b's dtype)``.
+        """
+        a_log, dt_bias = self.A_log, self.dt_bias
+        if value_heads is not None:
+            idx = value_heads.to(a_log.device)
+            a_log, dt_bias = a_log.index_select(0, idx), dt_bias.index_select(0, idx)
+        gate_dtype = torch.promote_types(a.dtype, torch.float32)  # g is never half precision
+        g = -a_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + dt_bias.to(gate_dtype))
+        beta = torch.sigmoid(b)
+        if mask is not None:
+            g = g * mask[..., None].to(g.dtype)
+            beta = beta * mask[..., None].to(beta.dtype)
+        return g, beta
+
+    def core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """The GDN recurrence with l2-normalised q, k: ``o [B, T, hv, V]`` in v's dtype."""
+        o, _ = chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True,
+            chunk_size=self.chunk_size, backend=self.backend if backend is None else backend,
+        )
+        return o
+
+    def finish(
+        self, o: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Gated norm and out projection: o, z ``[B, T, HV, V]`` -> ``[B, T, hidden]``.
+
+        ``mask`` ``[B, T]`` zeroes padded positions of the result.
+        """
+        batch, seq_len = o.shape[:2]
+        out = self.out_proj(self.norm(o, z).reshape(batch, seq_len, self.value_dim))
+        return out if mask is None else out * mask[..., None].to(out.dtype)
+
+    @staticmethod
+    def mask_input(hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Zero padded positions of ``[B, T, hidden]`` (``mask`` ``[B, T]``, 1 = real)."""
+        if mask is None:
+            return hidden_states
+        return hidden_states * mask[..., None].to(hidden_states.dtype)
+
+    # -- single device -----------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[B, T, hidden] -> [B, T, hidden]`` (input dtype).
+
+        Args:
+            hidden_states: ``[B, T, hidden]``.
+            attention_mask: ``[B, T]`` 1 = real token, 0 = padding (see the module docstring).
+            cu_seqlens: packed variable-length input; not supported (NotImplementedError).
+        """
+        if cu_seqlens is not None:
+            raise NotImplementedError(
+                "GatedDeltaNet: packed/varlen input (cu_seqlens) is not supported; pad the "
+                "sequences and pass attention_mask instead"
+            )
+        hidden_states = self.mask_input(hidden_states, attention_mask)
+        proj = self.project(hidden_states)
+        q, k, v = self.split_qkv(self.causal_conv(proj.mixed_qkv))
+        g, beta = self.gates(proj.a, proj.b, mask=attention_mask)
+        o = self.core(q, k, v, g, beta)
+        return self.finish(o, proj.z, attention_mask)
