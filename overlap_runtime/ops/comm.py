@@ -472,7 +472,9 @@ class _AllGather(torch.autograd.Function):
         n = g0.shape[0] // world
         work, recv = _raw_all_to_all(g0, None, None, ctx.group, True)
         _wait_work(work, ctx.timeout_s, "all_gather (backward all-to-all)")
-        gx = recv.view(world, n, *g0.shape[1:]).sum(0)
+        # Sum the ranks' slices in fp32 at least (bf16 partial sums lose bits), then cast back.
+        acc = torch.promote_types(recv.dtype, torch.float32)
+        gx = recv.view(world, n, *g0.shape[1:]).to(acc).sum(0).to(grad.dtype)
         return gx.movedim(0, ctx.dim), None, None, None
 
 
