@@ -22,10 +22,13 @@ def test_no_subcommand_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "usage: overlap-runtime" in capsys.readouterr().out
 
 
-def test_demo_small_runs_and_checks(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--ranks", "2", "--seq", "16", "--steps", "1"]) == 0
+def test_demo_small_runs_and_checks(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    trace = tmp_path / "trace.json"
+    assert cli.main(["demo", "--pp", "2", "--ep", "1", "--microbatches", "4", "--tokens", "8",
+                     "--hidden", "16", "--steps", "1", "--out", str(trace)]) == 0
     out = capsys.readouterr().out
-    assert "demo OK" in out and "dexpert" in out
+    assert "demo OK" in out and "OVERLAP_B_F" in out and "overlap ratio (measured" in out
+    assert trace.stat().st_size > 0
 
 
 def test_info(capsys: pytest.CaptureFixture[str]) -> None:

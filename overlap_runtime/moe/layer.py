@@ -1,0 +1,111 @@
+"""MoE layer: router, routed experts over an all-to-all dispatcher, optional shared expert.
+
+Forward order (seed 001 section 4.3)::
+
+    routing  = router(x)                                   compute
+    permuted, tokens_per_expert, meta = dispatch(x, routing)        comm (A..B)
+    y        = experts(permuted, tokens_per_expert)        compute
+    handle, partial = combine_start(y, meta)               comm launched (C)
+    shared   = shared_expert(x)                            compute, while the combine is in flight
+    routed   = combine_wait(handle, partial)               comm done (D / D_LAST)
+    out      = routed + shared
+
+Timeline of one layer on one rank with a shared expert::
+
+    compute  |router|            |experts|       |shared expert|      |+|
+    comm            |==dispatch==|       |=======combine=======|
+                                          ^ combine_start     ^ combine_wait
+
+Without a shared expert the layer calls the synchronous ``combine`` (start and wait back to
+back): no extra work, same collectives. ``overlap_shared_expert=False`` keeps a shared expert but
+runs it after the combine (the serial baseline of OV-D02).
+
+The layer keeps no per-call state: the routing, the metadata and the partial combine are locals
+of ``forward``, so several microbatches may be inside the layer at once (in two threads).
+The load-balancing loss is attached to the output's graph (``attach_aux_loss``); pass
+``return_aux=True`` to also get it back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dispatcher import AllToAllTokenDispatcher
+from .experts import ExpertBackend, FeedForward, GroupedExperts
+from .router import TopKRouter, attach_aux_loss
+
+__all__ = ["MoE"]
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts feed-forward block ``[..., H] -> [..., H]``.
+
+    Args:
+        hidden: H.  ffn_hidden: F of each routed expert.
+        num_experts: E routed experts (global).  top_k: experts per token.
+        shared_ffn_hidden: F of the shared expert; None: no shared expert.
+        aux_loss_coef: load-balancing loss weight.
+        overlap_shared_expert: run the shared expert while the combine is in flight (default).
+        expert_backend: ``"loop"`` or ``"grouped_mm"`` (see ``experts.py``; no ``auto``).
+
+    ``dispatcher`` starts local (no EP group); ``ExpertParallel.apply`` shards the experts and
+    installs an EP dispatcher.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
+                 shared_ffn_hidden: int | None = None, aux_loss_coef: float = 1e-2,
+                 overlap_shared_expert: bool = True, expert_backend: ExpertBackend = "loop",
+                 device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.router = TopKRouter(hidden, num_experts, top_k, aux_loss_coef, device=device,
+                                 dtype=dtype)
+        self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, expert_backend,
+                                      device=device, dtype=dtype)
+        self.shared_expert = (FeedForward(hidden, shared_ffn_hidden, device=device, dtype=dtype)
+                              if shared_ffn_hidden else None)
+        self.overlap_shared_expert = overlap_shared_expert
+        self.dispatcher = AllToAllTokenDispatcher(num_experts)
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    def forward(self, x: torch.Tensor, return_aux: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[..., H]`` -> same shape and dtype (and the aux loss, fp32 scalar, if asked).
+
+        ``x`` is read again by the shared expert after the combine is launched: it must not be
+        modified in place by anyone until the layer returns.
+        """
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"MoE: last dim of x is {x.shape[-1]}, expected hidden={self.hidden}")
+        d = self.dispatcher
+        x_flat = x.reshape(-1, self.hidden)
+        routing = self.router(x_flat)
+        permuted, tokens_per_expert, meta = d.dispatch(x_flat, routing)
+        y = self._timed("experts", lambda: self.experts(permuted, tokens_per_expert))
+        if self.shared_expert is None:
+            out = d.combine(y, meta)
+        elif self.overlap_shared_expert:
+            handle, partial = d.combine_start(y, meta)
+            shared = self._timed("shared_expert", lambda: self.shared_expert(x_flat))
+            out = d.combine_wait(handle, partial) + shared
+        else:
+            routed = d.combine(y, meta)
+            out = routed + self._timed("shared_expert", lambda: self.shared_expert(x_flat))
+        out = attach_aux_loss(out.view(x.shape), routing.aux_loss)
+        return (out, routing.aux_loss) if return_aux else out
+
+    def _timed(self, what: str, fn: Any) -> torch.Tensor:
+        sink = self.dispatcher.trace
+        if sink is None:
+            return fn()
+        t0 = time.time_ns()
+        out = fn()
+        sink.record(f"{self.dispatcher.tag}.{what}", "moe_compute", t0, time.time_ns())
+        return out
