@@ -28,6 +28,12 @@ _EXPORTS = {
     "pair_backward_forward": "builders",
     "register_builder": "builders",
     "split_backward": "builders",
+    "build_zero_bubble": "builders_zero_bubble",
+    "build_dualpipev": "builders_dualpipev",
+    "DeferredLinear": "deferred_w",
+    "DeferredWQueue": "deferred_w",
+    "FlushWhileWaiting": "deferred_w",
+    "SavedTensorMeter": "saved_memory",
     "LoweringError": "lowering",
     "lower": "lowering",
     "ScheduleValidationError": "validate",
@@ -81,6 +87,10 @@ if TYPE_CHECKING:  # pragma: no cover
         split_backward,
     )
     from .compile import CompiledSchedule, compile_schedule, compile_spec
+    from .builders_dualpipev import build_dualpipev
+    from .builders_zero_bubble import build_zero_bubble
+    from .deferred_w import DeferredLinear, DeferredWQueue, FlushWhileWaiting
+    from .saved_memory import SavedTensorMeter
     from .ir import Action, ActionKind, Schedule, dump_csv, load_csv, parse_action
     from .lowering import LoweringError, lower
     from .spec import ScheduleKindInfo, ScheduleSpec, register_schedule_kind, schedule_kinds

@@ -185,3 +185,8 @@ def _interleave_1f1b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[
 def _stages_of_rank(spec: ScheduleSpec, rank: int) -> list[int]:
     """Global stages of ``rank`` ordered by chunk (chunk 0 first)."""
     return [s for s in range(spec.num_stages) if spec.stage_to_rank(s) == rank]
+
+
+# Kinds defined in their own modules register their kind and builder on import (kept last:
+# they import this module's register_builder).
+from . import builders_dualpipev, builders_zero_bubble  # noqa: E402,F401

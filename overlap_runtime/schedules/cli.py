@@ -20,7 +20,10 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the ``schedule`` subcommand (keep imports light: nothing heavy here)."""
     parser.add_argument("--kind", default="1f1b",
-                        help="schedule kind: gpipe, 1f1b, interleaved_1f1b (default 1f1b)")
+                        help="schedule kind: gpipe, 1f1b, interleaved_1f1b, zero_bubble, dualpipev "
+                             "(default 1f1b)")
+    parser.add_argument("--placement", choices=["loop", "v"], default=None,
+                        help="stage placement (default: loop; dualpipev needs v)")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     parser.add_argument("--microbatches", "-m", type=int, default=8,
                         help="microbatches per step (default 8)")
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 kind=args.kind, pp_size=args.pp, num_microbatches=args.microbatches,
                 virtual_stages=args.virtual, overlap_b_f=args.overlap_b_f,
                 overlap_p2p=not args.no_overlap_p2p, split_backward=args.split_backward,
+                placement=args.placement or ("v" if args.kind == "dualpipev" else "loop"),
             )
         costs = CostModel(F=args.cost_f, B=args.cost_b, I=args.cost_i, W=args.cost_w,
                           comm_latency=args.comm_latency)
@@ -90,11 +94,19 @@ def run(args: argparse.Namespace) -> int:
         print()
     print(format_timeline(result, width=args.width, comm=costs.comm_latency > 0))
     print()
-    # docs/schedules.md section 7: (p-1)/(v*m+p-1) when m >= p, in general
-    # 1 - v*m / (v*max(m, p) + min(m, p) - 1); equal F and B costs, free communication
-    analytic = 1 - v * m / (v * max(m, p) + min(m, p) - 1)
-    print(f"makespan {result.makespan:g}  bubble {result.bubble_ratio:.4f}  "
-          f"(analytic {analytic:.4f} for equal stage costs, free comm)  "
+    if spec.kind in ("gpipe", "1f1b", "interleaved_1f1b"):
+        # docs/schedules.md section 7: (p-1)/(v*m+p-1) when m >= p, in general
+        # 1 - v*m / (v*max(m, p) + min(m, p) - 1); equal F and B costs, free communication
+        analytic = 1 - v * m / (v * max(m, p) + min(m, p) - 1)
+        note = f"analytic {analytic:.4f} for equal stage costs, free comm"
+    else:
+        # docs/schedules.md section 9: the zero-bubble / DualPipe papers' idle-time formulas
+        from .bubbles import analytic_bubble_ratio
+
+        equal = CostModel(F=1.0, B=2.0, I=1.0, W=1.0)
+        note = (f"published formula {analytic_bubble_ratio(spec, equal):.4f} for "
+                f"F = I = W, B = F + I, free comm")
+    print(f"makespan {result.makespan:g}  bubble {result.bubble_ratio:.4f}  ({note})  "
           f"exposed comm {result.exposed_comm:g}")
     if args.trace:
         write_chrome_trace(result, args.trace, pairs=compiled.comm_pairs)

@@ -121,6 +121,16 @@ class ActionContext:
             else:
                 raise ValueError(f"run_default: {action} is not a compute action")
 
+    def recv_completed(self, kind: ActionKind, stage: int, microbatch: int) -> bool | None:
+        """Poll the receive ``{stage}{kind}{microbatch}`` without waiting: True when its data
+        is here, False while in flight, None when it was not posted (yet). Used to fill a
+        communication window with other work (deferred W tasks)."""
+        with self._lock:
+            slot = self._slots.get((ActionKind(kind), stage, microbatch))
+        if slot is None:
+            return None
+        return slot.handle is None or slot.handle.is_completed()
+
     def wait_recv(self, kind: ActionKind, stage: int, microbatch: int) -> torch.Tensor:
         """The buffer of the receive ``{stage}{kind}{microbatch}``, waited (bounded)."""
         key = (ActionKind(kind), stage, microbatch)
@@ -155,7 +165,7 @@ class ActionContext:
         else:
             self._acts[(s, m)] = out
 
-    def _backward(self, s: int, m: int, split: bool) -> None:
+    def _backward(self, s: int, m: int, split: bool, defer_w: bool = False) -> None:
         stage = self.stages[s]
         if stage.is_last:
             grad = None
@@ -163,7 +173,10 @@ class ActionContext:
             grad = self._grads.pop((s + 1, m))
         else:
             grad = self.wait_recv(ActionKind.RECV_B, s, m)
-        g = stage.backward_input(m, grad) if split else stage.backward(m, grad)
+        if split:
+            g = stage.backward_input(m, grad)
+        else:
+            g = stage.backward(m, grad, defer_w=True) if defer_w else stage.backward(m, grad)
         if not stage.is_first:
             self._grads[(s, m)] = g
 

@@ -150,6 +150,12 @@ class PipelineSchedule:
         ctx = ActionContext(self, self.rank, self.stages, mb_inputs, mb_targets, {}, trace)
         try:
             self._execute(ctx)
+            # W tasks still pending (B's whose dW a flush callback deferred) finish the step
+            for queue in {id(st.deferred_w): st.deferred_w for st in self.stages.values()
+                          if st.deferred_w is not None}.values():
+                if queue.pending():
+                    with ctx.span("W drain", "compute"):
+                        queue.drain(during="end of step", step=len(self.program))
             ctx.wait_sends()
         except BaseException:
             for st in self.stages.values():

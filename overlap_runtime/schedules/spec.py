@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -33,6 +33,8 @@ class ScheduleKindInfo:
     ``min_virtual`` / ``max_virtual`` bound ``virtual_stages`` (``None``: unbounded);
     ``placements`` lists the stage placements the builder handles; ``overlap_b_f`` says whether
     the kind has a 1F1B steady state where backward i and forward i+1 can be paired.
+    ``check(spec)``, if given, enforces the kind's own rules (raise ``ValueError`` naming the
+    values and the rule); it runs after the virtual-stage and placement rules.
     """
 
     name: str
@@ -42,6 +44,7 @@ class ScheduleKindInfo:
     overlap_b_f: bool = True
     split_backward: bool = True
     description: str = ""
+    check: Callable[["ScheduleSpec"], None] | None = None
 
 
 _KINDS: dict[str, ScheduleKindInfo] = {}
@@ -54,8 +57,16 @@ def register_schedule_kind(info: ScheduleKindInfo) -> ScheduleKindInfo:
 
 
 def schedule_kinds() -> dict[str, ScheduleKindInfo]:
-    """The registered kinds, by name."""
+    """The registered kinds, by name (the built-in ones included)."""
+    _load_builtin_kinds()
     return dict(_KINDS)
+
+
+def _load_builtin_kinds() -> None:
+    """Import the builder modules, which register the kinds defined outside this file
+    (``zero_bubble``, ``dualpipev``). Lazy so that importing the spec stays light; importing
+    ``builders`` imports them at its end."""
+    from . import builders  # noqa: F401
 
 
 register_schedule_kind(
@@ -122,6 +133,8 @@ class ScheduleSpec(BaseModel):
     @classmethod
     def _known_kind(cls, kind: str) -> str:
         if kind not in _KINDS:
+            _load_builtin_kinds()
+        if kind not in _KINDS:
             raise ValueError(
                 f"kind {kind!r} is not a registered schedule kind; known: {sorted(_KINDS)} "
                 "(register new kinds with register_schedule_kind)"
@@ -148,6 +161,8 @@ class ScheduleSpec(BaseModel):
                 f"placement='v' needs an even virtual_stages (chunks go down and back up), "
                 f"got virtual_stages={v}"
             )
+        if info.check is not None:
+            info.check(self)
         if self.overlap_b_f and not info.overlap_b_f:
             raise ValueError(
                 f"overlap_b_f=True needs a 1F1B steady state, which kind={self.kind!r} lacks: "

@@ -14,8 +14,14 @@ Split backward (``I`` then ``W``) uses only public autograd: ``I`` is
 ``torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True)``; ``W`` is
 ``torch.autograd.backward(outputs, grad_outputs, inputs=params)``, which walks the graph a
 second time (it recomputes activation gradients on the way to the weights: correct, and more
-arithmetic than a fused ``B``). The deferred-W path of the zero-bubble issue replaces ``W``'s
-second walk.
+arithmetic than a fused ``B``).
+
+Deferred W (:mod:`overlap_runtime.schedules.deferred_w`): a stage whose module holds
+``DeferredLinear`` layers (or that is given ``deferred_w=queue``) runs ``I`` as *one* backward
+walk inside ``queue.capture((stage, microbatch))``: the deferred layers push their weight
+gradients to the queue, every other parameter gets its gradient at once, and the autograd graph
+is freed. ``W`` then runs that microbatch's tasks (``queue.run``); tasks already flushed in a
+communication window leave it nothing to do.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .deferred_w import DeferredWQueue, find_deferred_w_queue
 
 __all__ = ["PipelineStage", "MicrobatchState", "TensorMeta"]
 
@@ -69,6 +77,8 @@ class PipelineStage:
         group: the pipeline process group (None: the default group).
         input_meta: shape/dtype of the activation this stage receives per microbatch (stages
             > 0). None: learnt by the schedule's one-time metadata exchange.
+        deferred_w: the rank's W queue for split backwards; None: the queue the module's
+            ``DeferredLinear`` layers share, if any (else I/W use public autograd only).
     """
 
     def __init__(
@@ -79,6 +89,7 @@ class PipelineStage:
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
         input_meta: TensorMeta | None = None,
+        deferred_w: DeferredWQueue | None = None,
     ) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index {stage_index} is outside 0..{num_stages - 1} "
@@ -91,6 +102,7 @@ class PipelineStage:
         self.input_meta = input_meta
         self.output_meta: TensorMeta | None = None
         self.microbatches: dict[int, MicrobatchState] = {}
+        self.deferred_w = deferred_w if deferred_w is not None else find_deferred_w_queue(module)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -179,12 +191,22 @@ class PipelineStage:
     def _grad_inputs(self, st: MicrobatchState) -> list[torch.Tensor]:
         return [t for t in st.inputs if t.requires_grad]
 
-    def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    def backward(self, microbatch: int, grad_output: torch.Tensor | None,
+                 defer_w: bool = False) -> torch.Tensor | None:
         """Full backward (B): parameter gradients accumulate; returns the input gradient
-        (None on the first stage). Frees the microbatch's state."""
+        (None on the first stage). Frees the microbatch's state. ``defer_w``: the deferred
+        layers' weight gradients go to the W queue instead (run later by a flush or the drain
+        at the end of the step)."""
         st = self._state(microbatch, "backward")
         root, grad = self._roots(st, grad_output, microbatch)
-        torch.autograd.backward(root, grad)
+        if defer_w:
+            if self.deferred_w is None:
+                raise RuntimeError(f"stage {self.stage_index}: backward(defer_w=True) of "
+                                   f"microbatch {microbatch} needs a DeferredWQueue")
+            with self.deferred_w.capture((self.stage_index, microbatch)):
+                torch.autograd.backward(root, grad)
+        else:
+            torch.autograd.backward(root, grad)
         ins = self._grad_inputs(st)
         g = ins[0].grad if ins else None
         del self.microbatches[microbatch]
@@ -197,6 +219,13 @@ class PipelineStage:
         st.grad_output = grad
         st.input_grad_done = True
         ins = self._grad_inputs(st)
+        if self.deferred_w is not None:
+            # one walk; the graph is freed and W tasks hold what they need
+            with self.deferred_w.capture((self.stage_index, microbatch)):
+                torch.autograd.backward(root, grad)
+            g = ins[0].grad if ins else None
+            st.inputs, st.output, st.loss, st.grad_output = (), None, None, None  # type: ignore[assignment]
+            return g
         if not ins:
             return None
         (g,) = torch.autograd.grad(root, ins[0], grad, retain_graph=True)
@@ -207,6 +236,10 @@ class PipelineStage:
         st = self._state(microbatch, "backward_weight")
         if not st.input_grad_done:
             raise RuntimeError(f"stage {self.stage_index}: W of microbatch {microbatch} before its I")
+        if self.deferred_w is not None:
+            self.deferred_w.run((self.stage_index, microbatch))
+            del self.microbatches[microbatch]
+            return
         root, grad = self._roots(st, st.grad_output, microbatch)
         params = self.parameters()
         if params:
@@ -214,5 +247,7 @@ class PipelineStage:
         del self.microbatches[microbatch]
 
     def clear(self) -> None:
-        """Drop every microbatch's state (after a failed step)."""
+        """Drop every microbatch's state (after a failed step), and its pending W tasks."""
         self.microbatches.clear()
+        if self.deferred_w is not None:
+            self.deferred_w.discard(lambda key: isinstance(key, tuple) and key[0] == self.stage_index)

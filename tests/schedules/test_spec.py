@@ -21,7 +21,7 @@ from overlap_runtime.schedules.ir import Action, ActionKind
 @pytest.mark.parametrize(
     "fields, needle",
     [
-        (dict(kind="zero_bubble", pp_size=2, num_microbatches=4), "not a registered schedule kind"),
+        (dict(kind="no_such_kind", pp_size=2, num_microbatches=4), "not a registered schedule kind"),
         (dict(kind="1f1b", pp_size=0, num_microbatches=4), "pp_size"),
         (dict(kind="1f1b", pp_size=2, num_microbatches=0), "num_microbatches"),
         (dict(kind="gpipe", pp_size=2, num_microbatches=4, virtual_stages=2),

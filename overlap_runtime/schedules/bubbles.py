@@ -1,0 +1,96 @@
+"""Published bubble formulas and the simulations that check them (docs/schedules.md, section
+"Zero bubble and DualPipeV").
+
+``analytic_idle(kind, pp, costs)`` is the idle time per rank of one step, with free
+communication and enough microbatches (``m >= pp``; ``m >= 2 pp`` for DualPipeV):
+
+- ``1f1b`` / ``gpipe``: ``(pp - 1)(F + B)``, B = I + W (Narayanan et al. 2021);
+- ``zero_bubble`` (ZB-H1): ``(pp - 1)(F + I - W)`` = ``(pp - 1)(F + B - 2W)`` (Qi et al. 2023,
+  section 3; the ZB1P row of the DualPipe README);
+- ``dualpipev``: ``(pp - 1)(F&B + B - 3W)`` with ``F&B = F + B`` (DeepSeek-V3 report, table 2,
+  ``PP/2 - 1`` with PP = 2 pp stages; in the simulator the two threads of an overlapped step
+  share one device, so an overlapped pair costs F + B).
+
+:func:`simulate_compute_only` simulates the compute schedule with data edges across ranks
+(instantaneous communication that never blocks: what the runtime gets with ``overlap_p2p`` and
+early-posted receives); ``overlapped_as_unit=True`` adds :func:`couple_overlapped_steps`, the
+DualPipe model of an overlapped step (it starts when both sub-actions' inputs are here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..graph.simulate import CostModel, SimulationResult, simulate
+from ..graph.task_graph import TaskGraph
+from .builders import build_schedule
+from .compile import compile_schedule
+from .ir import Schedule
+from .spec import ScheduleSpec
+
+__all__ = ["analytic_idle", "analytic_bubble_ratio", "couple_overlapped_steps",
+           "simulate_compute_only"]
+
+
+def analytic_idle(kind: str, pp: int, costs: CostModel) -> float:
+    """Published idle time per rank for one step (see the module doc)."""
+    f, i, w = costs.F, costs.I, costs.W
+    b = i + w
+    if kind in ("1f1b", "gpipe"):
+        return (pp - 1) * (f + b)
+    if kind == "zero_bubble":
+        return (pp - 1) * (f + b - 2 * w)
+    if kind == "dualpipev":
+        return (pp - 1) * ((f + b) + b - 3 * w)
+    raise ValueError(f"no published bubble formula for kind {kind!r}; known: 1f1b, gpipe, "
+                     "zero_bubble, dualpipev")
+
+
+def analytic_bubble_ratio(spec: ScheduleSpec, costs: CostModel) -> float:
+    """``idle / (work + idle)`` per rank, work = ``v m (F + I + W)``."""
+    work = spec.virtual_stages * spec.num_microbatches * (costs.F + costs.I + costs.W)
+    idle = analytic_idle(spec.kind, spec.pp_size, costs)
+    return idle / (work + idle)
+
+
+def couple_overlapped_steps(graph: TaskGraph, schedule: Schedule) -> list[tuple[str, str]]:
+    """Make each compound step's sub-actions wait for each other's inputs (the step runs as one
+    unit, as DualPipe's ``overlapped_forward_backward`` does); returns the edges added."""
+    preds: dict[Any, list[Any]] = {}
+    for u, v, _kind in graph.edges("data"):
+        preds.setdefault(v, []).append(u)
+    added: list[tuple[str, str]] = []
+    for acts in schedule.values():
+        for a in acts:
+            if a is None or not a.is_compound:
+                continue
+            ids = [str(x) for x in a.sub_actions]
+            for mine in ids:
+                for other in ids:
+                    if other == mine:
+                        continue
+                    for u in preds.get(other, []):
+                        if u not in ids and (u, mine) not in added:
+                            added.append((u, mine))
+    graph.add_edges(added, "data")
+    return added
+
+
+def simulate_compute_only(spec: ScheduleSpec, costs: CostModel, *,
+                          overlapped_as_unit: bool = False,
+                          return_graph: bool = False) -> Any:
+    """Simulate ``spec``'s compute schedule with free, non-blocking communication.
+
+    Returns the :class:`SimulationResult`, or ``(graph, schedule)`` with ``return_graph``.
+    """
+    schedule = build_schedule(spec)
+    graph = compile_schedule(schedule, stage_to_rank=spec.stage_mapping(),
+                             num_stages=spec.num_stages,
+                             name=f"{spec.kind} pp={spec.pp_size} m={spec.num_microbatches} "
+                                  "compute only")
+    if return_graph:
+        return graph, schedule
+    if overlapped_as_unit:
+        couple_overlapped_steps(graph, schedule)
+    result: SimulationResult = simulate(graph, costs)
+    return result
