@@ -56,8 +56,8 @@ EXPECTED = {
     "mask_shape": ("ValueError", "attention_mask must be [B, S/P] = [1, 64]"),
     "apply_twice": ("RuntimeError", "already runs context-parallel ('p2p')"),
     "dtensor_replicate": ("ValueError", "placements (Shard(1),)"),
-    "triton_p2p": ("NotImplementedError", "backend='triton' is not implemented yet"),
-    "triton_ulysses": ("NotImplementedError", "backend='triton' is not implemented yet"),
+    "triton_p2p": ("NotImplementedError", "GDN backend='triton': head dim K=8 is not supported"),
+    "triton_ulysses": ("NotImplementedError", "GDN backend='triton': head dim K=8 is not supported"),
 }
 
 

@@ -48,7 +48,8 @@ def test_unknown_backend_names_itself_and_the_supported_set(inputs, name):
 
 
 def test_triton_raises_not_implemented_without_fallback(inputs):
-    with pytest.raises(NotImplementedError, match="backend='triton'.*not implemented"):
+    # K=8 on the CPU: the Triton backend names the unsupported capability and never falls back
+    with pytest.raises(NotImplementedError, match="backend='triton'.*not supported.*no automatic"):
         _call(inputs, backend="triton")
     with pytest.raises(NotImplementedError):
         get_backend("triton").forward(

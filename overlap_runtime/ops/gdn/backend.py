@@ -12,9 +12,9 @@ Order of checks in :func:`chunk_gated_delta_rule`:
 3. ``backend.check(...)``, the backend's own capabilities (device, dtypes, head dims, chunk
    size); ``NotImplementedError`` for what the backend does not do.
 
-Extension point: the Triton kernels (a later issue) fill in :class:`TritonBackend` - ``check``
-for device (cuda, npu, or cpu under ``TRITON_INTERPRET=1``), bf16 q/k/v/beta, fp32 g, head dims
-and chunk size; ``forward`` importing the kernels lazily. Nothing here imports triton.
+:class:`TritonBackend` runs the kernels of ``overlap_runtime.ops.gdn.triton``: ``check`` for
+device (cuda, npu, or cpu under ``TRITON_INTERPRET=1``), dtypes, head dims and chunk size;
+``forward`` imports the kernels lazily. Nothing here imports triton.
 """
 
 from __future__ import annotations
@@ -106,19 +106,35 @@ class EagerBackend(GDNBackend):
 
 
 class TritonBackend(GDNBackend):
-    """Placeholder for the Triton kernels of a later issue: every call raises."""
+    """Fused Triton kernels (``overlap_runtime.ops.gdn.triton``), imported on first use.
+
+    ``check`` applies the capability rules of ``triton/capability.py`` (device cuda, npu with
+    triton-ascend >= 3.2.1, < 3.3, or cpu under ``TRITON_INTERPRET=1``; bf16/fp16/fp32
+    q/k/v/beta, fp32 g and state; K, V in {64, 128}; chunk 64) and raises
+    ``NotImplementedError`` naming the rule; ``forward`` runs the kernels' autograd Function.
+    ``num_segments`` fixes how many segments the state scan splits each sequence into
+    (None: chosen from the machine).
+    """
 
     name = "triton"
 
+    def __init__(self, num_segments: int | None = None) -> None:
+        if num_segments is not None and num_segments < 1:
+            raise ValueError(f"num_segments={num_segments} must be >= 1 or None")
+        self.num_segments = num_segments
+
     def check(self, q, k, v, g, beta, *, initial_state, chunk_size) -> None:  # noqa: D102
-        raise NotImplementedError(
-            "GDN backend='triton' is not implemented yet: the Triton kernels arrive in a later "
-            "issue. Use backend='eager' explicitly; there is no automatic fallback."
-        )
+        from .triton.capability import check_triton_inputs
+
+        check_triton_inputs(q, k, v, g, beta, initial_state, chunk_size)
 
     def forward(self, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm, chunk_size):
         self.check(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)
-        raise AssertionError("unreachable")  # pragma: no cover
+        from .triton.function import chunk_gated_delta_rule_triton
+
+        return chunk_gated_delta_rule_triton(
+            q, k, v, g, beta, scale, initial_state, use_qk_l2norm, self.num_segments
+        )
 
 
 _BACKENDS: Mapping[str, GDNBackend] = MappingProxyType(

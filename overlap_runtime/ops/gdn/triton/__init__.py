@@ -1,0 +1,49 @@
+"""Triton kernels of the GDN backend (``backend="triton"``); see docs/gdn.md.
+
+Importing this package imports no triton: the names below load their module (and triton) on
+first use, so ``TRITON_INTERPRET`` can still be set before that.
+
+* ``chunk_gated_delta_rule_triton``, ``TritonChunkGatedDeltaRuleFunction`` (function.py):
+  the fused chunked forward/backward.
+* ``state_summary``, ``output_state_grad``, ``apply_summary``, ``apply_summary_backward``,
+  ``compose`` (summary.py): the context-parallel state-summary kernels, with the signatures
+  of their eager counterparts in ``overlap_runtime.ops.gdn.summary`` (forward only).
+* ``check_triton_inputs`` (capability.py): the capability rules, no triton needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "TritonChunkGatedDeltaRuleFunction",
+    "apply_summary",
+    "apply_summary_backward",
+    "check_triton_inputs",
+    "chunk_gated_delta_rule_triton",
+    "compose",
+    "output_state_grad",
+    "state_summary",
+]
+
+_WHERE = {
+    "TritonChunkGatedDeltaRuleFunction": "function",
+    "chunk_gated_delta_rule_triton": "function",
+    "apply_summary": "summary",
+    "apply_summary_backward": "summary",
+    "compose": "summary",
+    "output_state_grad": "summary",
+    "state_summary": "summary",
+    "check_triton_inputs": "capability",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

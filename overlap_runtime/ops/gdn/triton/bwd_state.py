@@ -1,0 +1,100 @@
+"""Backward state kernels: the local value gradient and the reverse state-gradient scan.
+
+``dv_local_kernel``, grid ``(NT, B * HV)``: ``dv_local = scale (Q K^T * Gamma)^T dO`` per chunk
+(the part of dv_new's gradient that does not depend on the state gradient), fp32.
+
+``bwd_scan_kernel``, grid ``(V / BV, NS segments, B * HV)``: walks the chunks of its segment
+backwards with ``dh`` the gradient of the state leaving chunk n::
+
+    dv_new_n = dv_local_n + Ktail_n dh                         (stored: the gradient of u)
+    dh      <- exp(gamma_C) dh + scale (diag(exp(gamma)) Q_n)^T dO_n - w_n^T dv_new_n
+
+storing ``dh`` per chunk (input dtype) when ``STORE``; it writes the gradient of the state
+entering the segment (fp32). With ``STORE=False`` from a zero start it computes the segment's
+local state gradient ``c_s``, which ``chain_kernel(REVERSE=True)`` combines with the forward
+summaries' ``M_s^T`` (``dH_in = M^T dH_out + c``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import autotune_configs, mm
+
+__all__ = ["dv_local_kernel", "bwd_scan_kernel"]
+
+
+@triton.autotune(configs=autotune_configs(), key=["K", "V"])
+@triton.jit
+def dv_local_kernel(q, k, gamma, do, dv_local, scale, T, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_i = tl.arange(0, BT)
+    o_t = i_n * BT + o_i
+    m_t = o_t < T
+    o_k = tl.arange(0, K)
+    DT = k.dtype.element_ty
+    b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
+    b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+    # (K Q^T)[j, i] for i >= j: the transposed intra-chunk attention, built directly
+    later = o_i[None, :] >= o_i[:, None]
+    b_kq = mm(b_k, tl.trans(b_q))
+    b_kq = tl.where(later, b_kq * tl.exp(tl.where(later, b_gam[None, :] - b_gam[:, None], 0.0)),
+                    0.0) * scale
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
+        tl.store(dv_local + off_v, mm(b_kq.to(DT), b_do), mask=m_t[:, None])
+
+
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE"])
+@triton.jit
+def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, scale,
+                    T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                    HAS_INIT: tl.constexpr, STORE: tl.constexpr):
+    i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    n0 = i_s * L
+    n1 = tl.minimum(n0 + L, NT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    DT = k.dtype.element_ty
+    if HAS_INIT:
+        b_dh = tl.load(dh_init + ((i_bh * NS + i_s) * K + o_k[:, None]) * V + o_v[None, :])
+    else:
+        b_dh = tl.zeros([K, BV], dtype=tl.float32)
+    for j in range(n1 - n0):
+        n = n1 - 1 - j
+        t0 = n * BT
+        o_t = t0 + tl.arange(0, BT)
+        m_t = o_t < T
+        if STORE:
+            base = ((i_b * NT + n) * HV + i_hv).to(tl.int64) * (K * V)
+            tl.store(dhs + base + o_k[:, None] * V + o_v[None, :], b_dh.to(DT))
+        b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+        g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, T) - 1) * HV + i_hv)
+        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                      mask=m_t[:, None], other=0.0)
+        b_ktail = (b_k * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]).to(DT)
+        off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_dv = tl.load(dv_local + off_v, mask=m_t[:, None], other=0.0) + mm(b_ktail,
+                                                                             b_dh.to(DT))
+        if STORE:
+            tl.store(dv2 + off_v, b_dv.to(dv2.dtype.element_ty), mask=m_t[:, None])
+        b_qt = tl.load(q + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
+                       mask=m_t[None, :], other=0.0)
+        b_qt = (b_qt * (tl.exp(b_gam) * scale)[None, :]).to(DT)
+        b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
+        b_wt = tl.load(w + ((i_b * T + o_t[None, :]) * HV + i_hv) * K + o_k[:, None],
+                       mask=m_t[None, :], other=0.0)
+        b_dh = b_dh * tl.exp(g_last) + mm(b_qt, b_do) - mm(b_wt, b_dv.to(DT))
+    tl.store(dh_start + ((i_bh * NS + i_s) * K + o_k[:, None]) * V + o_v[None, :], b_dh)

@@ -1,0 +1,107 @@
+"""Shared pieces of the GDN Triton kernels: dot helpers, launch heuristics, layouts.
+
+Layouts (flash-linear-attention's, no transposes anywhere): per-token tensors are
+``[B, T, heads, D]`` contiguous; per-chunk states ``[B, NT, HV, K, V]``; per-chunk square
+matrices (the WY inverse, its gradient) ``[B, T, HV, BT]`` (row = token, column = position in
+its chunk); segment summaries ``[B * HV, NS, K, K]`` / ``[B * HV, NS, K, V]`` fp32.
+
+This module imports triton: import it only from the kernel modules (the package ``__init__``
+is lazy).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRET", "IS_CUDA", "mm", "mm_f32", "mm_f32x3", "autotune_configs", "CHUNK",
+           "num_sms", "choose_segments"]
+
+CHUNK = 64
+
+# TRITON_INTERPRET is read by triton when a kernel is decorated, so it is fixed for the life of
+# the process; the kernels read this constexpr at compile time.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# NVIDIA (3xTF32 available) unless an Ascend build of triton is installed.
+IS_CUDA = tl.constexpr(not INTERPRET.value and importlib.util.find_spec("torch_npu") is None)
+
+
+@triton.jit
+def mm(a, b):
+    """``a @ b`` with fp32 accumulation.
+
+    The interpreter multiplies the raw bit patterns of bfloat16 operands (triton-lang/triton
+    issue 11584, "not supported"), so under ``TRITON_INTERPRET=1`` the operands - already
+    rounded to their storage dtype - are widened to fp32 first: the same products as the
+    tensor-core path, which rounds nothing further.
+    """
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def mm_f32(a, b):
+    """``a @ b`` for fp32 operands in full fp32 (no tf32): summaries, chains, the inverse."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def mm_f32x3(a, b):
+    """``a @ b`` of fp32 operands to about fp32 accuracy on tensor cores (3xTF32 on NVIDIA;
+    ``ieee`` fp32 elsewhere). Used for the long chains of K x K maps, where ``ieee`` products
+    of 128 x 128 tiles spill registers and run ~100x slower."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif IS_CUDA:
+        return tl.dot(a, b, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+def autotune_configs() -> list[triton.Config]:
+    """Launch configurations to try on a GPU (few: each costs a compile on first use); one
+    under the interpreter (it would run each)."""
+    if INTERPRET:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    pairs = ((2, 2), (4, 1), (4, 2), (8, 1), (8, 2))
+    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in pairs]
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (or vector cores) of ``device``; 4 on the CPU interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "npu":  # pragma: no cover - needs torch_npu
+        try:
+            props = torch.npu.get_device_properties(device)  # type: ignore[attr-defined]
+            return int(getattr(props, "vector_core_num", 0) or 40)
+        except Exception:
+            return 40
+    return 4
+
+
+def choose_segments(num_chunks: int, programs_per_segment: int, device: torch.device) -> int:
+    """How many segments to split each sequence into for the parallel state scan.
+
+    One segment (the plain sequential scan) when ``B * HV * value blocks`` programs already
+    fill the machine; otherwise enough segments for about four programs per multiprocessor,
+    each segment keeping at least 4 chunks (the summaries cost about one scan of the segment,
+    so very short segments only add work).
+    """
+    target = 4 * num_sms(device)
+    if programs_per_segment >= target or num_chunks < 8:
+        return 1
+    wanted = -(-target // programs_per_segment)
+    segments = max(1, min(wanted, num_chunks // 4))
+    chunks_per_segment = -(-num_chunks // segments)
+    return -(-num_chunks // chunks_per_segment)
+

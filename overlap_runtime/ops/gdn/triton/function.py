@@ -1,0 +1,348 @@
+"""Launchers and the autograd Function of the Triton backend.
+
+Forward (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS`` segments)::
+
+    l2norm_fwd            q, k -> normalised q, k and 1/norm             (optional)
+    kkt_solve             gamma (gate cumsum), Ainv = (I + A)^-1          grid (NT, B*HV)
+    wy_fwd                w, u                                            grid (NT, B*HV)
+    state scan            NS = 1: one walk per (value block, B*HV)
+                          NS > 1: segment summaries (M_s, S_s) in parallel, the chain
+                          h_(s+1) = M_s h_s + S_s across segments, then every segment's walk
+                          from its true entering state, in parallel   grid (blocks, NS, B*HV)
+    output                o                                               grid (V/BV, NT, B*HV)
+
+Saved for backward: q, k (and their normalised copies and 1/norm), v, beta, gamma, Ainv, w, u,
+the state entering each segment and the segment transitions M_s; the per-chunk states and
+residuals are recomputed by one parallel walk of the segments.
+
+Backward::
+
+    state rescan          h_n, v_new from the saved segment entering states
+    dv_local              scale (Q K^T * Gamma)^T dO                      grid (NT, B*HV)
+    reverse scan          NS > 1: segment-local state gradients c_s from zero, the chain
+                          dH_(s) = M_s^T dH_(s+1) + c_s, then every segment's reverse walk
+    dqkwg                 dq, dk (output and chunk-end parts), dw, dgamma  grid (K/BK, NT, B*HV)
+    wy_bwd                dv, dk (w part), dbeta, dgamma, dA              grid (NT, B*HV)
+    kkt_bwd               dk (A part), dbeta, dg (reverse cumsum)         grid (NT, B*HV)
+    l2norm_bwd            sum over the value heads of each key head, norm backward
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from torch.autograd.function import once_differentiable
+
+from .bwd_chunk import dqkwg_kernel, kkt_bwd_kernel, wy_bwd_kernel
+from .bwd_state import bwd_scan_kernel, dv_local_kernel
+from .common import CHUNK, choose_segments
+from .fwd_output import output_kernel
+from .fwd_prepare import kkt_solve, wy_forward
+from .fwd_state import chain_kernel, fwd_scan_kernel
+from .l2norm import l2norm_forward, l2norm_group_backward
+
+__all__ = [
+    "TritonChunkGatedDeltaRuleFunction",
+    "chunk_gated_delta_rule_triton",
+    "segment_layout",
+    "segment_summaries",
+    "chain",
+    "state_scan",
+    "state_grad_scan",
+    "prepare",
+]
+
+
+def _block(key_dim: int, value_dim: int) -> int:
+    return min(64, key_dim, value_dim)
+
+
+def segment_layout(num_chunks: int, programs: int, device: torch.device,
+                   num_segments: int | None) -> tuple[int, int]:
+    """``(NS, L)``: segments and chunks per segment (the last segment may be shorter)."""
+    wanted = num_segments if num_segments is not None else choose_segments(num_chunks, programs,
+                                                                           device)
+    wanted = max(1, min(int(wanted), num_chunks))
+    per_segment = -(-num_chunks // wanted)
+    return -(-num_chunks // per_segment), per_segment
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, use_qk_l2norm: bool) -> dict[str, torch.Tensor | None]:
+    """Normalised q, k (and 1/norm), gamma, Ainv, w, u: everything before the state scan."""
+    if use_qk_l2norm:
+        qn, q_rstd = l2norm_forward(q)
+        kn, k_rstd = l2norm_forward(k)
+    else:
+        qn, kn, q_rstd, k_rstd = q, k, None, None
+    gamma, ainv = kkt_solve(kn, g, beta, v.shape[2])
+    w, u = wy_forward(kn, v, beta, gamma, ainv)
+    return {"qn": qn, "kn": kn, "q_rstd": q_rstd, "k_rstd": k_rstd, "gamma": gamma,
+            "ainv": ainv, "w": w, "u": u}
+
+
+def segment_summaries(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
+                      num_segments: int, per_segment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Affine summary of every segment from zero, all in parallel.
+
+    Returns:
+        ``(M [B*HV, NS, K, K], S [B*HV, NS, K, V])`` fp32: ``h_out = M_s h_in + S_s``.
+    """
+    batch, seq_len, heads, key_dim = kn.shape
+    num_value_heads, value_dim = u.shape[2], u.shape[3]
+    bv = _block(key_dim, value_dim)
+    bh = batch * num_value_heads
+    m = torch.empty(bh, num_segments, key_dim, key_dim, device=kn.device, dtype=torch.float32)
+    s = torch.empty(bh, num_segments, key_dim, value_dim, device=kn.device, dtype=torch.float32)
+    fwd_scan_kernel[((key_dim + value_dim) // bv, num_segments, bh)](
+        kn, w, u, gamma, m, kn, u, m, m, s, seq_len, triton.cdiv(seq_len, CHUNK), per_segment,
+        num_segments, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
+        SUMMARY=True, HAS_INIT=False, STORE=False,
+    )
+    return m, s
+
+
+def chain(m: torch.Tensor, s: torch.Tensor | None, h0: torch.Tensor | None, *,
+          reverse: bool = False, store_segments: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Carry a state through ``NS`` affine maps in fp32.
+
+    Args:
+        m: ``[BH, NS, K, K]`` fp32; s: ``[BH, NS, K, N]`` fp32 or None (zero offsets).
+        h0: ``[BH, K, N]`` fp32 or None (zero start; then ``s`` fixes N).
+        reverse: walk from the last map back with ``M_s^T`` (state gradients).
+        store_segments: also return the value entering each map ``[BH, NS, K, N]``.
+
+    Returns:
+        ``(h_out [BH, K, N], h_seg or None)``.
+    """
+    bh, num_segments, key_dim = m.shape[0], m.shape[1], m.shape[2]
+    cols = (s if s is not None else h0).shape[-1]
+    block = min(32, cols)
+    h_out = torch.empty(bh, key_dim, cols, device=m.device, dtype=torch.float32)
+    h_seg = (torch.empty(bh, num_segments, key_dim, cols, device=m.device, dtype=torch.float32)
+             if store_segments else None)
+    chain_kernel[(triton.cdiv(cols, block), bh)](
+        m, s if s is not None else m, h0 if h0 is not None else m,
+        h_seg if h_seg is not None else m, h_out, num_segments, K=key_dim, N=cols, BN=block,
+        HAS_H0=h0 is not None, HAS_S=s is not None, STORE_SEG=store_segments, REVERSE=reverse,
+        num_warps=8,
+    )
+    return h_out, h_seg
+
+
+def state_scan(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
+               seg_init: torch.Tensor | None, num_segments: int, per_segment: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk every segment from its entering state, storing per-chunk states and residuals.
+
+    Args:
+        seg_init: ``[B*HV, NS, K, V]`` fp32 state entering each segment, or None (one segment
+            from zero).
+
+    Returns:
+        ``(states [B, NT, HV, K, V] in k's dtype, v_new [B, T, HV, V] in v's dtype,
+        h_end [B*HV, NS, K, V] fp32)``; ``h_end[:, -1]`` is the final state.
+    """
+    batch, seq_len, heads, key_dim = kn.shape
+    num_value_heads, value_dim = u.shape[2], u.shape[3]
+    num_chunks = triton.cdiv(seq_len, CHUNK)
+    bv = _block(key_dim, value_dim)
+    bh = batch * num_value_heads
+    states = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim, device=kn.device,
+                         dtype=kn.dtype)
+    v_new = torch.empty_like(u)
+    h_end = torch.empty(bh, num_segments, key_dim, value_dim, device=kn.device,
+                        dtype=torch.float32)
+    fwd_scan_kernel[(value_dim // bv, num_segments, bh)](
+        kn, w, u, gamma, seg_init if seg_init is not None else h_end, states, v_new, h_end,
+        h_end, h_end, seq_len, num_chunks, per_segment, num_segments, H=heads,
+        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv, SUMMARY=False,
+        HAS_INIT=seg_init is not None, STORE=True,
+    )
+    return states, v_new, h_end
+
+
+def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor,
+                    do: torch.Tensor, dv_local: torch.Tensor, seg_init: torch.Tensor | None,
+                    scale: float, num_segments: int, per_segment: int, store: bool = True
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Reverse walk of every segment from the gradient of the state leaving it.
+
+    Args:
+        seg_init: ``[B*HV, NS, K, V]`` fp32 gradient of the state leaving each segment, or None
+            for zero.
+        store: keep the per-chunk state gradients and dv_new (else only the segment starts).
+
+    Returns:
+        ``(dhs [B, NT, HV, K, V] or None, dv2 [B, T, HV, V] or None,
+        dh_start [B*HV, NS, K, V] fp32)``.
+    """
+    batch, seq_len, heads, key_dim = kn.shape
+    num_value_heads, value_dim = do.shape[2], do.shape[3]
+    num_chunks = triton.cdiv(seq_len, CHUNK)
+    bv = _block(key_dim, value_dim)
+    bh = batch * num_value_heads
+    dh_start = torch.empty(bh, num_segments, key_dim, value_dim, device=kn.device,
+                           dtype=torch.float32)
+    dhs = dv2 = None
+    if store:
+        dhs = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim,
+                          device=kn.device, dtype=kn.dtype)
+        dv2 = torch.empty(batch, seq_len, num_value_heads, value_dim, device=kn.device,
+                          dtype=kn.dtype)
+    bwd_scan_kernel[(value_dim // bv, num_segments, bh)](
+        qn, kn, w, gamma, do, dv_local, seg_init if seg_init is not None else dh_start,
+        dhs if store else dh_start, dv2 if store else dh_start, dh_start, scale, seq_len,
+        num_chunks, per_segment, num_segments, H=heads, HV=num_value_heads, K=key_dim,
+        V=value_dim, BT=CHUNK, BV=bv, HAS_INIT=seg_init is not None, STORE=store,
+    )
+    return dhs, dv2, dh_start
+
+
+def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.Tensor,
+             scale: float) -> torch.Tensor:
+    """``scale (Q K^T * Gamma)^T dO`` per chunk: ``[B, T, HV, V]`` fp32."""
+    batch, seq_len, heads, key_dim = kn.shape
+    num_value_heads, value_dim = do.shape[2], do.shape[3]
+    out = torch.empty(do.shape, device=do.device, dtype=torch.float32)
+    dv_local_kernel[(triton.cdiv(seq_len, CHUNK), batch * num_value_heads)](
+        qn, kn, gamma, do, out, scale, seq_len, H=heads, HV=num_value_heads, K=key_dim,
+        V=value_dim, BT=CHUNK, BV=_block(key_dim, value_dim),
+    )
+    return out
+
+
+def _forward_states(prep: dict, h0: torch.Tensor | None, num_segments: int | None
+                    ) -> dict[str, Any]:
+    kn, w, u, gamma = prep["kn"], prep["w"], prep["u"], prep["gamma"]
+    batch, seq_len, _, key_dim = kn.shape
+    num_value_heads, value_dim = u.shape[2], u.shape[3]
+    bh = batch * num_value_heads
+    num_chunks = triton.cdiv(seq_len, CHUNK)
+    programs = bh * (value_dim // _block(key_dim, value_dim))
+    ns, per_segment = segment_layout(num_chunks, programs, kn.device, num_segments)
+    h0_flat = None if h0 is None else h0.reshape(bh, key_dim, value_dim)
+    m_seg = None
+    if ns > 1:
+        m_seg, s_seg = segment_summaries(kn, w, u, gamma, ns, per_segment)
+        _, seg_init = chain(m_seg, s_seg, h0_flat, store_segments=True)
+    else:
+        seg_init = None if h0_flat is None else h0_flat.reshape(bh, 1, key_dim, value_dim)
+    states, v_new, h_end = state_scan(kn, w, u, gamma, seg_init, ns, per_segment)
+    final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)
+    return {"states": states, "v_new": v_new, "final": final, "seg_init": seg_init,
+            "m_seg": m_seg, "ns": ns, "per_segment": per_segment}
+
+
+class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """``apply(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, num_segments)`` returns
+    ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
+                use_qk_l2norm: bool, num_segments: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+        prep = prepare(q, k, v, g, beta, use_qk_l2norm)
+        fwd = _forward_states(prep, h0, num_segments)
+        o = torch.empty_like(v)
+        batch, seq_len, heads, key_dim = q.shape
+        num_value_heads, value_dim = v.shape[2], v.shape[3]
+        num_chunks = triton.cdiv(seq_len, CHUNK)
+        bv = _block(key_dim, value_dim)
+        output_kernel[(value_dim // bv, num_chunks, batch * num_value_heads)](
+            prep["qn"], prep["kn"], prep["gamma"], fwd["states"], fwd["v_new"], o, scale, seq_len,
+            num_chunks, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
+        )
+        ctx.save_for_backward(q, k, v, beta, prep["qn"], prep["kn"], prep["q_rstd"],
+                              prep["k_rstd"], prep["gamma"], prep["ainv"], prep["w"], prep["u"],
+                              fwd["seg_init"], fwd["m_seg"])
+        ctx.scale, ctx.ns, ctx.per_segment = scale, fwd["ns"], fwd["per_segment"]
+        ctx.has_initial_state = initial_state is not None
+        ctx.state_dtype = None if initial_state is None else initial_state.dtype
+        return o, fwd["final"]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, do: torch.Tensor, dht: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, ...]:
+        (q, k, v, beta, qn, kn, q_rstd, k_rstd, gamma, ainv, w, u, seg_init,
+         m_seg) = ctx.saved_tensors
+        scale, ns, per_segment = ctx.scale, ctx.ns, ctx.per_segment
+        do = do.contiguous()
+        batch, seq_len, heads, key_dim = q.shape
+        num_value_heads, value_dim = v.shape[2], v.shape[3]
+        bh = batch * num_value_heads
+        num_chunks = triton.cdiv(seq_len, CHUNK)
+        states, v_new, _ = state_scan(kn, w, u, gamma, seg_init, ns, per_segment)
+        dvl = dv_local(qn, kn, gamma, do, scale)
+        dht_flat = dht.to(torch.float32).reshape(bh, key_dim, value_dim).contiguous()
+        if ns > 1:
+            _, _, local = state_grad_scan(qn, kn, w, gamma, do, dvl, None, scale, ns,
+                                          per_segment, store=False)
+            _, dh_seg = chain(m_seg, local, dht_flat, reverse=True, store_segments=True)
+        else:
+            dh_seg = dht_flat.reshape(bh, 1, key_dim, value_dim)
+        dhs, dv2, dh_start = state_grad_scan(qn, kn, w, gamma, do, dvl, dh_seg, scale, ns,
+                                             per_segment)
+        del dvl
+        bk = min(64, key_dim)
+        bv = min(64, value_dim)
+        slots = key_dim // bk + 1
+        f32 = dict(device=q.device, dtype=torch.float32)
+        dq_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
+        dk_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
+        dw = torch.empty_like(w)
+        dg_part = torch.empty(slots, batch, seq_len, num_value_heads, **f32)
+        dqkwg_kernel[(key_dim // bk, num_chunks, bh)](
+            qn, kn, gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part, scale, seq_len,
+            num_chunks, batch, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
+            BK=bk, BV=bv,
+        )
+        del states, dhs, v_new
+        dv = torch.empty_like(v)
+        da = torch.empty(batch, seq_len, num_value_heads, CHUNK, **f32)
+        db_part = torch.empty(batch, seq_len, num_value_heads, **f32)
+        wy_bwd_kernel[(num_chunks, bh)](
+            kn, v, beta, gamma, ainv, dv2, dw, dv, dk_v, da, db_part, dg_part, seq_len, batch,
+            H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
+            SLOT=slots - 1,
+        )
+        dbeta = torch.empty_like(beta)
+        dg = torch.empty(batch, seq_len, num_value_heads, **f32)
+        kkt_bwd_kernel[(num_chunks, bh)](
+            kn, beta, gamma, da, dk_v, db_part, dg_part, dbeta, dg, seq_len, batch, H=heads,
+            HV=num_value_heads, K=key_dim, BT=CHUNK, SLOTS=slots,
+        )
+        dq = l2norm_group_backward(q, q_rstd, dq_v)
+        dk = l2norm_group_backward(k, k_rstd, dk_v)
+        dh0 = None
+        if ctx.has_initial_state:
+            dh0 = dh_start[:, 0].reshape(batch, num_value_heads, key_dim, value_dim)
+            dh0 = dh0.to(ctx.state_dtype)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None
+
+
+def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  g: torch.Tensor, beta: torch.Tensor, scale: float,
+                                  initial_state: torch.Tensor | None = None,
+                                  use_qk_l2norm: bool = True, num_segments: int | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton chunked gated delta rule (inputs are not validated here: use
+    ``chunk_gated_delta_rule(..., backend="triton")``).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; beta: ``[B, T, HV]``, all one of
+            bf16/fp16/fp32; g: ``[B, T, HV]`` fp32; initial_state ``[B, HV, K, V]`` fp32.
+        num_segments: segments of the parallel state scan (None: chosen from the machine).
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``, differentiable.
+    """
+    return TritonChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, scale,
+                                                   use_qk_l2norm, num_segments)

@@ -1,0 +1,205 @@
+"""Forward preparation kernels: gate cumsum, decayed KKT, triangular inverse, WY factors.
+
+Per chunk of ``BT = 64`` tokens (``gamma`` the gate cumsum inside the chunk)::
+
+    A = strict_lower(diag(beta) (K K^T) * exp(gamma_i - gamma_j))         [BT, BT]
+    Ainv = (I + A)^-1                                                     unit lower triangular
+    u = Ainv diag(beta) V,   w = Ainv diag(beta exp(gamma)) K             the WY factors
+
+``kkt_solve_kernel`` (grid ``(NT, B * HV)``) writes gamma and Ainv; it builds A in 16 x 16
+blocks, inverts the four diagonal blocks by forward substitution (row by row, in registers)
+and the six blocks below them by block forward substitution
+``Ainv_ij = -Ainv_ii sum_{j <= m < i} A_im Ainv_mj``, all in fp32.
+``wy_fwd_kernel`` (grid ``(NT, B * HV)``) forms u and w from Ainv with tensor-core products.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import CHUNK, autotune_configs, mm, mm_f32
+
+__all__ = ["kkt_solve", "wy_forward"]
+
+
+@triton.jit
+def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, H: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr):
+    """Rows ``row0 .. row0 + 15``: keys ``[16, K]`` (storage dtype), g and beta ``[16]`` fp32."""
+    o_t = row0 + tl.arange(0, 16)
+    m_t = o_t < T
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + tl.arange(0, K)[None, :],
+                  mask=m_t[:, None], other=0.0)
+    b_g = tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    return b_k, b_g, b_beta
+
+
+@triton.jit
+def _kkt_block(k_i, k_j, gam_i, gam_j, beta_i, DIAG: tl.constexpr):
+    """Block (i, j) of ``A``; on the diagonal only the strictly lower part (exponent masked)."""
+    s = mm(k_i, tl.trans(k_j))
+    if DIAG:
+        o = tl.arange(0, 16)
+        low = o[:, None] > o[None, :]
+        gap = tl.where(low, gam_i[:, None] - gam_j[None, :], 0.0)
+        return tl.where(low, s * tl.exp(gap) * beta_i[:, None], 0.0)
+    else:
+        return s * tl.exp(gam_i[:, None] - gam_j[None, :]) * beta_i[:, None]
+
+
+@triton.jit
+def _unit_lower_inverse(a):
+    """``(I + a)^-1`` of a strictly lower ``[16, 16]`` fp32 block, by forward substitution:
+    row r of the inverse is ``e_r - sum_{c < r} a_rc inv_c``, rows taken in order."""
+    o = tl.arange(0, 16)
+    inv = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    for r in range(1, 16):
+        a_r = tl.sum(tl.where(o[:, None] == r, a, 0.0), axis=0)
+        row = tl.where(o == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inv, axis=0)
+        inv = tl.where(o[:, None] == r, row[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _store_block(ainv, x, i_b, i_hv, row0, col0, T, HV: tl.constexpr, BT: tl.constexpr):
+    o_t = row0 + tl.arange(0, 16)
+    tl.store(ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + col0 + tl.arange(0, 16)[None, :],
+             x, mask=(o_t < T)[:, None])
+
+
+@triton.jit
+def _store_gamma(gamma, c, i_b, i_hv, row0, T, HV: tl.constexpr):
+    o_t = row0 + tl.arange(0, 16)
+    tl.store(gamma + (i_b * T + o_t) * HV + i_hv, c, mask=o_t < T)
+
+
+@triton.autotune(configs=autotune_configs(), key=["K"])
+@triton.jit
+def kkt_solve_kernel(k, g, beta, gamma, ainv, T, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    t0 = i_n * BT
+    k0, g0, b0 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0, T, H, HV, K)
+    k1, g1, b1 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 16, T, H, HV, K)
+    k2, g2, b2 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 32, T, H, HV, K)
+    k3, g3, b3 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 48, T, H, HV, K)
+    # chunk-local cumsum of the gate, block by block
+    c0 = tl.cumsum(g0, axis=0)
+    c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+    c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
+    c3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
+    _store_gamma(gamma, c0, i_b, i_hv, t0, T, HV)
+    _store_gamma(gamma, c1, i_b, i_hv, t0 + 16, T, HV)
+    _store_gamma(gamma, c2, i_b, i_hv, t0 + 32, T, HV)
+    _store_gamma(gamma, c3, i_b, i_hv, t0 + 48, T, HV)
+
+    a00 = _kkt_block(k0, k0, c0, c0, b0, True)
+    a11 = _kkt_block(k1, k1, c1, c1, b1, True)
+    a22 = _kkt_block(k2, k2, c2, c2, b2, True)
+    a33 = _kkt_block(k3, k3, c3, c3, b3, True)
+    a10 = _kkt_block(k1, k0, c1, c0, b1, False)
+    a20 = _kkt_block(k2, k0, c2, c0, b2, False)
+    a21 = _kkt_block(k2, k1, c2, c1, b2, False)
+    a30 = _kkt_block(k3, k0, c3, c0, b3, False)
+    a31 = _kkt_block(k3, k1, c3, c1, b3, False)
+    a32 = _kkt_block(k3, k2, c3, c2, b3, False)
+
+    t00 = _unit_lower_inverse(a00)
+    t11 = _unit_lower_inverse(a11)
+    t22 = _unit_lower_inverse(a22)
+    t33 = _unit_lower_inverse(a33)
+    t10 = -mm_f32(t11, mm_f32(a10, t00))
+    t21 = -mm_f32(t22, mm_f32(a21, t11))
+    t32 = -mm_f32(t33, mm_f32(a32, t22))
+    t20 = -mm_f32(t22, mm_f32(a20, t00) + mm_f32(a21, t10))
+    t31 = -mm_f32(t33, mm_f32(a31, t11) + mm_f32(a32, t21))
+    t30 = -mm_f32(t33, mm_f32(a30, t00) + mm_f32(a31, t10) + mm_f32(a32, t20))
+
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store_block(ainv, t00, i_b, i_hv, t0, 0, T, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0, 16, T, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0, 32, T, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0, 48, T, HV, BT)
+    _store_block(ainv, t10, i_b, i_hv, t0 + 16, 0, T, HV, BT)
+    _store_block(ainv, t11, i_b, i_hv, t0 + 16, 16, T, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0 + 16, 32, T, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0 + 16, 48, T, HV, BT)
+    _store_block(ainv, t20, i_b, i_hv, t0 + 32, 0, T, HV, BT)
+    _store_block(ainv, t21, i_b, i_hv, t0 + 32, 16, T, HV, BT)
+    _store_block(ainv, t22, i_b, i_hv, t0 + 32, 32, T, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0 + 32, 48, T, HV, BT)
+    _store_block(ainv, t30, i_b, i_hv, t0 + 48, 0, T, HV, BT)
+    _store_block(ainv, t31, i_b, i_hv, t0 + 48, 16, T, HV, BT)
+    _store_block(ainv, t32, i_b, i_hv, t0 + 48, 32, T, HV, BT)
+    _store_block(ainv, t33, i_b, i_hv, t0 + 48, 48, T, HV, BT)
+
+
+@triton.autotune(configs=autotune_configs(), key=["K", "V"])
+@triton.jit
+def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, T, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_t = i_n * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_a = tl.load(ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + tl.arange(0, BT)[None, :],
+                  mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
+    b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        off = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_v = tl.load(v + off, mask=m_t[:, None], other=0.0)
+        b_u = mm(b_a, (b_v * b_beta[:, None]).to(b_v.dtype))
+        tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m_t[:, None])
+    b_kscale = b_beta * tl.exp(b_gam)
+    for i_k in range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                      mask=m_t[:, None], other=0.0)
+        b_w = mm(b_a, (b_k * b_kscale[:, None]).to(b_k.dtype))
+        tl.store(w + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
+                 b_w.to(w.dtype.element_ty), mask=m_t[:, None])
+
+
+def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_heads: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate cumsum and WY inverse.
+
+    Args:
+        k: ``[B, T, H, K]`` keys (l2-normed if asked), bf16/fp16/fp32.
+        g: ``[B, T, HV]`` fp32 log decay; beta: ``[B, T, HV]``.
+
+    Returns:
+        ``(gamma [B, T, HV] fp32, ainv [B, T, HV, 64] fp32)``.
+    """
+    batch, seq_len, heads, key_dim = k.shape
+    num_chunks = triton.cdiv(seq_len, CHUNK)
+    gamma = torch.empty(batch, seq_len, num_value_heads, device=k.device, dtype=torch.float32)
+    ainv = torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device,
+                       dtype=torch.float32)
+    kkt_solve_kernel[(num_chunks, batch * num_value_heads)](
+        k, g, beta, gamma, ainv, seq_len, H=heads, HV=num_value_heads, K=key_dim, BT=CHUNK,
+    )
+    return gamma, ainv
+
+
+def wy_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor,
+               ainv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """WY factors ``(w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's dtype)``."""
+    batch, seq_len, heads, key_dim = k.shape
+    num_value_heads, value_dim = v.shape[2], v.shape[3]
+    w = torch.empty(batch, seq_len, num_value_heads, key_dim, device=k.device, dtype=k.dtype)
+    u = torch.empty_like(v)
+    wy_fwd_kernel[(triton.cdiv(seq_len, CHUNK), batch * num_value_heads)](
+        k, v, beta, gamma, ainv, w, u, seq_len, H=heads, HV=num_value_heads, K=key_dim,
+        V=value_dim, BT=CHUNK, BK=min(64, key_dim), BV=min(64, value_dim),
+    )
+    return w, u

@@ -1,0 +1,133 @@
+"""Cases of tests/ops/test_gdn_triton.py, run as ``python _gdn_triton_cases.py CASE`` in a child
+process with ``TRITON_INTERPRET=1`` (triton reads it when a kernel module is imported, so it
+must be set before; a child keeps it out of the other test files). Prints one JSON object:
+``{"errors": {name: rel-L2}, "tolerance": float}`` (or ``{"raised": ...}`` for the error cases).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+torch.set_num_threads(1)
+
+from _gdn_util import make_inputs, rel_l2, upcast  # noqa: E402
+from overlap_runtime.ops.gdn import chunk_gated_delta_rule, summary  # noqa: E402
+from overlap_runtime.ops.gdn.backend import TritonBackend  # noqa: E402
+from overlap_runtime.ops.gdn.chunk import prepare_chunks  # noqa: E402
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+# (T, H, HV, K, V, dtype, num_segments, initial_state, l2norm, tolerance)
+# fp32 runs the same kernels with fp32 storage: it checks the algebra tightly. bf16 adds the
+# storage roundings; the interpreter also truncates fp32 -> bf16 casts (round toward zero),
+# about twice the GPU's rounding error, hence the looser bound here (the GPU script checks
+# bf16 at 1e-2 at full size).
+CASES = {
+    "fp32_one_segment": (130, 2, 4, 32, 32, torch.float32, 1, True, True, 1e-5),
+    "fp32_segments": (250, 1, 2, 32, 16, torch.float32, 3, False, False, 1e-5),
+    "bf16_segments": (192, 2, 4, 64, 64, torch.bfloat16, 2, True, True, 4e-2),
+}
+
+
+def forward_backward(case: str) -> dict:
+    seq_len, heads, value_heads, key_dim, value_dim, dtype, segments, with_state, l2, tol = (
+        CASES[case])
+    x = make_inputs(1, seq_len, heads, value_heads, key_dim, value_dim, dtype=dtype, seed=3,
+                    decay_shift=3.0)
+    if not l2:  # unnormalised keys of norm ~sqrt(K) make (I + A) ill conditioned: pre-normalise
+        for name in ("q", "k"):
+            raw = x[name].detach().double()
+            x[name] = (raw / raw.norm(dim=-1, keepdim=True)).to(dtype).requires_grad_()
+    ref_x = upcast(x)  # the float64 eager backend is the reference
+    state = "initial_state"
+    kwargs = dict(output_final_state=True, use_qk_l2norm=l2)
+    o_ref, h_ref = chunk_gated_delta_rule(*(ref_x[n] for n in NAMES), initial_state=(
+        ref_x[state] if with_state else None), **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
+    dh = torch.randn(h_ref.shape, generator=gen, dtype=torch.float64)
+    ((o_ref * do).sum() + (h_ref * dh).sum()).backward()
+    # through the registry contract: validate_inputs, check, forward
+    backend = TritonBackend(num_segments=segments)
+    inputs = [x[n] for n in NAMES]
+    backend.check(*inputs, initial_state=x[state] if with_state else None, chunk_size=64)
+    o, h = backend.forward(*inputs, scale=key_dim ** -0.5,
+                           initial_state=x[state] if with_state else None, use_qk_l2norm=l2,
+                           chunk_size=64)
+    ((o.double() * do).sum() + (h.double() * dh).sum()).backward()
+    errors = {"o": rel_l2(o, o_ref), "final_state": rel_l2(h, h_ref)}
+    for name in NAMES + ((state,) if with_state else ()):
+        errors["d" + name] = rel_l2(x[name].grad, ref_x[name].grad)
+    finite = all(torch.isfinite(t).all().item() for t in
+                 [o, h] + [x[n].grad for n in NAMES])
+    return {"errors": errors, "tolerance": tol, "finite": finite,
+            "dtypes": [str(o.dtype), str(h.dtype)]}
+
+
+def summaries(case: str) -> dict:
+    from overlap_runtime.ops.gdn import triton as tri
+
+    x = make_inputs(2, 200, 1, 2, 32, 32, dtype=torch.float32, seed=4, requires_grad=False,
+                    decay_shift=4.0, beta_max=0.2)
+    x64 = {n: t.double() for n, t in x.items()}
+    m_ref, s_ref = summary.state_summary(*(x64[n] for n in NAMES))
+    errors = {}
+    for ns in (1, 3):
+        m, s = tri.state_summary(*(x[n] for n in NAMES), num_segments=ns)
+        errors[f"M_ns{ns}"], errors[f"S_ns{ns}"] = rel_l2(m, m_ref), rel_l2(s, s_ref)
+    gen = torch.Generator().manual_seed(6)
+    h_in = torch.randn(s_ref.shape, generator=gen, dtype=torch.float64)
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
+    errors["apply"] = rel_l2(tri.apply_summary(m_ref.float(), s_ref.float(), h_in.float()),
+                             summary.apply_summary(m_ref, s_ref, h_in))
+    errors["apply_backward"] = rel_l2(
+        tri.apply_summary_backward(m_ref.float(), h_in.float(), s_ref.float()),
+        summary.apply_summary_backward(m_ref, h_in, s_ref))
+    m2, s2 = m_ref.flip(1), s_ref.flip(1)
+    cm, cs = tri.compose((m2.float(), s2.float()), (m_ref.float(), s_ref.float()))
+    rm, rs = summary.compose((m2, s2), (m_ref, s_ref))
+    errors["compose_M"], errors["compose_S"] = rel_l2(cm, rm), rel_l2(cs, rs)
+    prep = prepare_chunks(*(x64[n] for n in NAMES))
+    ref_grad = summary.output_state_grad(prep, do)
+    for ns in (1, 2):
+        errors[f"dH_in_local_ns{ns}"] = rel_l2(
+            tri.output_state_grad(*(x[n] for n in NAMES), do.float(), num_segments=ns),
+            ref_grad)
+    return {"errors": errors, "tolerance": 1e-5, "finite": True, "dtypes": [str(m.dtype)]}
+
+
+def capability_errors(case: str) -> dict:
+    """The rules that need the interpreter to be on (device passes): each must raise."""
+    x = make_inputs(1, 64, 1, 1, 32, 32, dtype=torch.bfloat16, requires_grad=False)
+    raised = {}
+    bad = {
+        "K=8": dict(q=x["q"][..., :8], k=x["k"][..., :8]),
+        "V=48": dict(v=torch.cat([x["v"], x["v"][..., :16]], -1)),
+        "chunk 32": dict(chunk_size=32),
+        "q float64": dict(q=x["q"].double(), k=x["k"].double(), v=x["v"].double()),
+    }
+    for name, override in bad.items():
+        args = {n: x[n] for n in NAMES}
+        args.update(override)
+        try:
+            chunk_gated_delta_rule(**args, backend="triton")
+            raised[name] = "no error"
+        except NotImplementedError as error:
+            raised[name] = str(error)
+    return {"raised": raised}
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    if name in CASES:
+        result = forward_backward(name)
+    elif name == "summaries":
+        result = summaries(name)
+    else:
+        result = capability_errors(name)
+    print("RESULT " + json.dumps(result))

@@ -1,0 +1,97 @@
+"""Triton backend of GDN against the eager backend / float64 reference.
+
+On the CPU the kernels run under the Triton interpreter: each case runs in a child process with
+``TRITON_INTERPRET=1`` (triton reads it when the kernels are first imported, so setting it here
+would leak into every later test file and could not be undone). The cases live in
+``_gdn_triton_cases.py``: small sizes (T <= 256), output, final state, dH0 and every input
+gradient. On a CUDA machine the full-size check at the end also runs (it is the test that
+catches Hopper miscompiles of the backward, gpu/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _gdn_util import make_inputs, rel_l2
+from overlap_runtime.ops.gdn import chunk_gated_delta_rule
+
+pytestmark = pytest.mark.triton
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+NAMES = ("q", "k", "v", "g", "beta")
+
+needs_triton = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def _run_case(case: str) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(HERE / "_gdn_triton_cases.py"), case], env=env,
+                          capture_output=True, text=True, timeout=240, cwd=str(HERE))
+    assert proc.returncode == 0, f"case {case} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["fp32_one_segment", "fp32_segments", "bf16_segments",
+                                  "summaries"])
+def test_interpreter_matches_reference(case):
+    result = _run_case(case)
+    errors, tol = result["errors"], result["tolerance"]
+    assert result["finite"]
+    bad = {name: err for name, err in errors.items() if not err <= tol}
+    assert not bad, f"rel-L2 above {tol}: {bad} (all: {errors})"
+
+
+@needs_triton
+def test_interpreter_capability_errors_name_the_rule():
+    raised = _run_case("capability_errors")["raised"]
+    assert "head dim K=8" in raised["K=8"]
+    assert "head dim V=48" in raised["V=48"]
+    assert "chunk_size=32" in raised["chunk 32"]
+    assert "torch.float64" in raised["q float64"]
+
+
+def test_cpu_without_interpreter_fails_fast_naming_the_device():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs the interpreter")
+    x = make_inputs(1, 64, 1, 1, 32, 32, dtype=torch.bfloat16, requires_grad=False)
+    with pytest.raises(NotImplementedError, match="backend='triton'.*cpu.*TRITON_INTERPRET=1"):
+        chunk_gated_delta_rule(*(x[n] for n in NAMES), backend="triton")
+    with pytest.raises(NotImplementedError, match="g dtype torch.float64"):
+        chunk_gated_delta_rule(*(x[n] for n in NAMES[:3]), x["g"].double(), x["beta"],
+                               backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq_len", [1000, 4096])
+def test_gpu_full_size_bf16_against_eager_fp32(seq_len):
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    x = make_inputs(1, seq_len, 4, 8, 128, 128, dtype=torch.bfloat16, decay_shift=0.0)
+    x = {n: t.detach().to(dev).requires_grad_() for n, t in x.items()}
+    ref = {n: (t.detach().float() if n != "g" else t.detach()).requires_grad_()
+           for n, t in x.items()}
+    outs = {}
+    for tag, inp, backend in (("tri", x, "triton"), ("ref", ref, "eager")):
+        o, h = chunk_gated_delta_rule(*(inp[n] for n in NAMES), initial_state=inp["initial_state"],
+                                      output_final_state=True, backend=backend)
+        gen = torch.Generator(device=dev).manual_seed(1)
+        do = torch.randn(o.shape, generator=gen, device=dev)
+        dh = torch.randn(h.shape, generator=gen, device=dev)
+        ((o.float() * do).sum() + (h * dh).sum()).backward()
+        outs[tag] = (o, h)
+    errors = {"o": rel_l2(outs["tri"][0], outs["ref"][0]),
+              "h": rel_l2(outs["tri"][1], outs["ref"][1])}
+    errors.update({"d" + n: rel_l2(x[n].grad, ref[n].grad) for n in x})
+    assert all(e < 1e-2 for e in errors.values()), errors
