@@ -1,9 +1,10 @@
 """The pipeline runtime's own cost per action: no-op stages on CPU ranks (gloo).
 
-Each stage multiplies a [mb, 1] activation by a 1-element weight, so nearly all of a step's time
-is the runtime itself: program walk, context bookkeeping, autograd calls, point-to-point posting
-and waits on gloo. Reports the median step time divided by the actions a rank executes (compute
-and comm actions of the lowered program), max over ranks.
+Each stage multiplies a [mb, 1] activation by a 1-element weight. With one rank the runtime's
+own cost per action is the step time minus the same forwards and backwards called directly in a
+plain loop ("bare"), divided by the actions executed: program walk, context bookkeeping, stage
+state, loss scaling. With several ranks the step time per action also holds gloo point-to-point
+latency and the waits of the schedule's dependencies (max over ranks).
 
     .venv/bin/python benchmarks/pipeline_overhead.py --ranks 2 --microbatches 32 --steps 30
 """
@@ -50,8 +51,23 @@ def _rank(rank: int, world: int, kind: str, m: int, steps: int, virtual: int, ov
     n_actions = len(sched.program)
     per_action = statistics.median(times) / n_actions
     worst = all_gather(torch.tensor([per_action], dtype=torch.float64)).max().item()
+    bare_ms = float("nan")
+    if world == 1:  # the same module calls without the runtime
+        mods = [st.module for st in sorted(stages, key=lambda s: s.stage_index)]
+        bare = []
+        for i in range(steps + 3):
+            t0 = time.perf_counter()
+            for mb in x.chunk(m):
+                outs, h = [], mb
+                for mod in mods:
+                    h = mod(h.detach().requires_grad_(True))
+                    outs.append(h)
+                torch.autograd.backward(outs[-1].sum() * (1.0 / m))
+            if i >= 3:
+                bare.append(time.perf_counter() - t0)
+        bare_ms = statistics.median(bare) * 1e3
     return {"per_action_us": worst * 1e6, "actions": n_actions,
-            "step_ms": statistics.median(times) * 1e3}
+            "step_ms": statistics.median(times) * 1e3, "bare_ms": bare_ms}
 
 
 def main() -> None:
@@ -67,11 +83,15 @@ def main() -> None:
         for overlap in (False, True):
             res = spawn(_rank, args.ranks, args=(kind, args.microbatches, args.steps, virtual, overlap))
             rows.append((kind, virtual, overlap, res[0]["actions"], res[0]["step_ms"],
-                         res[0]["per_action_us"]))
-    print(f"| schedule | virtual | overlap_p2p | actions/rank | step ms (median) | us/action (max over ranks) |")
-    print("|---|---|---|---|---|---|")
-    for kind, v, ov, n, ms, us in rows:
-        print(f"| {kind} | {v} | {ov} | {n} | {ms:.2f} | {us:.1f} |")
+                         res[0]["per_action_us"], res[0]["bare_ms"]))
+    print("| schedule | virtual | overlap_p2p | actions/rank | step ms (median) | us/action "
+          "(max over ranks) | bare ms | runtime us/action |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, v, ov, n, ms, us, bare in rows:
+        own = (ms - bare) * 1e3 / n if bare == bare else float("nan")
+        bare_txt = f"{bare:.2f}" if bare == bare else "-"
+        own_txt = f"{own:.1f}" if own == own else "-"
+        print(f"| {kind} | {v} | {ov} | {n} | {ms:.2f} | {us:.1f} | {bare_txt} | {own_txt} |")
 
 
 if __name__ == "__main__":

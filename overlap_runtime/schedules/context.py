@@ -88,10 +88,11 @@ class ActionContext:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ------------------------------------------------------------------ services
-    def span(self, name: str, cat: str) -> Any:
+    def span(self, name: "str | Action", cat: str) -> Any:
+        """Record ``name`` (a string, or an action formatted only when tracing) as an interval."""
         if self.trace is None:
-            return _NullSpan()
-        return self.trace.span(name, cat)
+            return _NULL_SPAN
+        return self.trace.span(str(name), cat)
 
     def run(self, action: Action) -> None:
         """Run ``action`` (F/B/I/W, or a compound step's sub-actions in order) the standard way,
@@ -105,11 +106,11 @@ class ActionContext:
     def run_default(self, action: Action) -> None:
         """The built-in behaviour, ignoring registered functions."""
         if action.is_compound:
-            with self.span(str(action), "compound"):
+            with self.span(action, "compound"):
                 for sub in action.sub_actions:
                     self.run(sub)
             return
-        with self.span(str(action), "compute"):
+        with self.span(action, "compute"):
             if action.kind is _F:
                 self._forward(action.stage, action.microbatch)
             elif action.kind is _B:
@@ -256,5 +257,7 @@ class _NullSpan:
     def __exit__(self, *exc: Any) -> None:
         return None
 
+
+_NULL_SPAN = _NullSpan()
 
 ActionFn = Callable[[Action, ActionContext], None]
