@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("overlap_runtime.demo", "run the main job on CPU ranks spawned here (gloo)"),
     "info": ("overlap_runtime.info", "print the platform: device kinds, counts, backends"),
     "schedule": ("overlap_runtime.schedules.cli", "build, check and simulate a pipeline schedule"),
+    "train": ("overlap_runtime.trainer.cli", "FSDP2 + context-parallel training from a YAML config"),
 }
 
 

@@ -1,0 +1,102 @@
+"""Full (softmax) attention of the Qwen3.5-style decoder: GQA, q/k RMSNorm, partial RoPE, gate.
+
+::
+
+    x [B, S, hidden]
+      |-- q_proj --> [B, S, H, 2D] --split per head--> q [B, S, H, D], gate [B, S, H, D]
+      |-- k_proj --> k [B, S, Hkv, D]      v_proj --> v [B, S, Hkv, D]
+      q, k <- RMSNorm over D (q_norm, k_norm), then RoPE on the first rotary_dim channels
+      o = core_attention(q, k, v, causal=True)                        [B, S, H, D]
+      o = o * sigmoid(gate)          (attn_output_gate, as Qwen3.5's full-attention layers)
+      out = o_proj(o.reshape(B, S, H*D))                              [B, S, hidden]
+
+The module follows the ``context_parallel`` protocol: every step except ``core_attention`` is
+token-wise, and ``core_attention`` is a :class:`~overlap_runtime.context_parallel.api.CoreAttention`
+that ``ContextParallel(...).apply(module, cp_mesh)`` swaps for the distributed version. Under CP
+``x`` and ``position_ids`` are this rank's shard (split by one rule) and so is the output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from overlap_runtime.context_parallel.api import CoreAttention
+from overlap_runtime.context_parallel.stats import CommStats
+from overlap_runtime.models.norm import RMSNorm
+from overlap_runtime.models.rope import apply_partial_rotary, rotary_dim_for
+from overlap_runtime.ops.attention import Backend
+
+__all__ = ["Qwen3_5Attention"]
+
+
+class Qwen3_5Attention(nn.Module):
+    """Gated grouped-query attention (see the module docstring).
+
+    Args:
+        hidden_size: model width.
+        num_heads: H query heads; num_kv_heads: Hkv (H % Hkv == 0).
+        head_dim: D.
+        rope_theta: RoPE base; partial_rotary_factor: share of D that is rotated.
+        output_gate: multiply the attention output by ``sigmoid(gate)`` (q_proj then emits 2D
+            per head).
+        norm_eps: epsilon of the q/k RMSNorms.
+        backend: kernel of the single-device core attention (``"math"``, ``"flash"``,
+            ``"cudnn"``; see ``ops.attention``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope_theta: float = 10000.0,
+        partial_rotary_factor: float = 1.0,
+        output_gate: bool = True,
+        norm_eps: float = 1e-6,
+        backend: Backend = "math",
+    ) -> None:
+        super().__init__()
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} must be a multiple of "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.rope_theta = rope_theta
+        self.rotary_dim = rotary_dim_for(head_dim, partial_rotary_factor)
+        self.output_gate = output_gate
+        q_width = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(hidden_size, q_width, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, norm_eps)
+        self.k_norm = RMSNorm(head_dim, norm_eps)
+        self.core_attention: nn.Module = CoreAttention(softmax_scale=None, backend=backend)
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, stats: CommStats | None = None
+    ) -> torch.Tensor:
+        """``x [B, S, hidden]``, ``position_ids [S] or [B, S]`` int64 -> ``[B, S, hidden]``.
+
+        ``stats``: an optional per-call communication record passed to the CP core attention.
+        """
+        b, s, _ = x.shape
+        h, d = self.num_heads, self.head_dim
+        q_all = self.q_proj(x).view(b, s, h, -1)
+        if self.output_gate:
+            q, gate = q_all.split(d, dim=-1)                      # each [B, S, H, D]
+        else:
+            q, gate = q_all, None
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, d)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, d)
+        q = apply_partial_rotary(self.q_norm(q), position_ids, self.rotary_dim, self.rope_theta)
+        k = apply_partial_rotary(self.k_norm(k), position_ids, self.rotary_dim, self.rope_theta)
+        o = self.core_attention(q, k, v, causal=True, stats=stats)  # [B, S, H, D]
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(b, s, h * d))

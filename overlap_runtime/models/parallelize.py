@@ -1,0 +1,189 @@
+"""Parallelising the Qwen3.5-style decoder: context parallelism and FSDP2 (seed 000, 5.1).
+
+``parallelize_qwen3_5_cp(model, cp_mesh, ...)`` puts every token mixer of the model on one 1-D CP
+mesh: the full-attention layers get :class:`~overlap_runtime.context_parallel.ContextParallel`
+(Ulysses by default), the Gated DeltaNet layers get
+:class:`~overlap_runtime.context_parallel.LinearAttentionContextParallel`. Afterwards the model's
+forward takes this rank's sequence shard ``[B, S/P]`` of token ids and its position ids, and
+returns the shard's logits; everything outside the mixers is token-wise and runs unchanged.
+
+One sharding rule for the whole model: contiguous
+---------------------------------------------------
+The GDN layers carry a recurrent state left to right: rank ``r``'s first state is rank ``r-1``'s
+last state, and the causal conv reads the last ``kernel - 1`` tokens of rank ``r-1``. That needs
+rank order = sequence order, i.e. the contiguous split (rank ``r`` holds tokens
+``[r*S/P, (r+1)*S/P)``); zigzag would put two distant pieces on one rank and break the chain.
+A token's hidden state flows through every layer, so the attention layers must see the very same
+split: they are applied with ``load_balance=None`` (contiguous) too, and the position ids follow
+the tokens (``shard_positions(..., load_balance=None)``). The price is the causal imbalance of a
+contiguous split in the attention layers (the last rank does ~2x the average attention work);
+with one attention layer in four it is diluted, and GDN work is balanced.
+
+FSDP2
+-----
+:func:`apply_fsdp` shards the parameters with ``fully_shard`` over all ``dp x cp`` ranks (a 1-D
+mesh, e.g. ``mesh["dp", "cp"]._flatten()``). Every rank's gradient is a *partial sum* (its tokens
+of its sequence), so the reduction must sum, not average: the trainer normalises the loss by the
+global token count and :func:`apply_fsdp` sets the divide factor to 1 with sum-only collectives
+(gloo has no ``PREMUL_SUM``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# context_parallel.linear_attention imports models.gated_deltanet, so importing it here at module
+# level would close an import cycle (context_parallel -> models -> context_parallel) whenever
+# context_parallel is imported first; it is imported inside parallelize_qwen3_5_cp. ``api`` and
+# ``ulysses`` are loaded by context_parallel/__init__ before linear_attention, so they are safe.
+from overlap_runtime.context_parallel.api import MODES as FULL_ATTENTION_CP_MODES
+from overlap_runtime.context_parallel.api import ContextParallel
+from overlap_runtime.context_parallel.ulysses import ulysses_kv_heads
+from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+
+__all__ = [
+    "FULL_ATTENTION_CP_MODES",
+    "parallelize_qwen3_5_cp",
+    "apply_fsdp",
+    "build_dp_cp_mesh",
+    "flat_data_mesh",
+    "parameter_count",
+]
+
+
+def _check_cp_mesh(cp_mesh: DeviceMesh) -> int:
+    if not isinstance(cp_mesh, DeviceMesh):
+        raise TypeError(f"cp_mesh must be a DeviceMesh, got {type(cp_mesh).__name__}")
+    if cp_mesh.ndim != 1:
+        names = cp_mesh.mesh_dim_names
+        raise ValueError(
+            f"cp_mesh must be the 1-D context-parallel mesh, got a {cp_mesh.ndim}-D mesh of "
+            f"shape {tuple(cp_mesh.shape)} (dims {names}); pass mesh['cp'] (the mesh has no "
+            f"single cp dimension otherwise)"
+        )
+    return cp_mesh.size()
+
+
+def parallelize_qwen3_5_cp(
+    model: Qwen3_5ForCausalLM,
+    cp_mesh: DeviceMesh,
+    ulysses_degree: int | None = None,
+    linear_attention_cp_mode: str = "ulysses",
+    linear_attention_gdn_backend: str = "eager",
+    full_attention_cp_mode: str = "ulysses",
+    timeout_s: float | None = None,
+) -> Qwen3_5ForCausalLM:
+    """Make every token mixer of ``model`` context parallel over the 1-D ``cp_mesh``.
+
+    Args:
+        model: a :class:`Qwen3_5ForCausalLM` (not yet FSDP-sharded).
+        cp_mesh: the 1-D CP mesh (``mesh["cp"]``).
+        ulysses_degree: Ulysses degree of the full-attention layers: None or ``cp_mesh.size()``
+            (pure Ulysses); anything else (hybrid Ulysses x ring) raises NotImplementedError.
+        linear_attention_cp_mode: GDN CP algorithm, ``"ulysses"``, ``"p2p"``, ``"all_gather"``.
+        linear_attention_gdn_backend: local GDN kernel, ``"eager"`` or ``"triton"``.
+        full_attention_cp_mode: full-attention CP algorithm, ``"ulysses"`` (default, seed 000:
+            the existing Ulysses path), ``"ring"`` or ``"all_gather_kv"``; always contiguous.
+        timeout_s: bound on every CP communication wait (None: the comm default).
+
+    Returns:
+        ``model``, changed in place. With ``cp_mesh.size() == 1`` it is returned untouched
+        (after the arguments are validated).
+
+    Raises:
+        NotImplementedError: ``ulysses_degree`` not in (None, cp size); ``all_gather`` with
+            ``triton``.
+        ValueError: an unknown mode or backend; head counts Ulysses cannot split.
+    """
+    cp_size = _check_cp_mesh(cp_mesh)
+    if ulysses_degree is not None and ulysses_degree != cp_size:
+        raise NotImplementedError(
+            f"ulysses_degree={ulysses_degree}: only pure Ulysses (None or the cp size "
+            f"{cp_size}) is supported for the full-attention layers"
+        )
+    if full_attention_cp_mode not in FULL_ATTENTION_CP_MODES:
+        raise ValueError(
+            f"unknown full_attention_cp_mode {full_attention_cp_mode!r}; supported: "
+            f"{FULL_ATTENTION_CP_MODES}"
+        )
+    from overlap_runtime.context_parallel.linear_attention import LinearAttentionContextParallel
+
+    # Validates mode, backend and their combination before anything is changed.
+    gdn_style = LinearAttentionContextParallel(
+        mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend, tp_size=1,
+        timeout_s=timeout_s,
+    )
+    if cp_size == 1:
+        return model
+    cfg = model.config
+    if full_attention_cp_mode == "ulysses" and "full_attention" in cfg.layer_types:
+        ulysses_kv_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cp_size)
+    attn_style = ContextParallel(mode=full_attention_cp_mode, load_balance=None,
+                                 timeout_s=timeout_s, backend=cfg.attention_backend)
+    for layer in model.layers:
+        if layer.linear_attn is not None:
+            gdn_style.apply(layer.linear_attn, cp_mesh)
+        else:
+            attn_style.apply(layer.self_attn, cp_mesh)
+    model.cp_size = cp_size
+    model.cp_rank = cp_mesh.get_local_rank()
+    return model
+
+
+def build_dp_cp_mesh(device_type: str, dp: int, cp: int) -> DeviceMesh:
+    """The 2-D ``("dp", "cp")`` mesh of all ranks (``dp * cp`` must equal the world size).
+
+    Rank ``d * cp + c`` is CP rank ``c`` of data-parallel group ``d``: the CP ranks of one
+    sequence are adjacent (on one host when ``cp`` divides the GPUs per host).
+    """
+    return init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+
+
+def flat_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh over ``dp x cp`` that FSDP shards on (``mesh["dp", "cp"]`` flattened)."""
+    return mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def apply_fsdp(
+    model: Qwen3_5ForCausalLM,
+    mesh: DeviceMesh,
+    mp_policy: Any | None = None,
+    reshard_after_forward: bool = True,
+) -> Qwen3_5ForCausalLM:
+    """``fully_shard`` each decoder layer, then the root (embedding, final norm, LM head).
+
+    Args:
+        model: the (already context-parallel) model.
+        mesh: 1-D mesh of every rank that holds a piece of the data (:func:`flat_data_mesh`).
+        mp_policy: an FSDP ``MixedPrecisionPolicy`` or None (parameters' own dtype).
+        reshard_after_forward: free the unsharded parameters after forward (re-gather in
+            backward).
+
+    Gradients are *summed* over ``mesh`` (divide factor 1): each rank's loss must already be
+    normalised by the global number of tokens. A tied LM head shares the embedding's parameter
+    and both stay in the root's group.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_fsdp: mesh must be 1-D (flatten dp x cp), got shape "
+                         f"{tuple(mesh.shape)}")
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs["mp_policy"] = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of parameters (a tied weight counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+

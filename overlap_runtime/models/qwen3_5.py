@@ -1,0 +1,228 @@
+"""Qwen3.5-style hybrid decoder: Gated DeltaNet and full-attention layers at 3:1.
+
+::
+
+    input_ids [B, S] --embed_tokens--> h [B, S, hidden]
+    for each layer i (layer_types[i]):
+        h = h + mixer(input_layernorm(h))      mixer: GatedDeltaNet ("linear_attention")
+                                                      or Qwen3_5Attention ("full_attention")
+        h = h + mlp(post_attention_layernorm(h))      mlp: SwiGLU or MoE (config.mlp)
+    logits = lm_head(norm(h))                  [B, S, vocab]   (lm_head tied to the embedding
+                                                                if tie_word_embeddings)
+
+Layer ``i`` is full attention when ``(i + 1) % full_attention_interval == 0`` (interval 4: three
+GDN layers, then one attention layer, as Qwen3.5). Every piece outside the two mixers is
+token-wise, so after ``parallelize_qwen3_5_cp`` the same forward runs on a contiguous sequence
+shard ``[B, S/P]`` with that shard's position ids.
+
+Activation checkpointing (``model.set_activation_checkpointing(True)``) recomputes each decoder
+layer in backward (``torch.utils.checkpoint``, non-reentrant, inside the layer's forward so that
+FSDP's hooks on the layer stay outside the recomputed region). A layer's recompute issues the
+same collectives in the same order on every CP rank, so it is safe with every CP mode.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from overlap_runtime.models.attention import Qwen3_5Attention
+from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.models.mlp import build_mlp
+from overlap_runtime.models.norm import RMSNorm
+from overlap_runtime.models.rope import rotary_dim_for
+
+__all__ = ["Qwen3_5Config", "Qwen3_5DecoderLayer", "Qwen3_5ForCausalLM", "LayerType"]
+
+LayerType = Literal["linear_attention", "full_attention"]
+
+
+class Qwen3_5Config(BaseModel):
+    """Size and structure of the decoder (defaults: a tiny CPU model).
+
+    Field names follow the Hugging Face Qwen3.5/Qwen3-Next configs where one exists.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(260, ge=2, description="256 bytes + 4 specials (trainer.data)")
+    hidden_size: int = Field(32, ge=1)
+    num_hidden_layers: int = Field(4, ge=1)
+    full_attention_interval: int = Field(4, ge=1, description="every n-th layer is attention")
+    # full attention
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    head_dim: int = Field(8, ge=2)
+    rope_theta: float = Field(10000.0, gt=0)
+    partial_rotary_factor: float = Field(0.5, gt=0, le=1)
+    attn_output_gate: bool = True
+    attention_backend: Literal["math", "flash", "cudnn"] = "math"
+    # Gated DeltaNet
+    linear_num_key_heads: int = Field(2, ge=1)
+    linear_num_value_heads: int = Field(4, ge=1)
+    linear_key_head_dim: int = Field(8, ge=1)
+    linear_value_head_dim: int = Field(8, ge=1)
+    linear_conv_kernel_dim: int = Field(4, ge=1)
+    gdn_chunk_size: int = Field(64, ge=1)
+    gdn_backend: Literal["eager", "triton"] = "eager"
+    # feed-forward
+    mlp: Literal["swiglu", "moe"] = "swiglu"
+    intermediate_size: int = Field(64, ge=1)
+    num_experts: int = Field(4, ge=1)
+    num_experts_per_tok: int = Field(2, ge=1)
+    moe_intermediate_size: int = Field(32, ge=1)
+    shared_expert_intermediate_size: int | None = None
+    moe_aux_loss_coef: float = Field(0.0, ge=0)
+    # the rest
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    tie_word_embeddings: bool = False
+    initializer_range: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Qwen3_5Config":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"model.num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"model.linear_num_value_heads={self.linear_num_value_heads} must be a multiple "
+                f"of model.linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"model.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"model.num_experts={self.num_experts}"
+            )
+        rotary_dim_for(self.head_dim, self.partial_rotary_factor)  # raises on an odd rotary dim
+        return self
+
+    @property
+    def layer_types(self) -> list[LayerType]:
+        """``"full_attention"`` for layers ``i`` with ``(i+1) % full_attention_interval == 0``."""
+        n = self.full_attention_interval
+        return ["full_attention" if (i + 1) % n == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)]
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    """Pre-norm residual block: a token mixer (GDN or attention) and a feed-forward block.
+
+    Exactly one of ``linear_attn`` (GatedDeltaNet) and ``self_attn`` (Qwen3_5Attention) is set,
+    per ``layer_type``.
+    """
+
+    def __init__(self, config: Qwen3_5Config, layer_type: LayerType) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.activation_checkpoint = False
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: Qwen3_5Attention | None = None
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                config.linear_key_head_dim, config.linear_value_head_dim,
+                config.linear_conv_kernel_dim, config.rms_norm_eps, config.gdn_chunk_size,
+                config.gdn_backend,
+            )
+        else:
+            self.self_attn = Qwen3_5Attention(
+                config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                config.head_dim, config.rope_theta, config.partial_rotary_factor,
+                config.attn_output_gate, config.rms_norm_eps, config.attention_backend,
+            )
+        self.mlp = build_mlp(config)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, S, hidden]`` (and ``position_ids [S]`` / ``[B, S]`` int64) -> ``[B, S, hidden]``.
+
+        With ``activation_checkpoint`` set, only the layer's input is kept for backward and the
+        layer is recomputed there.
+        """
+        if self.activation_checkpoint and torch.is_grad_enabled():
+            return torch_checkpoint.checkpoint(
+                self._block, hidden_states, position_ids, use_reentrant=False
+            )
+        return self._block(hidden_states, position_ids)
+
+    def _block(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(hidden_states)
+        if self.linear_attn is not None:
+            mixed = self.linear_attn(x)
+        else:
+            assert self.self_attn is not None
+            mixed = self.self_attn(x, position_ids)
+        h = hidden_states + mixed
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """The decoder with its embedding and LM head (see the module docstring).
+
+    Attributes:
+        cp_rank, cp_size: set by ``parallelize_qwen3_5_cp``; used only to derive default
+            position ids of a contiguous shard when the caller passes none.
+    """
+
+    def __init__(self, config: Qwen3_5Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, t) for t in config.layer_types
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.cp_rank = 0
+        self.cp_size = 1
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Linear and embedding weights ~ N(0, initializer_range); GDN gates keep their own init.
+
+        Draws from the global RNG in module order, so one seed gives one model on every rank.
+        """
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute every decoder layer in backward (True) or keep activations (False)."""
+        for layer in self.layers:
+            layer.activation_checkpoint = bool(enabled)
+
+    def default_position_ids(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Positions ``[local_len]`` int64 of this rank's contiguous shard (all of it at cp=1)."""
+        start = self.cp_rank * local_len
+        return torch.arange(start, start + local_len, device=device)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits of the next token.
+
+        Args:
+            input_ids: ``[B, S]`` int64 (under CP: this rank's contiguous shard ``[B, S/P]``).
+            position_ids: ``[S]`` or ``[B, S]`` int64 absolute positions of those tokens; None:
+                the positions of a contiguous shard (:meth:`default_position_ids`).
+
+        Returns:
+            ``[B, S, vocab]`` in the parameters' dtype.
+        """
+        if position_ids is None:
+            position_ids = self.default_position_ids(input_ids.shape[1], input_ids.device)
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, position_ids)
+        return self.lm_head(self.norm(h))

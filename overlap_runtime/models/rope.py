@@ -1,0 +1,65 @@
+"""Rotary position embedding with a partial rotary dimension (Qwen3.5 rotates 1/4 of a head).
+
+Only the first ``rotary_dim`` channels of each head are rotated, in the rotate-half form (the
+pairs are channel ``i`` and ``i + rotary_dim / 2``, frequency ``theta ** (-2i / rotary_dim)``);
+the remaining channels pass through. Angles are computed in fp32 (float64 for a float64 input, so
+a float64 reference check is exact to float64 rounding).
+
+RoPE is a function of each token's *absolute* position, so under context parallelism a rank must
+be handed the position ids of the tokens it holds, split by the same rule as the tokens (see
+``models.parallelize``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rotary_dim_for", "apply_partial_rotary"]
+
+
+def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
+    """Rotated channels per head: ``int(head_dim * factor)``; must be even and >= 2.
+
+    Raises:
+        ValueError: naming head_dim and partial_rotary_factor when the result is odd or < 2.
+    """
+    if not 0.0 < partial_rotary_factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor={partial_rotary_factor} must be in (0, 1]")
+    dim = int(head_dim * partial_rotary_factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(
+            f"head_dim={head_dim} * partial_rotary_factor={partial_rotary_factor} gives "
+            f"{dim} rotary channels; it must be even and >= 2"
+        )
+    return dim
+
+
+def apply_partial_rotary(
+    x: torch.Tensor, position_ids: torch.Tensor, rotary_dim: int, base: float
+) -> torch.Tensor:
+    """Rotate the first ``rotary_dim`` channels of every head at the given positions.
+
+    Args:
+        x: ``[B, S, H, D]`` any float dtype, even ``rotary_dim <= D``.
+        position_ids: ``[S]`` or ``[B, S]`` integer absolute positions of the S tokens.
+        rotary_dim: number of rotated channels.
+        base: RoPE theta.
+
+    Returns:
+        ``[B, S, H, D]`` in x's dtype.
+    """
+    if rotary_dim % 2 or not 2 <= rotary_dim <= x.shape[-1]:
+        raise ValueError(f"rotary_dim={rotary_dim} must be even and in [2, head_dim="
+                         f"{x.shape[-1]}]")
+    compute = torch.promote_types(x.dtype, torch.float32)
+    half = rotary_dim // 2
+    inv_freq = base ** (-torch.arange(0, half, device=x.device, dtype=compute) * 2 / rotary_dim)
+    pos = position_ids.to(device=x.device, dtype=compute)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    angle = (pos.unsqueeze(-1) * inv_freq).unsqueeze(2)            # [B|1, S, 1, rot/2]
+    cos, sin = angle.cos(), angle.sin()
+    xc = x.to(compute)
+    x1, x2, rest = xc[..., :half], xc[..., half:rotary_dim], xc[..., rotary_dim:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,126 @@
+"""``overlap-runtime train CONFIG.yaml``: FSDP2 + CP training of the Qwen3.5-style model.
+
+Without torchrun's environment it spawns ``train.accelerator.world_size`` ranks itself (the
+embedded CPU default, gloo); under ``torchrun`` (``RANK`` set) every process joins the group
+with ``launch.init_from_env``. Rank 0 prints one progress line per step (loss, grad norm,
+tokens/s). ``--compare-single`` then trains the single-device baseline on the same data and
+prints the largest loss and grad-norm differences; ``--metrics PATH`` (or ``train.metrics``)
+writes everything as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML training configuration (see configs/)")
+    parser.add_argument("--metrics", default=None,
+                        help="write the metrics JSON here (default: train.metrics of the config)")
+    parser.add_argument("--compare-single", action="store_true",
+                        help="also train on one device with the same data and report the largest "
+                             "loss / grad-norm differences")
+    parser.add_argument("--steps", type=int, default=None, help="override train.steps")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="override train.accelerator.world_size (spawned runs only)")
+    parser.add_argument("--quiet", action="store_true", help="no per-step lines")
+
+
+def _summary(result: Any) -> dict[str, Any]:
+    steady = result.steps[1:] or result.steps
+    return {
+        "final_loss": result.steps[-1].loss,
+        "median_step_time_s": statistics.median(s.step_time_s for s in steady),
+        "median_tokens_per_s": statistics.median(s.tokens_per_s for s in steady),
+        "peak_memory_bytes": result.peak_memory_bytes,
+    }
+
+
+def _report(config: Any, result: Any, baseline: Any, metrics_path: str | None) -> None:
+    from overlap_runtime.trainer.loop import compare_runs
+
+    summary = _summary(result)
+    peak = summary["peak_memory_bytes"]
+    print(f"{result.mode}: {len(result.steps)} steps, final loss {summary['final_loss']:.6f}, "
+          f"median step {summary['median_step_time_s'] * 1e3:.1f} ms, "
+          f"{summary['median_tokens_per_s']:,.0f} tokens/s"
+          + (f", peak memory {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
+    payload: dict[str, Any] = {"config": config.model_dump(mode="json"),
+                               "run": result.to_dict(), "summary": summary}
+    if baseline is not None:
+        diff = compare_runs(result, baseline)
+        payload["baseline"] = baseline.to_dict()
+        payload["comparison"] = diff
+        print(f"vs single device over {diff['steps']} steps: max |dloss| "
+              f"{diff['max_abs_dloss']:.3e} (rel {diff['max_rel_dloss']:.3e}), max |dgrad_norm| "
+              f"{diff['max_abs_dgrad_norm']:.3e} (rel {diff['max_rel_dgrad_norm']:.3e})",
+              flush=True)
+    if metrics_path:
+        path = Path(metrics_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2))
+        print(f"metrics written to {path}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from overlap_runtime.trainer.config import ConfigError, load_config
+    from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
+
+    try:
+        config = load_config(args.config)
+        overrides: dict[str, Any] = {}
+        if args.steps is not None:
+            overrides["steps"] = args.steps
+        if args.world_size is not None:
+            acc = config.train.accelerator.model_dump()
+            acc["world_size"] = args.world_size
+            overrides["accelerator"] = acc
+        if overrides:
+            config = config.with_overrides(**overrides)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    metrics_path = args.metrics or config.train.metrics
+    acc = config.train.accelerator
+    log = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
+
+    if "RANK" in os.environ:  # started by torchrun
+        import torch.distributed as dist
+
+        from overlap_runtime.launch import init_from_env
+
+        ctx = init_from_env(acc.device)
+        try:
+            result = train_distributed(config, ctx.device, log)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        dist.barrier()
+        if ctx.rank != 0:
+            return 0
+        baseline = train_single(config, ctx.device) if args.compare_single else None
+        _report(config, result, baseline, metrics_path)
+        dist.destroy_process_group()
+        return 0
+
+    print(f"spawning {acc.resolved_world_size} {acc.device} ranks: cp={acc.cp}, "
+          f"dp={config.dp}, linear_attention_cp_mode={acc.linear_attention_cp_mode}, "
+          f"full_attention_cp_mode={acc.full_attention_cp_mode}", flush=True)
+    result = spawn_training(config, quiet=args.quiet)
+    baseline = None
+    if args.compare_single:
+        device = torch.device("cuda:0" if acc.device == "cuda" else acc.device)
+        print("single-device baseline:", flush=True)
+        baseline = train_single(config, device, log)
+    _report(config, result, baseline, metrics_path)
+    return 0

@@ -1,0 +1,236 @@
+"""``TrainConfig``: the trainer's YAML configuration, validated in one place (pydantic v2).
+
+::
+
+    model:            # overlap_runtime.models.Qwen3_5Config (size, layer mix, mlp: swiglu|moe)
+      hidden_size: 32
+    data:
+      seq_len: 256    # global tokens per sequence (split over cp ranks)
+      batch_size: 1   # sequences per data-parallel rank per step
+    optimizer:        # AdamW
+      lr: 1.0e-3
+    train:
+      steps: 20
+      seed: 0
+      activation_checkpoint: false
+      precision: fp32             # or bf16 (see below)
+      metrics: null               # path of the metrics JSON (or --metrics)
+      accelerator:                # seed 000, 5.1
+        device: cpu
+        world_size: 4             # ranks `overlap-runtime train` spawns (torchrun: WORLD_SIZE)
+        cp: 4
+        tp: 1
+        pp: 1
+        ep: 1
+        ulysses_degree: null
+        linear_attention_cp_mode: ulysses     # ulysses | p2p | all_gather
+        linear_attention_gdn_backend: eager   # eager | triton
+        full_attention_cp_mode: ulysses       # ulysses | ring | all_gather_kv
+
+``dp = world_size / cp`` data-parallel groups; FSDP2 shards over all ``dp x cp`` ranks.
+
+Every rule that a combination breaks fails at load time with the dotted field name and the rule
+(:class:`ConfigError`); unknown keys are errors too (a typo must not silently fall back to a
+default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from overlap_runtime.models.qwen3_5 import Qwen3_5Config
+from overlap_runtime.trainer.data import VOCAB_SIZE as BYTE_VOCAB_SIZE
+
+__all__ = [
+    "AcceleratorConfig",
+    "ConfigError",
+    "DataConfig",
+    "OptimizerConfig",
+    "TrainConfig",
+    "TrainSection",
+    "config_from_dict",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """An invalid training configuration; the message names each offending field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AcceleratorConfig(_Strict):
+    """Parallel layout (``train.accelerator``). See the module docstring for the fields."""
+
+    device: Literal["cpu", "cuda", "npu"] = "cpu"
+    world_size: int | None = Field(None, ge=1, description="ranks to spawn; None: cp")
+    cp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    ulysses_degree: int | None = None
+    linear_attention_cp_mode: Literal["ulysses", "p2p", "all_gather"] = "ulysses"
+    linear_attention_gdn_backend: Literal["eager", "triton"] = "eager"
+    full_attention_cp_mode: Literal["ulysses", "ring", "all_gather_kv"] = "ulysses"
+    comm_timeout_s: float | None = Field(None, gt=0)
+
+    @property
+    def resolved_world_size(self) -> int:
+        """Number of ranks: ``world_size`` or, when unset, ``cp`` (dp = 1)."""
+        return self.world_size if self.world_size is not None else self.cp
+
+
+class DataConfig(_Strict):
+    """Training data (``data``): the packaged byte-level corpus or a text file."""
+
+    corpus: str | None = Field(None, description="path of a UTF-8 text file; None: packaged")
+    seq_len: int = Field(256, ge=2, description="global tokens per sequence")
+    batch_size: int = Field(1, ge=1, description="sequences per data-parallel rank per step")
+
+
+class OptimizerConfig(_Strict):
+    """AdamW (``optimizer``) with linear warmup to a constant ``lr``."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip threshold; None: no clip")
+
+
+class TrainSection(_Strict):
+    """The ``train`` block: loop length, seed, precision, checkpointing, layout."""
+
+    steps: int = Field(20, ge=1)
+    seed: int = 0
+    activation_checkpoint: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+    log_every: int = Field(1, ge=1)
+    metrics: str | None = None
+    accelerator: AcceleratorConfig = AcceleratorConfig()
+
+
+class TrainConfig(_Strict):
+    """The whole configuration (see the module docstring)."""
+
+    model: Qwen3_5Config = Qwen3_5Config()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainSection = TrainSection()
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree ``world_size / cp``."""
+        acc = self.train.accelerator
+        return acc.resolved_world_size // acc.cp
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> "TrainConfig":
+        acc, m = self.train.accelerator, self.model
+        has_gdn = "linear_attention" in m.layer_types
+        has_attention = "full_attention" in m.layer_types
+        errors: list[str] = []
+        if acc.pp > 1:
+            errors.append(f"train.accelerator.pp={acc.pp}: pipeline parallelism is not supported "
+                          f"by this trainer yet (use pp: 1)")
+        if acc.ep > 1:
+            errors.append(f"train.accelerator.ep={acc.ep}: expert parallelism is not supported by "
+                          f"this trainer yet (use ep: 1)")
+        if acc.tp > 1:
+            if acc.cp > 1 and has_gdn:
+                errors.append(f"train.accelerator.tp={acc.tp}: linear-attention (GDN) context "
+                              f"parallelism needs tp == 1 (seed 000, 3.2); got cp={acc.cp}")
+            else:
+                errors.append(f"train.accelerator.tp={acc.tp}: tensor parallelism is not "
+                              f"supported by this trainer yet (use tp: 1)")
+        world = acc.resolved_world_size
+        if world % acc.cp:
+            errors.append(f"train.accelerator.cp={acc.cp} does not divide "
+                          f"train.accelerator.world_size={world}")
+        if acc.ulysses_degree is not None and acc.ulysses_degree != acc.cp:
+            errors.append(f"train.accelerator.ulysses_degree={acc.ulysses_degree}: only None or "
+                          f"cp={acc.cp} (pure Ulysses) is supported")
+        backend = acc.linear_attention_gdn_backend
+        if acc.linear_attention_cp_mode == "all_gather" and backend != "eager":
+            errors.append(f"train.accelerator.linear_attention_cp_mode='all_gather' supports only "
+                          f"linear_attention_gdn_backend='eager', got {backend!r}")
+        if m.vocab_size < BYTE_VOCAB_SIZE:
+            errors.append(f"model.vocab_size={m.vocab_size} is smaller than the byte-level "
+                          f"vocabulary of the data ({BYTE_VOCAB_SIZE}: 256 bytes + 4 specials)")
+        if self.data.seq_len % acc.cp:
+            errors.append(f"data.seq_len={self.data.seq_len} is not a multiple of "
+                          f"train.accelerator.cp={acc.cp} (contiguous split)")
+        if acc.cp > 1 and acc.linear_attention_cp_mode == "ulysses" and has_gdn:
+            if m.linear_num_value_heads % acc.cp or (
+                m.linear_num_key_heads % acc.cp and acc.cp % m.linear_num_key_heads
+            ):
+                errors.append(
+                    f"train.accelerator.linear_attention_cp_mode='ulysses' with cp={acc.cp} needs "
+                    f"model.linear_num_value_heads % cp == 0 and model.linear_num_key_heads "
+                    f"dividing or divisible by cp; got {m.linear_num_value_heads} / "
+                    f"{m.linear_num_key_heads} (use p2p or all_gather)")
+        if acc.cp > 1 and acc.full_attention_cp_mode == "ulysses" and has_attention:
+            h, kv = m.num_attention_heads, m.num_key_value_heads
+            if h % acc.cp or (kv % acc.cp and acc.cp % kv):
+                errors.append(
+                    f"train.accelerator.full_attention_cp_mode='ulysses' with cp={acc.cp} needs "
+                    f"model.num_attention_heads % cp == 0 and model.num_key_value_heads dividing "
+                    f"or divisible by cp; got {h} / {kv} (use full_attention_cp_mode: ring)")
+        if self.train.precision == "bf16" and acc.device == "cpu":
+            errors.append("train.precision='bf16' is meant for accelerators; on the CPU use "
+                          "train.precision: fp32")
+        if errors:
+            raise ValueError("\n  ".join(errors))
+        return self
+
+    def with_overrides(self, **train_fields: Any) -> "TrainConfig":
+        """A validated copy with some ``train`` fields replaced (e.g. ``steps=5``)."""
+        data = self.model_dump()
+        data["train"].update(train_fields)
+        return TrainConfig.model_validate(data)
+
+
+def _format(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid training configuration {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "(dict)") -> TrainConfig:
+    """Validate a parsed configuration; raise :class:`ConfigError` naming the fields."""
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc, source)) from None
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read and validate a YAML configuration file (see the module docstring).
+
+    Raises:
+        ConfigError: a missing file, bad YAML, or a field that breaks a rule (named).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read training configuration {p}: {exc}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping (model, data, optimizer, train)")
+    return config_from_dict(data, str(p))
+

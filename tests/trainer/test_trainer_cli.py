@@ -1,0 +1,83 @@
+"""``overlap-runtime train``: the spawned CPU default, torchrun, the metrics file, config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from _trainer_util import tiny_config
+
+from overlap_runtime.cli import build_parser, main
+
+
+def _write(tmp_path: Path, name: str = "tiny.yaml", **acc: object) -> Path:
+    cfg = tiny_config(steps=3, seq_len=64, **acc)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_train_is_a_subcommand() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["train", "x.yaml", "--compare-single", "--metrics", "m.json"])
+    assert args.command == "train" and args.compare_single and args.metrics == "m.json"
+
+
+def test_cli_spawns_ranks_compares_and_writes_metrics(tmp_path: Path) -> None:
+    # A fresh interpreter: the spawned ranks print to the forkserver's stdout, which inside a
+    # pytest session is whatever the first spawning test's capture was.
+    config = _write(tmp_path, cp=2, linear_attention_cp_mode="p2p")
+    metrics = tmp_path / "out" / "metrics.json"
+    cmd = [sys.executable, "-m", "overlap_runtime.cli", "train", str(config), "--compare-single",
+           "--metrics", str(metrics)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "spawning 2 cpu ranks" in out
+    for step in (1, 2, 3):
+        assert out.count(f"step {step}/3  loss ") == 2       # the CP run and the baseline
+    assert "tok/s" in out and "grad_norm" in out
+    assert "vs single device over 3 steps: max |dloss|" in out
+    data = json.loads(metrics.read_text())
+    assert data["run"]["cp"] == 2 and data["run"]["world_size"] == 2
+    assert len(data["run"]["steps"]) == len(data["baseline"]["steps"]) == 3
+    assert data["comparison"]["max_rel_dloss"] <= 1e-4
+    assert data["comparison"]["max_rel_dgrad_norm"] <= 1e-3
+    assert data["config"]["train"]["accelerator"]["linear_attention_cp_mode"] == "p2p"
+    assert data["summary"]["median_tokens_per_s"] > 0
+
+
+def test_cli_under_torchrun(tmp_path: Path) -> None:
+    config = _write(tmp_path, cp=2, linear_attention_cp_mode="ulysses")
+    metrics = tmp_path / "torchrun.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "overlap_runtime.cli", "train", str(config), "--steps", "2",
+           "--metrics", str(metrics)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "spawning" not in proc.stdout                     # joined torchrun's group instead
+    assert proc.stdout.count("step 2/2  loss ") == 1          # rank 0 prints
+    data = json.loads(metrics.read_text())
+    assert data["run"]["world_size"] == 2 and len(data["run"]["steps"]) == 2
+
+
+def test_cli_config_error_exit_code(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    config = _write(tmp_path, cp=2, pp=2)
+    assert main(["train", str(config)]) == 2
+    assert "train.accelerator.pp=2" in capfd.readouterr().err
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read" in capfd.readouterr().err
+
+
+def test_building_the_parser_does_not_import_torch() -> None:
+    code = ("import sys, overlap_runtime.cli as c; c.build_parser(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,107 @@
+"""TrainConfig: the shipped YAML files load, and every broken rule names its field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overlap_runtime.trainer import ConfigError, config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _acc(**fields: Any) -> dict[str, Any]:
+    return {"train": {"accelerator": fields}}
+
+
+@pytest.mark.parametrize("name,cp,world,mode", [
+    ("tiny_cp4_ulysses", 4, 4, "ulysses"),
+    ("tiny_cp4_p2p", 4, 4, "p2p"),
+    ("tiny_cp2_all_gather", 2, 2, "all_gather"),
+    ("gpu_cp2_16k", 2, 2, "ulysses"),
+])
+def test_shipped_configs_load(name: str, cp: int, world: int, mode: str) -> None:
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    acc = cfg.train.accelerator
+    assert (acc.cp, acc.resolved_world_size, acc.linear_attention_cp_mode) == (cp, world, mode)
+    assert (acc.tp, acc.pp, acc.ep, acc.ulysses_degree) == (1, 1, 1, None)
+    assert cfg.model.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert cfg.data.seq_len % cp == 0
+
+
+def test_gpu_config_is_local_16k_bf16() -> None:
+    cfg = load_config(REPO / "configs" / "gpu_cp2_16k.yaml")
+    assert cfg.data.seq_len // cfg.train.accelerator.cp == 16384
+    assert cfg.train.precision == "bf16" and cfg.train.accelerator.device == "cuda"
+
+
+@pytest.mark.parametrize("data,needle", [
+    (_acc(cp=2, tp=2), "train.accelerator.tp=2: linear-attention (GDN) context parallelism needs "
+                       "tp == 1"),
+    (_acc(cp=1, tp=2), "train.accelerator.tp=2: tensor parallelism is not supported"),
+    (_acc(cp=3, world_size=4), "train.accelerator.cp=3 does not divide "
+                               "train.accelerator.world_size=4"),
+    (_acc(linear_attention_cp_mode="ring"), "train.accelerator.linear_attention_cp_mode: Input "
+                                            "should be 'ulysses', 'p2p' or 'all_gather'"),
+    (_acc(linear_attention_gdn_backend="auto"), "train.accelerator.linear_attention_gdn_backend"),
+    (_acc(full_attention_cp_mode="zigzag"), "train.accelerator.full_attention_cp_mode"),
+    (_acc(pp=2), "train.accelerator.pp=2: pipeline parallelism is not supported by this trainer"),
+    (_acc(ep=2), "train.accelerator.ep=2: expert parallelism is not supported by this trainer"),
+    (_acc(cp=2, ulysses_degree=1), "train.accelerator.ulysses_degree=1"),
+    (_acc(linear_attention_cp_mode="all_gather", linear_attention_gdn_backend="triton"),
+     "linear_attention_cp_mode='all_gather' supports only linear_attention_gdn_backend='eager'"),
+    ({"data": {"seq_len": 130}, **_acc(cp=4)}, "data.seq_len=130 is not a multiple of "
+                                               "train.accelerator.cp=4"),
+    ({"model": {"linear_num_value_heads": 6, "linear_num_key_heads": 2}, **_acc(cp=4)},
+     "linear_attention_cp_mode='ulysses' with cp=4 needs model.linear_num_value_heads"),
+    ({"model": {"num_attention_heads": 6, "num_key_value_heads": 2}, **_acc(cp=4)},
+     "full_attention_cp_mode='ulysses' with cp=4 needs model.num_attention_heads"),
+    ({"train": {"precision": "bf16"}}, "train.precision='bf16'"),
+    ({"model": {"vocab_size": 128}}, "model.vocab_size=128 is smaller than the byte-level"),
+    ({"model": {"hidden": 64}}, "model.hidden: Extra inputs are not permitted"),
+    ({"optimizer": {"lr": 0}}, "optimizer.lr: Input should be greater than 0"),
+    ({"train": {"steps": 0}}, "train.steps: Input should be greater than or equal to 1"),
+])
+def test_config_errors_name_the_field(data: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert needle in str(info.value)
+
+
+def test_several_errors_are_reported_together() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(_acc(cp=3, world_size=4, pp=2, ep=2))
+    msg = str(info.value)
+    for needle in ("train.accelerator.pp=2", "train.accelerator.ep=2",
+                   "train.accelerator.cp=3 does not divide"):
+        assert needle in msg
+
+
+def test_ring_full_attention_allows_head_counts_ulysses_cannot_split() -> None:
+    cfg = config_from_dict({"model": {"num_attention_heads": 6, "num_key_value_heads": 2},
+                            **_acc(cp=4, full_attention_cp_mode="ring",
+                                   linear_attention_cp_mode="p2p")})
+    assert cfg.dp == 1 and cfg.train.accelerator.full_attention_cp_mode == "ring"
+
+
+def test_dp_is_world_over_cp_and_overrides_revalidate() -> None:
+    cfg = config_from_dict(_acc(cp=2, world_size=8))
+    assert cfg.dp == 4
+    assert cfg.with_overrides(steps=3).train.steps == 3
+    with pytest.raises(ValueError):
+        cfg.with_overrides(steps=0)
+
+
+def test_load_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("train:\n  accelerator:\n    cp: 2\n    pp: 4\n")
+    with pytest.raises(ConfigError, match=r"wrong.yaml(.|\n)*train.accelerator.pp=4"):
+        load_config(wrong)
