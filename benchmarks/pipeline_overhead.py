@@ -41,31 +41,32 @@ def _rank(rank: int, world: int, kind: str, m: int, steps: int, virtual: int, ov
               if spec.stage_to_rank(s) == rank]
     sched = PipelineSchedule(spec, stages, lambda out, tgt: out.sum())
     x, y = torch.ones(m, 1), torch.zeros(m, 1)
-    times = []
-    for i in range(steps + 3):
+    mods = [st.module for st in sorted(stages, key=lambda s: s.stage_index)]
+
+    def bare_step() -> None:  # the same module calls without the runtime (one rank only)
+        for mb in x.chunk(m):
+            outs, h = [], mb
+            for mod in mods:
+                h = mod(h.detach().requires_grad_(True))
+                outs.append(h)
+            torch.autograd.backward(outs[-1].sum() * (1.0 / m))
+
+    times, bare = [], []
+    for i in range(steps + 3):  # interleaved, so both see the same machine load
         all_gather(torch.zeros(1))  # align ranks
         t0 = time.perf_counter()
         sched.step(x, target=y)
+        t1 = time.perf_counter()
+        if world == 1:
+            bare_step()
+        t2 = time.perf_counter()
         if i >= 3:
-            times.append(time.perf_counter() - t0)
+            times.append(t1 - t0)
+            bare.append(t2 - t1)
     n_actions = len(sched.program)
     per_action = statistics.median(times) / n_actions
     worst = all_gather(torch.tensor([per_action], dtype=torch.float64)).max().item()
-    bare_ms = float("nan")
-    if world == 1:  # the same module calls without the runtime
-        mods = [st.module for st in sorted(stages, key=lambda s: s.stage_index)]
-        bare = []
-        for i in range(steps + 3):
-            t0 = time.perf_counter()
-            for mb in x.chunk(m):
-                outs, h = [], mb
-                for mod in mods:
-                    h = mod(h.detach().requires_grad_(True))
-                    outs.append(h)
-                torch.autograd.backward(outs[-1].sum() * (1.0 / m))
-            if i >= 3:
-                bare.append(time.perf_counter() - t0)
-        bare_ms = statistics.median(bare) * 1e3
+    bare_ms = statistics.median(bare) * 1e3 if world == 1 else float("nan")
     return {"per_action_us": worst * 1e6, "actions": n_actions,
             "step_ms": statistics.median(times) * 1e3, "bare_ms": bare_ms}
 
