@@ -179,6 +179,14 @@ def _child_main(
         conn.send(status)
     finally:
         conn.close()
+    if status[0] == "ok" and dist.is_initialized():
+        # Leave together: a rank that exits while a peer is still connecting its gloo mesh
+        # breaks the peer's init ("connection closed by peer"). Bounded; errors are moot here.
+        try:
+            work = dist.barrier(async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
+        except Exception:  # noqa: BLE001 - the result is already with the parent
+            pass
     # No destroy_process_group and no interpreter teardown: both can block on the gloo threads of
     # a group whose peer failed, and the parent already has the result.
     stack_fh.flush()

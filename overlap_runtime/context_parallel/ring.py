@@ -21,18 +21,34 @@ Every off-diagonal step is half a block of work and no mask, on every rank: the 
 layout was made for. Contiguous split: ``src < me`` full block, ``src == me`` causal, ``src >
 me`` nothing (the block still travels on). Not causal: every step is a full block.
 
+What travels (causal zigzag)
+----------------------------
+A block's hops visit ``src+1 .. P-1`` (they need ``kv_lo`` only) and then, after wrapping,
+``0 .. src-1`` (they need all of it), so the second half must pass every rank in between: only
+block 0 never wraps, and it travels as its first half (chunk 0) on every hop: chunk ``2P-1`` is
+read by rank 0 alone. That is ``(P-1)/2`` blocks fewer per call, a quarter of the forward bytes
+at ``P = 2`` (rank 0 sends half, rank 1 the whole block: rank 0's ``q_hi`` reads all of it).
+
 Backward
 --------
-A custom autograd Function with a hand-written ring: K/V travel the same way again; for each
-block the gradients are recomputed from the saved ``(q, k, v, out, lse)`` and ``dout``
-(``attention_block_backward``; no per-block graph is kept). ``dq`` accumulates locally; the
-block's ``dk``/``dv`` (float32) travel *with* the block: in step ``s`` rank ``me`` adds its
-share to the accumulator it received for block ``src`` and sends it on. After step ``P-1`` the
-accumulator of block ``me + 1`` is complete at ``me`` and one last send delivers it home.
+A custom autograd Function with a hand-written ring: K/V travel the same way again (block 0 as
+its first half); for each block the gradients are recomputed from the saved ``(q, k, v, out,
+lse)`` and ``dout`` (``attention_block_backward``; no per-block graph is kept). ``dq``
+accumulates locally. The owner keeps its own (diagonal) share of dK/dV at home; the other
+ranks' shares travel in one float32 accumulator that starts at ``src + 1``: in step ``s`` rank
+``me`` adds its share to the accumulator it received and sends it on, and after step ``P-1``
+the accumulator of block ``me + 1`` is complete at ``me`` and goes home (``P-1`` hops, not
+``P``). While the accumulator has not wrapped past rank 0 it holds ``kv_lo`` rows only (every
+rank above ``src`` reads only chunk ``src``) and travels as that half.
+
+The diagonal block's backward is cut in two pieces of equal work (``q_hi x kv_lo`` unmasked;
+``q_lo x kv_lo`` and ``q_hi x kv_hi`` causal): the first runs while the first K/V hop is in
+flight, the second after the last dK/dV hop is posted, which used to be exposed.
 
 Communication per call (``P > 1``), per rank, counted in :class:`CommStats`:
 forward ``P-1`` sends and ``P-1`` receives (K/V packed in one tensor); backward ``P-1`` K/V
-sends/receives plus ``P`` dK/dV sends/receives.
+sends/receives plus ``P-1`` dK/dV sends/receives. Bytes: :func:`kv_hop_is_half`,
+:func:`dkv_hop_is_half`.
 """
 
 from __future__ import annotations
@@ -61,7 +77,7 @@ from overlap_runtime.ops.comm import (
     group_size,
 )
 
-__all__ = ["ring_attention", "ring_step_block"]
+__all__ = ["ring_attention", "ring_step_block", "kv_hop_is_half", "dkv_hop_is_half"]
 
 _ALL = slice(None)
 
@@ -94,7 +110,9 @@ class _RingShift:
     receive-then-send: with P == 2 both peers are the same rank, and backends that serialise
     point-to-point per peer pair (NCCL's per-pair stream, or the main stream under eager init)
     would deadlock if both sides sent first. The same posting order on both sides of every pair
-    also keeps the K/V and dK/dV messages matched in order (neither carries a tag).
+    also keeps the K/V and dK/dV messages matched in order (neither carries a tag); their sizes
+    (whole or first half, see :func:`kv_hop_is_half` and :func:`dkv_hop_is_half`) are computed
+    by sender and receiver from the same rule.
     """
 
     def __init__(self, send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
@@ -107,7 +125,7 @@ class _RingShift:
             ops.reverse()
         works = _p2p(ops, group)
         self.handle = AsyncHandle(works, f"ring attention {what} ({phase}, rank {me}: send to "
-                                  f"{nxt}, receive from {prv})", timeout_s)
+                                  f"{nxt}, receive from {prv})", timeout_s, device=recv.device)
         if stats is not None:
             stats.record(phase, "send", send.numel() * send.element_size())
             stats.record(phase, "recv", recv.numel() * recv.element_size())
@@ -118,6 +136,64 @@ class _RingShift:
         return self.recv
 
 
+def kv_hop_is_half(src: int, causal: bool, load_balance: LoadBalance) -> bool:
+    """Whether the K/V block of rank ``src`` travels as its first half only (every hop).
+
+    Under causal zigzag a block's hops visit ``src+1, ..., P-1`` (all need only ``kv_lo``) and,
+    after wrapping, ``0, ..., src-1`` (all need the whole block). Only block 0 never wraps: its
+    second half (chunk ``2P-1``, the last of the sequence) is read by rank 0's own queries only.
+    """
+    return causal and load_balance == "zigzag" and src == 0
+
+
+def dkv_hop_is_half(holder: int, src: int, causal: bool, load_balance: LoadBalance) -> bool:
+    """Whether the dK/dV accumulator of block ``src``, sent on by rank ``holder``, is its first
+    half only.
+
+    The accumulator starts at ``src + 1`` (the owner keeps its own diagonal share at home) and
+    holds the shares of ranks ``src+1 .. holder``. Under causal zigzag, while ``holder > src``
+    (no wrap yet) every one of those ranks only touched ``kv_lo``; after the wrap ranks below
+    ``src`` add to both halves.
+    """
+    return causal and load_balance == "zigzag" and holder > src
+
+
+def _kv_message(k: torch.Tensor, v: torch.Tensor, half: bool) -> torch.Tensor:
+    """``[2, B, L, Hkv, D]`` contiguous: k and v (their first halves when ``half``)."""
+    if half:
+        n = k.shape[1] // 2
+        return torch.stack((k[:, :n], v[:, :n]))
+    return torch.stack((k, v))
+
+
+def _kv_rows(kv: torch.Tensor, kv_rows: slice, local_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v rows ``kv_rows`` of a K/V message that may hold the first half only."""
+    if kv.shape[2] != local_len:  # a half message: it is exactly the rows the plan asks for
+        if kv_rows != slice(0, local_len // 2):
+            raise AssertionError(f"ring attention: half K/V block but rows {kv_rows} needed")
+        return kv[0], kv[1]
+    return kv[0][:, kv_rows], kv[1][:, kv_rows]
+
+
+def _diag_backward_parts(local_len: int, causal: bool, split: bool
+                         ) -> tuple[list[tuple[slice, slice, bool]], list[tuple[slice, slice, bool]]]:
+    """The diagonal block's backward cut in two halves of equal work: the first runs while the
+    first K/V hop is in flight, the second while the last dK/dV hop is (it would otherwise be
+    the one exposed transfer of the ring). Exact: the pieces partition the block's mask.
+
+    causal: ``q_hi x kv_lo`` (no mask) | ``q_lo x kv_lo`` and ``q_hi x kv_hi`` (causal squares).
+    not causal: ``q_lo x kv`` | ``q_hi x kv``.
+    """
+    whole = [(_ALL, _ALL, causal)]
+    if not split or local_len < 2 or (causal and local_len % 2):
+        return whole, []
+    n = local_len // 2
+    lo, hi = slice(0, n), slice(n, local_len)
+    if causal:
+        return [(hi, lo, False)], [(lo, lo, True), (hi, hi, True)]
+    return [(lo, _ALL, False)], [(hi, _ALL, False)]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -125,24 +201,32 @@ class _RingAttention(torch.autograd.Function):
                 scale: float, timeout_s: float, stats: CommStats | None,
                 backend: Backend) -> torch.Tensor:
         me, world = group_rank(group), group_size(group)
-        b, s, hq, d = q.shape
-        out = torch.zeros(b, s, hq, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v))  # one message per hop instead of two
+        s = q.shape[1]
+        out = lse = None
+        kv = _kv_message(k, v, kv_hop_is_half(me, causal, load_balance)) if world > 1 else None
+        spare: dict[tuple[int, ...], torch.Tensor] = {}  # free receive buffers, by shape
         for step in range(world):
             src = (me - step) % world
             shift = None
-            if step + 1 < world:  # prefetch the next block while this one computes
-                shift = _RingShift(kv, torch.empty_like(kv), group, timeout_s, stats, "forward",
-                                   "K/V")
+            if step + 1 < world:  # prefetch the next block before this one computes
+                nsrc = (me - step - 1) % world
+                recv = _take(spare, kv, kv_hop_is_half(nsrc, causal, load_balance), s)
+                shift = _RingShift(kv, recv, group, timeout_s, stats, "forward", "K/V")
             plan = ring_step_block(src, me, s, causal, load_balance)
             if plan is not None:
                 qr, kr, blk_causal = plan
-                blk_out, blk_lse = attention_block_forward(q[:, qr], kv[0][:, kr], kv[1][:, kr],
-                                                           blk_causal, scale, backend)
-                merge_attention_(out[:, qr], lse[:, :, qr], blk_out, blk_lse)
+                kk, vv = (k, v) if step == 0 else _kv_rows(kv, kr, s)
+                blk_out, blk_lse = attention_block_forward(q[:, qr], kk, vv, blk_causal, scale,
+                                                           backend)
+                if out is None:  # the diagonal covers every row: take it as the accumulator
+                    out = blk_out.float().contiguous()
+                    lse = blk_lse.float().contiguous()
+                else:
+                    merge_attention_(out[:, qr], lse[:, :, qr], blk_out, blk_lse)
             if shift is not None:
-                kv = shift.wait()
+                sent, kv = kv, shift.wait()
+                spare[tuple(sent.shape)] = sent  # its send is complete: reuse as a buffer
+        assert out is not None and lse is not None  # step 0 (diagonal) always computes
         out_cast = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out_cast, lse)
         ctx.group, ctx.causal, ctx.load_balance = group, causal, load_balance
@@ -153,42 +237,102 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         group, stats, scale, backend = ctx.group, ctx.stats, ctx.scale, ctx.backend
+        causal, lb, timeout_s = ctx.causal, ctx.load_balance, ctx.timeout_s
         me, world = group_rank(group), group_size(group)
         s = q.shape[1]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v))
+        # This rank's share of its own block's dK/dV stays here; the other ranks' shares come
+        # home in one accumulator after the ring (P-1 dK/dV hops, not P).
+        own = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+
+        def block(qr: slice, kk: torch.Tensor, vv: torch.Tensor, blk_causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+            dq_b, dk_b, dv_b = attention_block_backward(
+                dout[:, qr], q[:, qr], kk, vv, out[:, qr], lse[:, :, qr], blk_causal, scale,
+                backend)
+            dq[:, qr] += dq_b
+            return dk_b, dv_b
+
+        first, last = _diag_backward_parts(s, causal, split=world > 1)
+        kv = _kv_message(k, v, kv_hop_is_half(me, causal, lb)) if world > 1 else None
+        kv_shift = None
+        if world > 1:  # block me-1 arrives while the first half of the diagonal computes
+            recv = torch.empty(_msg_shape(kv, kv_hop_is_half((me - 1) % world, causal, lb), s),
+                               dtype=kv.dtype, device=kv.device)
+            kv_shift = _RingShift(kv, recv, group, timeout_s, stats, "backward", "K/V")
+        for qr, kr, blk_causal in first:
+            dk_b, dv_b = block(qr, k[:, kr], v[:, kr], blk_causal)
+            own[0][:, kr] += dk_b
+            own[1][:, kr] += dv_b
         dkv_shift: _RingShift | None = None
-        for step in range(world):
+        spare: dict[tuple[int, ...], torch.Tensor] = {}
+        for step in range(1, world):
             src = (me - step) % world
+            assert kv_shift is not None
+            sent, kv = kv, kv_shift.wait()
+            spare[tuple(sent.shape)] = sent  # its send is complete: reuse as a buffer
             kv_shift = None
-            if step + 1 < world:
-                kv_shift = _RingShift(kv, torch.empty_like(kv), group, ctx.timeout_s, stats,
-                                      "backward", "K/V")
-            # This rank's share of the gradient of block ``src``.
-            dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
-            plan = ring_step_block(src, me, s, ctx.causal, ctx.load_balance)
+            if step + 1 < world:  # prefetch the next block before this one computes
+                nsrc = (me - step - 1) % world
+                kv_shift = _RingShift(kv, _take(spare, kv, kv_hop_is_half(nsrc, causal, lb), s),
+                                      group, timeout_s, stats, "backward", "K/V")
+            share = None
+            plan = ring_step_block(src, me, s, causal, lb)
             if plan is not None:
                 qr, kr, blk_causal = plan
-                dq_b, dk_b, dv_b = attention_block_backward(
-                    dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr],
-                    lse[:, :, qr], blk_causal, scale, backend)
-                dq[:, qr] += dq_b
-                dkv[0][:, kr] += dk_b
-                dkv[1][:, kr] += dv_b
-            if world > 1:
-                if dkv_shift is not None:  # the other ranks' shares of block ``src``
-                    dkv += dkv_shift.wait()
-                # Pass the accumulator on; after the last step this delivers block me+1's
-                # complete dK/dV to its owner (and we receive ours from me-1).
-                dkv_shift = _RingShift(dkv, torch.empty_like(dkv), group, ctx.timeout_s, stats,
-                                       "backward", "dK/dV")
-            if kv_shift is not None:
-                kv = kv_shift.wait()
+                share = (kr, *block(qr, *_kv_rows(kv, kr, s), blk_causal))
+            # The accumulator of block ``src``: the shares of ranks src+1 .. me.
+            half = dkv_hop_is_half(me, src, causal, lb)
+            acc = dkv_shift.wait() if dkv_shift is not None else None
+            acc = _accumulate(acc, share, half, k)
+            sender = (me - 1) % world
+            rhalf = dkv_hop_is_half(sender, (sender - step) % world, causal, lb)
+            recv = torch.empty(_msg_shape(acc, rhalf, s), dtype=acc.dtype, device=acc.device)
+            # Pass it on; at step P-1 this delivers block me+1's dK/dV home (and ours arrives).
+            dkv_shift = _RingShift(acc, recv, group, timeout_s, stats, "backward", "dK/dV")
+        for qr, kr, blk_causal in last:  # hides the last dK/dV hop
+            dk_b, dv_b = block(qr, k[:, kr], v[:, kr], blk_causal)
+            own[0][:, kr] += dk_b
+            own[1][:, kr] += dv_b
         if dkv_shift is not None:
-            dkv = dkv_shift.wait()
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+            home = dkv_shift.wait()
+            own[:, :, :home.shape[2]] += home
+        return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype),
                 None, None, None, None, None, None, None)
+
+
+def _msg_shape(like: torch.Tensor, half: bool, local_len: int) -> tuple[int, ...]:
+    """Shape of a ``[2, B, L, H, D]`` ring message of ``like``'s kind: L = local_len or half."""
+    shape = list(like.shape)
+    shape[2] = local_len // 2 if half else local_len
+    return tuple(shape)
+
+
+def _take(spare: dict[tuple[int, ...], torch.Tensor], like: torch.Tensor, half: bool,
+          local_len: int) -> torch.Tensor:
+    """A receive buffer of the right size: a block whose send has completed, else a new one."""
+    shape = _msg_shape(like, half, local_len)
+    buf = spare.pop(shape, None)
+    return buf if buf is not None else torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _accumulate(acc: torch.Tensor | None, share: tuple[slice, torch.Tensor, torch.Tensor] | None,
+                half: bool, k: torch.Tensor) -> torch.Tensor:
+    """The dK/dV message ``acc + share`` (float32 ``[2, B, L, Hkv, D]``; L = half or whole),
+    adding in place into the received accumulator where it is big enough."""
+    b, s, h, d = k.shape
+    length = s // 2 if half else s
+    if acc is None or acc.shape[2] < length:
+        grown = torch.zeros((2, b, length, h, d), dtype=torch.float32, device=k.device)
+        if acc is not None:
+            grown[:, :, :acc.shape[2]] = acc
+        acc = grown
+    if share is not None:
+        kr, dk_b, dv_b = share
+        acc[0][:, kr] += dk_b
+        acc[1][:, kr] += dv_b
+    return acc
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -15,9 +15,12 @@ all_gather             gather equal shards along ``dim``            all-to-all +
                                                                     reduce-scatter gloo lacks)
 =====================  ===========================================  ==========================
 
-Waiting: ``AsyncHandle.wait`` blocks the calling thread at most ``timeout_s`` (``Work.wait`` with
-a timeout, on gloo, NCCL and HCCL alike) and raises :class:`CommTimeoutError` naming the
-operation. No collective here is ever issued as a blocking call without a timeout.
+Waiting: on the CPU (gloo) ``AsyncHandle.wait`` blocks the calling thread at most ``timeout_s``
+(``Work.wait`` with a timeout) and raises :class:`CommTimeoutError` naming the operation. For
+tensors on cuda/npu (NCCL/HCCL) a wait is device-side: the current stream waits for the
+collective and the CPU goes on; that wait is bounded by the process group's timeout, which the
+NCCL/HCCL watchdog enforces (``init_from_env`` sets it). No collective here is ever issued as a
+blocking call without a bound.
 """
 
 from __future__ import annotations
@@ -88,8 +91,20 @@ def _check_device_backend(x: torch.Tensor, group: dist.ProcessGroup | None, op: 
                          f"which needs {'cuda' if backend == 'nccl' else 'npu'} tensors")
 
 
-def _wait_work(work: Any, timeout_s: float, what: str) -> None:
+def _device_side(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type in ("cuda", "npu")
+
+
+def _wait_work(work: Any, timeout_s: float, what: str,
+               device: torch.device | str | None = None) -> None:
     if work is None:
+        return
+    if _device_side(device):
+        # NCCL/HCCL: ``wait()`` orders the current stream after the collective and returns; the
+        # CPU does not block (a ``wait(timeout)`` would make it spin until completion, turning
+        # every overlap into a host sync). The device-side wait is bounded by the process
+        # group's timeout, enforced by the NCCL/HCCL watchdog (set at init_process_group).
+        work.wait()
         return
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
@@ -110,9 +125,11 @@ class AsyncHandle:
     """
 
     def __init__(self, works: Sequence[Any], description: str, timeout_s: float | None = None,
-                 on_complete: Callable[[], None] | None = None) -> None:
+                 on_complete: Callable[[], None] | None = None,
+                 device: torch.device | str | None = None) -> None:
         self._works = [w for w in works if w is not None]
         self.description = description
+        self._device = device
         self._timeout_s = _timeout(timeout_s)
         self._on_complete = on_complete
         self._done = False
@@ -134,7 +151,7 @@ class AsyncHandle:
                 return
             t = self._timeout_s if timeout_s is None else _timeout(timeout_s)
             for w in self._works:
-                _wait_work(w, t, self.description)
+                _wait_work(w, t, self.description, self._device)
             if self._on_complete is not None:
                 self._on_complete()
             self._done = True
@@ -190,12 +207,12 @@ class _AllToAll(torch.autograd.Function):
         async_op = handle_box is not None
         work, out = _raw_all_to_all(x, out_splits, in_splits, group, async_op)
         if async_op:
-            handle = AsyncHandle([work], "all_to_all_single (forward)", timeout_s)
+            handle = AsyncHandle([work], "all_to_all_single (forward)", timeout_s, device=x.device)
             handle_box.append(handle)
             ctx.handle = handle
         else:
             ctx.handle = None
-            _wait_work(work, timeout_s, "all_to_all_single (forward)")
+            _wait_work(work, timeout_s, "all_to_all_single (forward)", x.device)
         return out
 
     @staticmethod
@@ -206,7 +223,7 @@ class _AllToAll(torch.autograd.Function):
                 "waited; call handle.wait() before using its output"
             )
         work, grad_in = _raw_all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group, True)
-        _wait_work(work, ctx.timeout_s, "all_to_all_single (backward)")
+        _wait_work(work, ctx.timeout_s, "all_to_all_single (backward)", grad_out.device)
         return grad_in, None, None, None, None, None
 
 
@@ -279,7 +296,7 @@ class _HaloExchange(torch.autograd.Function):
         if rank < world - 1:
             ops.append(("send", tail, rank + 1))
         for w in _p2p(ops, group):
-            _wait_work(w, timeout_s, f"halo_exchange (forward, rank {rank})")
+            _wait_work(w, timeout_s, f"halo_exchange (forward, rank {rank})", x.device)
         return halo
 
     @staticmethod
@@ -296,7 +313,7 @@ class _HaloExchange(torch.autograd.Function):
         if rank < world - 1:
             ops.append(("recv", grad_tail, rank + 1))
         for w in _p2p(ops, group):
-            _wait_work(w, ctx.timeout_s, f"halo_exchange (backward, rank {rank})")
+            _wait_work(w, ctx.timeout_s, f"halo_exchange (backward, rank {rank})", grad_x.device)
         grad_x.narrow(dim, ctx.len_dim - width, width).copy_(grad_tail)
         return grad_x, None, None, None, None
 
@@ -335,7 +352,7 @@ class _RecvPrev(torch.autograd.Function):
         ctx.group, ctx.timeout_s, ctx.pending = group, timeout_s, pending
         buf = torch.empty(shape, dtype=dtype, device=device)
         (work,) = _p2p([("recv", buf, rank - 1)], group)
-        _wait_work(work, timeout_s, f"recv_prev (forward, rank {rank} from {rank - 1})")
+        _wait_work(work, timeout_s, f"recv_prev (forward, rank {rank} from {rank - 1})", device)
         return buf
 
     @staticmethod
@@ -344,7 +361,7 @@ class _RecvPrev(torch.autograd.Function):
         grad = grad.contiguous()
         (work,) = _p2p([("send", grad, rank - 1)], ctx.group)
         handle = AsyncHandle([work], f"recv_prev (backward send, rank {rank} to {rank - 1})",
-                             ctx.timeout_s)
+                             ctx.timeout_s, device=grad.device)
         if ctx.pending is not None:
             ctx.pending.append(handle)
         else:
@@ -386,7 +403,8 @@ class _SendNext(torch.autograd.Function):
         payload = x.detach().contiguous()
         (work,) = _p2p([("send", payload, rank + 1)], group)
         # The handle keeps ``payload`` alive until the send completes.
-        handle = AsyncHandle([work], f"send_next (forward, rank {rank} to {rank + 1})", timeout_s)
+        handle = AsyncHandle([work], f"send_next (forward, rank {rank} to {rank + 1})", timeout_s,
+                             device=x.device)
         handle.payload = payload  # type: ignore[attr-defined]
         handle_box.append(handle)
         return x.new_zeros(())
@@ -396,7 +414,8 @@ class _SendNext(torch.autograd.Function):
         rank = group_rank(ctx.group)
         grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
         (work,) = _p2p([("recv", grad, rank + 1)], ctx.group)
-        _wait_work(work, ctx.timeout_s, f"send_next (backward recv, rank {rank} from {rank + 1})")
+        _wait_work(work, ctx.timeout_s, f"send_next (backward recv, rank {rank} from {rank + 1})",
+                   grad.device)
         return grad, None, None, None
 
 
@@ -462,7 +481,7 @@ class _AllGather(torch.autograd.Function):
             out.copy_(x0)
         else:
             work = _all_gather_single(out, x0, group=group, async_op=True)
-            _wait_work(work, timeout_s, "all_gather (forward)")
+            _wait_work(work, timeout_s, "all_gather (forward)", x.device)
         return out.movedim(0, dim)
 
     @staticmethod
@@ -471,7 +490,7 @@ class _AllGather(torch.autograd.Function):
         g0 = grad.movedim(ctx.dim, 0).contiguous()
         n = g0.shape[0] // world
         work, recv = _raw_all_to_all(g0, None, None, ctx.group, True)
-        _wait_work(work, ctx.timeout_s, "all_gather (backward all-to-all)")
+        _wait_work(work, ctx.timeout_s, "all_gather (backward all-to-all)", grad.device)
         # Sum the ranks' slices in fp32 at least (bf16 partial sums lose bits), then cast back.
         acc = torch.promote_types(recv.dtype, torch.float32)
         gx = recv.view(world, n, *g0.shape[1:]).to(acc).sum(0).to(grad.dtype)

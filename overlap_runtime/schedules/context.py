@@ -206,7 +206,8 @@ class ActionContext:
         tag = message_tag(action.kind, s, m, self.schedule.spec.num_stages,
                           self.schedule.spec.num_microbatches)
         work = dist.irecv(buf, self._global(peer), group=self.schedule.group, tag=tag)
-        handle = AsyncHandle([work], f"{action} from rank {peer}", self.schedule.timeout_s)
+        handle = AsyncHandle([work], f"{action} from rank {peer}", self.schedule.timeout_s,
+                             device=buf.device)
         with self._lock:
             self._slots[(action.kind, s, m)] = _Slot(buf, handle, peer, action)
 
@@ -229,7 +230,8 @@ class ActionContext:
                           self.schedule.spec.num_microbatches)
         payload = tensor.detach().contiguous()
         work = dist.isend(payload, self._global(peer), group=self.schedule.group, tag=tag)
-        handle = AsyncHandle([work], f"{action} to rank {peer}", self.schedule.timeout_s)
+        handle = AsyncHandle([work], f"{action} to rank {peer}", self.schedule.timeout_s,
+                             device=payload.device)
         handle.payload = payload  # type: ignore[attr-defined]  # alive until waited
         self._sends.append((handle, action, peer))
         return handle

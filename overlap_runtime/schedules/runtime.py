@@ -223,13 +223,14 @@ class PipelineSchedule:
         """Learn every boundary's shape and dtype once: stage by stage, a no-grad forward of
         microbatch 0 and a small header sent to the next rank (bounded waits)."""
         spec = self.spec
+        device = next(iter(self.stages.values())).device  # headers travel on the stages' device
         example: torch.Tensor | None = None
         for s in range(spec.num_stages):
             here = spec.stage_to_rank(s)
             if s > 0 and spec.stage_to_rank(s - 1) != here and here == self.rank:
-                header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
                 self._p2p("recv", header, spec.stage_to_rank(s - 1), f"metadata for stage {s}")
-                meta = _decode(header)
+                meta = _decode(header.cpu())
                 st = self.stages[s]
                 if st.input_meta is not None and st.input_meta != meta:
                     raise ValueError(f"stage {s} was given input_meta {st.input_meta} but stage "
@@ -251,7 +252,7 @@ class PipelineSchedule:
             example = out
             nxt = spec.stage_to_rank(s + 1)
             if nxt != self.rank:
-                self._p2p("send", _encode(st.output_meta), nxt, f"metadata of stage {s}")
+                self._p2p("send", _encode(st.output_meta).to(device), nxt, f"metadata of stage {s}")
             else:
                 self.stages[s + 1].input_meta = st.output_meta
 
@@ -260,7 +261,8 @@ class PipelineSchedule:
         tag = META_TAG
         work = (dist.isend if op == "send" else dist.irecv)(t, g, group=self.group, tag=tag)
         try:
-            AsyncHandle([work], what, self.timeout_s).wait()
+            # On cuda/npu the wait is device-side; ``header.cpu()`` in the caller then synchronises.
+            AsyncHandle([work], what, self.timeout_s, device=t.device).wait()
         except CommTimeoutError as exc:
             raise PipelineTimeout(f"pipeline timeout on rank {self.rank}: {what} ({op} with rank "
                                   f"{peer}): {exc}", self.rank, -1, what, peer) from exc
