@@ -73,6 +73,8 @@ class C10dOpCounter(TorchDispatchMode):
         #: "comm" and "mm" in dispatch order, consecutive repeats merged: shows whether a
         #: transfer was issued before the matrix products it should hide behind.
         self.timeline: list[str] = []
+        #: point-to-point operations in dispatch order: ``("send" | "recv", bytes)``.
+        self.p2p: list[tuple[str, int]] = []
 
     def _mark(self, what: str) -> None:
         if not self.timeline or self.timeline[-1] != what:
@@ -81,8 +83,11 @@ class C10dOpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = str(func)
         if name.startswith("c10d."):
-            self.counts[_COMM_OPS.get(name, name)] += 1
+            kind = _COMM_OPS.get(name, name)
+            self.counts[kind] += 1
             self._mark("comm")
+            if kind in ("send", "recv"):
+                self.p2p.append((kind, sum(t.numel() * t.element_size() for t in args[0])))
         elif name.startswith(("aten.mm.", "aten.bmm.")):
             self._mark("mm")
         return func(*args, **(kwargs or {}))

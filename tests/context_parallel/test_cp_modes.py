@@ -5,7 +5,9 @@ its shard, and compares its rows of the output and of dq, dk, dv with float64 au
 over the whole sequence. Each case also asserts how much communication was issued, twice: the
 per-call ``CommStats`` the library filled, and an independent count of the c10d operations torch
 dispatched (a TorchDispatchMode; torch's CommDebugMode does not track point-to-point). For the
-ring it also checks the order of transfers and matrix products (prefetch before compute).
+ring it also checks the order of transfers and matrix products (prefetch before compute) and
+the bytes of every hop against what the causal mask says the receivers need (``ring_hop_bytes``,
+derived from chunk-level visibility, not from ``ring.py``).
 """
 
 from __future__ import annotations
@@ -34,12 +36,79 @@ FUNCS = {"ulysses": ulysses_attention, "ring": ring_attention,
 
 def expected_comm(mode: str, p: int) -> dict[str, dict[str, int]]:
     """Operations per rank and call: the numbers the module docstrings promise."""
-    if mode == "ring":
+    if mode == "ring":  # backward: P-1 K/V hops + P-1 dK/dV hops (the owner keeps its share)
         return {"forward": {"send": p - 1, "recv": p - 1},
-                "backward": {"send": 2 * p - 1, "recv": 2 * p - 1}}
+                "backward": {"send": 2 * p - 2, "recv": 2 * p - 2}}
     if mode == "ulysses":
         return {"forward": {"all_to_all": 2}, "backward": {"all_to_all": 2}}
     return {"forward": {"all_gather": 1}, "backward": {"all_to_all": 1}}
+
+
+def _chunks(r: int, p: int, lb: str | None) -> tuple[int, int]:
+    """The two chunks (of 2P) rank r holds, first half then second half of its shard."""
+    return (r, 2 * p - 1 - r) if lb == "zigzag" else (2 * r, 2 * r + 1)
+
+
+def _halves_needed(r: int, src: int, p: int, causal: bool, lb: str | None) -> set[int]:
+    """Which halves (0, 1) of rank src's K/V the queries of rank r != src attend to, from
+    chunk-level causal visibility (query chunk i sees key chunk j < i whole, j > i not at all)."""
+    if not causal:
+        return {0, 1}
+    return {h for h, j in enumerate(_chunks(src, p, lb))
+            if any(i > j for i in _chunks(r, p, lb))}
+
+
+def _hop_bytes(halves: set[int], full: int) -> int:
+    """A message carrying ``halves``: the first half alone is half the bytes, else the whole
+    block (a second half alone would need another layout; it never occurs)."""
+    return full // 2 if halves == {0} else full
+
+
+def ring_hop_bytes(me: int, p: int, causal: bool, lb: str | None, kv_full: int,
+                   dkv_full: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The point-to-point operations rank ``me`` must issue, in order, with their bytes.
+
+    K/V of block ``src`` leaving rank ``m`` must carry what any later rank on its way round
+    (``m+1 .. src-1``) needs. The dK/dV accumulator of block ``src`` leaving ``m`` holds the
+    shares of ranks ``src+1 .. m`` (the owner keeps its own), i.e. the halves they attend to.
+    Contiguous causal: hops nobody needs still carry the whole block (not optimised). Even
+    ranks post send-then-receive, odd ranks receive-then-send.
+    """
+    def kv_hop(m: int, src: int) -> int:
+        later = [(m + i) % p for i in range(1, (src - m) % p or p)]
+        need = set().union(*(_halves_needed(r, src, p, causal, lb) for r in later))
+        return _hop_bytes(need, kv_full) if causal and lb == "zigzag" else kv_full
+
+    def dkv_hop(m: int, src: int) -> int:
+        done = [(src + i) % p for i in range(1, (m - src) % p + 1)]
+        touched = set().union(*(_halves_needed(r, src, p, causal, lb) for r in done))
+        return _hop_bytes(touched, dkv_full) if causal and lb == "zigzag" else dkv_full
+
+    def pair(send: int, recv: int) -> list[tuple[str, int]]:
+        ops = [("send", send), ("recv", recv)]
+        return ops[::-1] if me % 2 else ops
+
+    prv = (me - 1) % p
+    fwd = [op for s in range(p - 1) for op in pair(kv_hop(me, (me - s) % p),
+                                                   kv_hop(prv, (prv - s) % p))]
+    bwd = list(fwd[:2])
+    for s in range(1, p):
+        if s + 1 < p:
+            bwd += pair(kv_hop(me, (me - s) % p), kv_hop(prv, (prv - s) % p))
+        bwd += pair(dkv_hop(me, (me - s) % p), dkv_hop(prv, (prv - s) % p))
+    return fwd, bwd
+
+
+def ring_backward_timeline(p: int) -> list[str]:
+    """Backward order, consecutive repeats merged: the K/V of block me-1 is posted before the
+    first half of the diagonal's products; every later K/V prefetch before its step's products;
+    each step's dK/dV pass-on after them; the second half of the diagonal after the last
+    dK/dV hop is posted (so that hop hides behind it)."""
+    events = ["comm", "mm"]
+    for s in range(1, p):
+        events += (["comm"] if s + 1 < p else []) + ["mm", "comm"]
+    events.append("mm")
+    return [e for i, e in enumerate(events) if i == 0 or events[i - 1] != e]
 
 
 def _case(mode: str, causal: bool, lb: str | None, hq: int, hkv: int, s: int = 32) -> dict:
@@ -81,13 +150,19 @@ def _run_case(rank: int, world: int, group: Any, case: dict) -> dict[str, float]
             f"{case} {phase}: c10d ops dispatched {dict(counter.counts)} != {want[phase]}"
     if mode == "ring":
         kv_bytes = 2 * kl.numel() * kl.element_size()
-        assert stats.nbytes[("forward", "send")] == (world - 1) * kv_bytes
+        dkv_bytes = 2 * kl.numel() * 4  # float32 accumulators
+        want_fwd, want_bwd = ring_hop_bytes(rank, world, causal, lb, kv_bytes, dkv_bytes)
+        assert fwd.p2p == want_fwd, f"{case} rank {rank} forward hops {fwd.p2p} != {want_fwd}"
+        assert bwd.p2p == want_bwd, f"{case} rank {rank} backward hops {bwd.p2p} != {want_bwd}"
+        for phase, want_ops in (("forward", want_fwd), ("backward", want_bwd)):
+            for kind in ("send", "recv"):
+                total = sum(n for kd, n in want_ops if kd == kind)
+                assert stats.nbytes[(phase, kind)] == total, (case, phase, kind)
         if causal and lb == "zigzag" or not causal:
             # every step computes; each step but the last issues its transfer before its
             # products (the last step's products merge with the previous step's in the timeline)
             assert fwd.timeline == ["comm", "mm"] * (world - 1), fwd.timeline
-            # backward: K/V prefetch, products, dK/dV pass-on (+ next prefetch), ..., last send
-            assert bwd.timeline == ["comm", "mm"] * world + ["comm"], bwd.timeline
+            assert bwd.timeline == ring_backward_timeline(world), bwd.timeline
     return errs
 
 
