@@ -26,7 +26,12 @@ __all__ = [
     "post_send",
     "halo_conv_qkv",
     "check_halo",
+    "check_backend_before_comm",
+    "TRITON_CHUNK",
 ]
+
+#: The Triton backend's chunk length; with it every rank's shard must be whole chunks.
+TRITON_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,45 @@ def check_halo(module: GatedDeltaNet, local_len: int, plan: GDNCPPlan) -> None:
             f"((kernel {module.conv_kernel_size} - 1) * dilation {module.conv1d.dilation[0]}; "
             f"mode={plan.mode!r}, cp={plan.cp_size}): each rank must hold at least the halo"
         )
+
+
+def check_backend_before_comm(module: GatedDeltaNet, hidden: torch.Tensor, plan: GDNCPPlan) -> None:
+    """The local GDN backend's rules, checked before any communication (same shapes on every
+    rank, so every rank raises at the same point and no peer is left waiting).
+
+    ``backend="triton"``: the local sequence must be whole 64-token chunks (the chunk grid of
+    every rank then lines up with the unsplit sequence's, and the state handed across ranks sits
+    on a chunk boundary), then the Triton capability rules (device, dtypes, head dims, chunk
+    size; ``triton/capability.py``) on tensors of the layer's shapes. ``backend="eager"``: no
+    extra rule. Raises ``NotImplementedError`` naming the value and the rule.
+
+    Args:
+        hidden: ``[B, T_local, hidden]`` this rank's shard (its dtype and device are the GDN
+            inputs').
+    """
+    if plan.backend != "triton":
+        return
+    local_len = hidden.shape[1]
+    if local_len % TRITON_CHUNK:
+        raise NotImplementedError(
+            f"local sequence {local_len} is not a multiple of chunk size {TRITON_CHUNK} "
+            f"(backend='triton', mode={plan.mode!r}): pad the global sequence to a multiple of "
+            f"{TRITON_CHUNK} * cp = "
+            f"{TRITON_CHUNK * plan.cp_size}"
+        )
+    from overlap_runtime.ops.gdn.triton.capability import check_triton_inputs  # no triton import
+
+    dtype, device = hidden.dtype, hidden.device
+    gate_dtype = torch.promote_types(dtype, torch.float32)
+    qk = torch.empty(1, 1, 1, module.head_k_dim, dtype=dtype, device=device)
+    v = torch.empty(1, 1, 1, module.head_v_dim, dtype=dtype, device=device)
+    gb = torch.empty(1, 1, 1, dtype=gate_dtype, device=device)
+    beta = torch.empty(1, 1, 1, dtype=dtype, device=device)
+    state = None
+    if plan.mode == "p2p":  # the chain hands the state in fp32
+        state = torch.empty(1, 1, module.head_k_dim, module.head_v_dim, dtype=gate_dtype,
+                            device=device)
+    check_triton_inputs(qk, qk, v, gb, beta, state, module.chunk_size)
 
 
 def halo_conv_qkv(

@@ -10,14 +10,15 @@ orthogonal (seed 000, 5.4):
 =============  =========================================  ==========  =====================
 mode           what crosses ranks                         eager       triton
 =============  =========================================  ==========  =====================
-``ulysses``    q/k/v/a/b (seq -> head a2a), o (inverse)   yes         through the GDN backend
-``p2p``        conv halo, fp32 state chain H / dH         yes         through the GDN backend
+``ulysses``    q/k/v/a/b (seq -> head a2a), o (inverse)   yes         yes (the Triton GDN op)
+``p2p``        conv halo, fp32 state chain H / dH         yes         yes (Triton summaries)
 ``all_gather`` conv halo, every rank's summary (M, S)     yes         refused (see below)
 =============  =========================================  ==========  =====================
 
 There is no ``auto`` and no fallback: an unsupported combination raises, naming the value and the
-rule. The Triton GDN kernels do not exist yet, so ``backend="triton"`` raises the GDN backend's
-``NotImplementedError`` at the first forward, on every rank at the same point.
+rule. With ``backend="triton"`` the local sequence must be a multiple of the chunk size 64 and the
+Triton capability rules (device, dtypes, head dims) must hold; both are checked at the first
+forward, before any communication, on every rank at the same point.
 
 After ``apply``, ``module(hidden_states, attention_mask=None, cu_seqlens=None)`` takes this
 rank's contiguous sequence shard ``[B, S/P, hidden]`` (a tensor, or a DTensor on ``cp_mesh``
@@ -45,7 +46,7 @@ from overlap_runtime.models.gated_deltanet import GatedDeltaNet
 from overlap_runtime.ops.gdn import SUPPORTED_BACKENDS
 
 from .gdn_cp_all_gather import all_gather_forward
-from .gdn_cp_common import GDNCPPlan
+from .gdn_cp_common import GDNCPPlan, check_backend_before_comm
 from .gdn_cp_p2p import p2p_forward
 from .gdn_cp_ulysses import ulysses_forward, ulysses_head_layout
 
@@ -81,7 +82,8 @@ class LinearAttentionContextParallel:
 
     Raises:
         ValueError: unknown mode or backend.
-        NotImplementedError: ``all_gather`` with ``triton``; ``tp_size > 1``.
+        NotImplementedError: ``all_gather`` with ``triton``; ``tp_size > 1``. (``triton`` with
+            a local sequence that is not whole 64-token chunks raises at the first forward.)
     """
 
     def __init__(
@@ -102,10 +104,15 @@ class LinearAttentionContextParallel:
                 "(there is no 'auto': choose one explicitly)"
             )
         if mode == "all_gather" and backend != "eager":
+            # all_gather differentiates *through* the gathered summaries: the prefix compose
+            # sends an arbitrary dM (not dH_out H_in^T) back to every rank, and the Triton
+            # summary kernels are forward-only (no summary backward). p2p needs only dH_out,
+            # which the Triton chunk op's own backward covers.
             raise NotImplementedError(
                 f"mode='all_gather' with backend={backend!r} is not supported: all_gather is the "
-                "eager comparison path (every rank gathers and re-composes all P summaries); "
-                "use mode='p2p' for the fused backend, or backend='eager'"
+                "eager comparison path (every rank gathers and re-composes all P summaries and "
+                "autograd runs through them, but the Triton summary kernels are forward-only); "
+                "use mode='p2p' or 'ulysses' for the Triton backend, or backend='eager'"
             )
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r} must be a positive int")
@@ -214,6 +221,7 @@ def context_parallel_forward(
                 f"attention_mask must be [B, S/P] = {list(local.shape[:2])} (this rank's slice), "
                 f"got {list(mask.shape)}"
             )
+    check_backend_before_comm(module, local, plan)
     out = _MODE_FORWARD[plan.mode](module, plan, local, mask)
     if was_dtensor:
         from torch.distributed.tensor import DTensor, Shard

@@ -16,6 +16,8 @@ mode, the CP size and the tensor.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,10 +31,12 @@ from overlap_runtime.testing import rel_l2
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 32, 2, 4, 8
 
 
-def make_module(seed: int = 0, value_heads: int = VALUE_HEADS) -> GatedDeltaNet:
-    """Tiny Qwen3.5-shaped layer (2 key heads, 4 value heads, head dim 8), fp32."""
+def make_module(seed: int = 0, value_heads: int = VALUE_HEADS, head_dim: int = HEAD_DIM
+                ) -> GatedDeltaNet:
+    """Tiny Qwen3.5-shaped layer (2 key heads, 4 value heads, head dim 8; the Triton tests use
+    16, the smallest the interpreter runs), fp32, eager backend (the reference)."""
     torch.manual_seed(seed)
-    m = GatedDeltaNet(HIDDEN, KEY_HEADS, value_heads, HEAD_DIM, HEAD_DIM)
+    m = GatedDeltaNet(HIDDEN, KEY_HEADS, value_heads, head_dim, head_dim)
     with torch.no_grad():
         m.norm.weight.uniform_(0.5, 1.5)  # non-trivial, so its gradient means something
         # Slow decay (exp(g) ~ 0.97-0.9995 per token, Qwen's init decays ~100x faster): the
@@ -114,11 +118,17 @@ def _errors(got: tuple, ref: tuple) -> dict[str, float]:
 
 def compare_worker(rank: int, world: int, mode: str, batch: int, local_len: int,
                    iterations: int = 1, use_mask: bool = False,
-                   use_checkpoint: bool = False, value_heads: int = VALUE_HEADS) -> dict:
-    """CP vs single process for ``iterations`` fresh inputs; returns the worst figure of each."""
+                   use_checkpoint: bool = False, value_heads: int = VALUE_HEADS,
+                   backend: str = "eager", head_dim: int = HEAD_DIM) -> dict:
+    """CP vs single process for ``iterations`` fresh inputs; returns the worst figure of each.
+
+    ``backend`` is the CP layer's local GDN backend; the reference is always the single-process
+    module on the eager backend.
+    """
     mesh = init_device_mesh("cpu", (world,))
-    ref_module = make_module(value_heads=value_heads)
-    cp_module = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(ref_module), mesh)
+    ref_module = make_module(value_heads=value_heads, head_dim=head_dim)
+    cp_module = LinearAttentionContextParallel(mode=mode, backend=backend).apply(
+        copy.deepcopy(ref_module), mesh)
     seq_len = world * local_len
     worst: dict[str, float] = {}
     result: dict = {}
@@ -146,15 +156,20 @@ def compare_worker(rank: int, world: int, mode: str, batch: int, local_len: int,
                     alone = ref_module(xb)
                 result[f"row{b}_vs_unpadded"] = rel_l2(got[0][b : b + 1, keep], alone)
     result["worst"] = worst
+    # the Triton kernels really ran (under the interpreter on the CPU), not another path
+    result["triton_interpreted"] = (
+        "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1")
     return result
 
 
-def checkpoint_worker(rank: int, world: int, mode: str, batch: int, local_len: int) -> dict:
+def checkpoint_worker(rank: int, world: int, mode: str, batch: int, local_len: int,
+                      backend: str = "eager", head_dim: int = HEAD_DIM) -> dict:
     """Same inputs with and without activation checkpointing: are the results bitwise equal?"""
     mesh = init_device_mesh("cpu", (world,))
-    ref_module = make_module()
-    plain = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(ref_module), mesh)
-    ckpt = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(ref_module), mesh)
+    ref_module = make_module(head_dim=head_dim)
+    style = LinearAttentionContextParallel(mode=mode, backend=backend)
+    plain = style.apply(copy.deepcopy(ref_module), mesh)
+    ckpt = style.apply(copy.deepcopy(ref_module), mesh)
     x, w = make_inputs(batch, world * local_len, seed=7)
     out = {"identical": True, "worst": {}}
     for _ in range(2):  # twice: the recompute's P2P order must stay aligned across calls
@@ -205,9 +220,14 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
     dt_rep = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
     out["dtensor_replicate"] = _raises(lambda: p2p(dt_rep), ValueError)
 
+    # Triton: the local-length rule first (before any communication), then the backend's
+    # capability rules (head dim 8 is not a Triton head dim).
+    x100, _ = make_inputs(1, 100 * world, seed=4)
+    local100 = x100[:, rank * 100 : (rank + 1) * 100]
     for mode in ("p2p", "ulysses"):
         tri = LinearAttentionContextParallel(mode, backend="triton").apply(make_module(), mesh)
         out[f"triton_{mode}"] = _raises(lambda: tri(local), NotImplementedError)
+        out[f"triton_{mode}_local_len"] = _raises(lambda: tri(local100), NotImplementedError)
 
     # A DTensor Shard(1) input gives the tensor path's result, as a DTensor Shard(1).
     dt = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)

@@ -22,7 +22,9 @@ def test_unknown_backend(backend: str) -> None:
 
 
 def test_all_gather_with_triton_is_refused() -> None:
-    with pytest.raises(NotImplementedError, match=r"mode='all_gather' with backend='triton'.*eager comparison"):
+    with pytest.raises(NotImplementedError,
+                       match=r"mode='all_gather' with backend='triton'.*eager comparison"
+                             r".*forward-only"):
         LinearAttentionContextParallel(mode="all_gather", backend="triton")
 
 
@@ -58,6 +60,12 @@ EXPECTED = {
     "dtensor_replicate": ("ValueError", "placements (Shard(1),)"),
     "triton_p2p": ("NotImplementedError", "GDN backend='triton': head dim K=8 is not supported"),
     "triton_ulysses": ("NotImplementedError", "GDN backend='triton': head dim K=8 is not supported"),
+    "triton_p2p_local_len": (
+        "NotImplementedError",
+        "local sequence 100 is not a multiple of chunk size 64 (backend='triton', mode='p2p')"),
+    "triton_ulysses_local_len": (
+        "NotImplementedError",
+        "local sequence 100 is not a multiple of chunk size 64 (backend='triton', mode='ulysses')"),
 }
 
 

@@ -1,0 +1,95 @@
+"""LinearAttentionContextParallel with backend="triton" on gloo ranks, under the Triton interpreter.
+
+Every case runs its ranks as child processes with ``TRITON_INTERPRET=1`` in their environment
+(``run_ranks(..., env=...)``): the children start from a forkserver that preloads only torch and
+``overlap_runtime.launch`` (neither imports triton, nor does ``import overlap_runtime``), and the
+variable is set before the worker runs, so the first triton import in a child sees it and nothing
+leaks into this process or other test files.
+
+Sizes are the smallest the interpreter runs: head dims K = V = 16, 2 key / 4 value heads, hidden
+32, local sequence 64 (one chunk per rank), B = 1, fp32. Against the single-process module on the
+eager backend: output, input gradient, every parameter gradient (summed over the CP group) and
+the grad norm within rel-L2 1e-5 (measured: <= ~1e-6). The slow decay of ``make_module`` makes the
+state crossing ranks matter (dropping the chain's ``M^T dH_out`` and the final-state gradient
+from the Triton backward raises the gradient errors to ~0.3-0.5).
+
+* ulysses CP2: the Triton GDN op over the full sequence (128 tokens) on each rank's 2 heads.
+* p2p CP2: rank 0 sends S (Triton ``state_summary``), rank 1 is the last rank
+  (``output_state_grad`` only).
+* p2p CP3: the middle rank also runs ``apply_summary`` and ``apply_summary_backward``.
+* p2p CP2 with padding (B=2, right and left, one rank holding only padding): exact zeros.
+* p2p CP2 under ``checkpoint(use_reentrant=False)``, twice: bitwise the plain run.
+
+About 105 s on two shared cores (the interpreter dominates; the checkpoint case is ~45 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from _gdn_cp_util import checkpoint_worker, compare_worker
+
+from overlap_runtime.testing import run_ranks
+
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="triton is not installed"),
+]
+
+TOL = 1e-5
+HEAD_DIM = 16  # interpreter head dims: 16 or 32 (triton/capability.py)
+INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+PARAMS = (
+    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+    "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight",
+)
+
+
+def _assert_figures(worst: dict[str, float], what: str) -> None:
+    expected = {"out", "dx", "grad_norm"} | {f"param:{p}" for p in PARAMS}
+    assert set(worst) == expected, f"{what}: figures {sorted(worst)}"
+    bad = {k: v for k, v in worst.items() if not v <= TOL}
+    assert not bad, f"{what}: rel-L2 above {TOL:g}: {bad} (all: {worst})"
+
+
+@pytest.mark.parametrize("mode,cp", [("ulysses", 2), ("p2p", 2), ("p2p", 3)])
+def test_triton_matches_single_process_eager(mode: str, cp: int) -> None:
+    results = run_ranks(
+        compare_worker, cp, timeout_s=240.0, env=INTERPRETER_ENV,
+        args=(mode, 1, 64, 1, False, False, 4, "triton", HEAD_DIM),
+    )
+    for rank, res in enumerate(results):
+        what = f"backend=triton mode={mode} cp={cp} rank={rank}"
+        assert res["triton_interpreted"], f"{what}: the Triton kernels did not run"
+        _assert_figures(res["worst"], what)
+
+
+def test_triton_p2p_padding_cp2() -> None:
+    """B=2: row 0 has 27 real tokens then right padding (rank 1 holds only padding), row 1 five
+    left pads. Padded outputs and input gradients are exactly 0; real tokens equal the unpadded
+    row run alone."""
+    results = run_ranks(
+        compare_worker, 2, timeout_s=240.0, env=INTERPRETER_ENV,
+        args=("p2p", 2, 64, 1, True, False, 4, "triton", HEAD_DIM),
+    )
+    for rank, res in enumerate(results):
+        what = f"backend=triton mode=p2p cp=2 rank={rank} padded"
+        assert res["triton_interpreted"], f"{what}: the Triton kernels did not run"
+        _assert_figures(res["worst"], what)
+        assert res["pad_out_max_abs"] == 0.0, what
+        assert res["pad_dx_max_abs"] == 0.0, what
+        assert res["row0_vs_unpadded"] <= TOL, what
+        assert res["row1_vs_unpadded"] <= TOL, what
+
+
+def test_triton_p2p_activation_checkpoint_identical() -> None:
+    """checkpoint(use_reentrant=False) recomputes the forward (halo, summary, H message) inside
+    backward; twice in a row the results equal the plain run bit for bit."""
+    results = run_ranks(checkpoint_worker, 2, timeout_s=240.0, env=INTERPRETER_ENV,
+                        args=("p2p", 1, 64, "triton", HEAD_DIM))
+    for rank, res in enumerate(results):
+        what = f"backend=triton mode=p2p cp=2 rank={rank} checkpointed"
+        assert res["identical"], what
+        _assert_figures(res["worst"], what)
