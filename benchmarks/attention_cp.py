@@ -30,9 +30,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +47,7 @@ from overlap_runtime.context_parallel import (  # noqa: E402
     ulysses_attention,
 )
 from overlap_runtime.ops.attention import attention  # noqa: E402
+from _timing import max_over_ranks, timed_slowest_rank  # noqa: E402  (benchmarks/_timing.py)
 
 MODES: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "ulysses": ulysses_attention, "all_gather_kv": all_gather_kv_attention}
@@ -82,44 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
     """Median over ``iters`` of the slowest rank's milliseconds for one ``fn()``."""
-    samples = []
-    for i in range(warmup + iters):
-        _sync(device)
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        worst = torch.tensor([ms], dtype=torch.float64, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            samples.append(worst.item())
-    return statistics.median(samples)
-
+    return timed_slowest_rank(fn, device, warmup, iters)[0]
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a64, b64 = a.detach().double(), b.detach().double()
     return (torch.linalg.vector_norm(a64 - b64) / torch.linalg.vector_norm(b64).clamp_min(1e-30)).item()
 
-
-def _max_over_ranks(x: float, device: torch.device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def causal_flops(b: int, s: int, h: int, d: int) -> float:
@@ -198,7 +167,7 @@ def bench_length(args: argparse.Namespace, seq: int, device: torch.device,
             stats = CommStats()
             out = step(stats)
             errs = [_rel(out, ref[0])] + [_rel(t.grad, r) for t, r in zip(local, ref[1:])]
-            errs = [_max_over_ranks(e, device) for e in errs]
+            errs = [max_over_ranks(e, device) for e in errs]
             ms = timed(step, device, args.warmup, args.iters)
             rows.append(dict(seq=seq, mode=mode, ranks=world, ms=ms,
                              tflops=flops / world / ms / 1e9, speedup=single_ms / ms,

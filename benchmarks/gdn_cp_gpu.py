@@ -36,9 +36,7 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +50,7 @@ from overlap_runtime.context_parallel.linear_attention import (  # noqa: E402
     LinearAttentionContextParallel,
 )
 from overlap_runtime.models import GatedDeltaNet  # noqa: E402
+from _timing import max_over_ranks, timed_slowest_rank  # noqa: E402  (benchmarks/_timing.py)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("ulysses", "p2p", "all_gather")
@@ -99,45 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _max_over_ranks(x: float, device: torch.device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int
           ) -> tuple[float, float | None]:
     """``(median ms of the slowest rank, peak GiB of the timed iterations, max over ranks)``."""
-    samples = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for i in range(warmup + iters):
-        _sync(device)
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        worst = _max_over_ranks(ms, device)
-        if i >= warmup:
-            samples.append(worst)
-    peak = None
-    if device.type == "cuda":
-        peak = _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device)
-    return statistics.median(samples), peak
-
+    return timed_slowest_rank(fn, device, warmup, iters)
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a64, b64 = a.detach().double(), b.detach().double()
@@ -215,7 +179,7 @@ def bench_length(args: argparse.Namespace, local_len: int, device: torch.device,
                 if e >= worst_param:
                     worst_param, worst_name = e, n
             errs["param"] = worst_param
-            errs = {k: _max_over_ranks(v, device) for k, v in errs.items()}
+            errs = {k: max_over_ranks(v, device) for k, v in errs.items()}
             del y
             ms, peak = timed(lambda: fwd_bwd(layer, x_loc, dy_loc), device, args.warmup,
                              args.iters)

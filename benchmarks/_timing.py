@@ -1,0 +1,57 @@
+"""Timing shared by the multi-rank benchmarks: the median of the slowest rank.
+
+Each iteration: synchronise the device, barrier, time ``fn()`` (CUDA events on cuda,
+``perf_counter`` on the CPU), then take the max over ranks. Warm-up iterations are dropped.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def max_over_ranks(x: float, device: torch.device) -> float:
+    """The largest ``x`` over the ranks of the default group."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def timed_slowest_rank(fn: Callable[[], Any], device: torch.device, warmup: int,
+                       iters: int) -> tuple[float, float | None]:
+    """``(median ms of the slowest rank, peak GiB allocated over the run, max over ranks)``;
+    the peak is None on the CPU."""
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(warmup + iters):
+        sync(device)
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        worst = max_over_ranks(ms, device)
+        if i >= warmup:
+            samples.append(worst)
+    peak = None
+    if device.type == "cuda":
+        peak = max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device)
+    return statistics.median(samples), peak
