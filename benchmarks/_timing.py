@@ -6,12 +6,22 @@ Each iteration: synchronise the device, barrier, time ``fn()`` (CUDA events on c
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+
+def rank_device(kind: str, rank: int) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (made current) or the CPU."""
+    if kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
 
 
 def sync(device: torch.device) -> None:

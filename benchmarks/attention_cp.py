@@ -47,7 +47,7 @@ from overlap_runtime.context_parallel import (  # noqa: E402
     ulysses_attention,
 )
 from overlap_runtime.ops.attention import attention  # noqa: E402
-from _timing import max_over_ranks, timed_slowest_rank  # noqa: E402  (benchmarks/_timing.py)
+from _timing import max_over_ranks, rank_device, timed_slowest_rank  # noqa: E402  (benchmarks/_timing.py)
 
 MODES: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "ulysses": ulysses_attention, "all_gather_kv": all_gather_kv_attention}
@@ -200,11 +200,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One rank's benchmark; the process group is already initialised (spawn or torchrun)."""
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(args.device, rank)
     group = dist.group.WORLD
     rows: list[dict[str, Any]] = []
     for seq in args.seq:

@@ -50,7 +50,7 @@ from overlap_runtime.context_parallel.linear_attention import (  # noqa: E402
     LinearAttentionContextParallel,
 )
 from overlap_runtime.models import GatedDeltaNet  # noqa: E402
-from _timing import max_over_ranks, timed_slowest_rank  # noqa: E402  (benchmarks/_timing.py)
+from _timing import max_over_ranks, rank_device, timed_slowest_rank  # noqa: E402  (benchmarks/_timing.py)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("ulysses", "p2p", "all_gather")
@@ -217,11 +217,7 @@ def format_table(rows: list[dict[str, Any]], tol: float) -> str:
 
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One rank's benchmark; the process group is already initialised (spawn or torchrun)."""
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(args.device, rank)
     mesh = init_device_mesh(device.type, (world,))
     rows: list[dict[str, Any]] = []
     for local_len in args.local_seq:
