@@ -65,3 +65,40 @@ def timed_slowest_rank(fn: Callable[[], Any], device: torch.device, warmup: int,
     if device.type == "cuda":
         peak = max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30, device)
     return statistics.median(samples), peak
+
+
+def profile_kernels(fn: Callable[[], Any], device: torch.device, iters: int = 2,
+                    top: int = 18) -> str:
+    """Device time per kernel of ``fn()`` (``iters`` calls under ``torch.profiler``), the
+    ``top`` largest, as text: total ms per call, share, launches per call, name. CPU: the
+    operators' self CPU time instead. Call it after the timed runs (warm caches, no compile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0 or (cuda and e.device_type.name != "CUDA"):
+            continue
+        rows.append((us / iters / 1e3, e.count / iters, e.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows) or 1.0
+    lines = [f"{'ms/call':>8} {'share':>6} {'n/call':>6}  kernel (device total {total:.3f} "
+             f"ms/call)"]
+    for ms, n, key in rows[:top]:
+        lines.append(f"{ms:8.3f} {ms / total:6.1%} {n:6.1f}  {key[:110]}")
+    return "\n".join(lines)
+
+
+def write_out(name: str, text: str) -> None:
+    """Append ``text`` to ``$OUT/name`` when OUT is set (the device tool brings it back)."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, name), "a") as f:
+            f.write(text.rstrip() + "\n\n")

@@ -47,7 +47,7 @@ from overlap_runtime.context_parallel import (  # noqa: E402
     ulysses_attention,
 )
 from overlap_runtime.ops.attention import attention  # noqa: E402
-from _timing import max_over_ranks, rank_device, timed_slowest_rank  # noqa: E402  (benchmarks/_timing.py)
+from _timing import max_over_ranks, profile_kernels, rank_device, timed_slowest_rank, write_out  # noqa: E402  (benchmarks/_timing.py)
 
 MODES: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "ulysses": ulysses_attention, "all_gather_kv": all_gather_kv_attention}
@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["cudnn", "flash", "math"], default=None,
                    help="local block kernel (overlap_runtime.ops.attention); default: cudnn on "
                         "cuda, math on cpu (printed with the results)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each rank's per-kernel device times to "
+                        "$OUT/attention_cp_profile_r<rank>.txt")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
@@ -129,6 +132,9 @@ def bench_length(args: argparse.Namespace, seq: int, device: torch.device,
     ms = timed(single, device, args.warmup, args.iters)
     rows.append(dict(seq=seq, mode="single", ranks=1, ms=ms, tflops=flops / ms / 1e9,
                      speedup=1.0))
+    if args.profile and rank == 0:
+        write_out("attention_cp_profile_r0.txt",
+                  f"seq {seq} single SDPA\n" + profile_kernels(single, device))
     single_ms = ms
 
     def single_ops() -> torch.Tensor:
@@ -169,6 +175,9 @@ def bench_length(args: argparse.Namespace, seq: int, device: torch.device,
             errs = [_rel(out, ref[0])] + [_rel(t.grad, r) for t, r in zip(local, ref[1:])]
             errs = [max_over_ranks(e, device) for e in errs]
             ms = timed(step, device, args.warmup, args.iters)
+            if args.profile:
+                write_out(f"attention_cp_profile_r{rank}.txt",
+                          f"seq {seq} mode {mode} rank {rank}\n" + profile_kernels(step, device))
             rows.append(dict(seq=seq, mode=mode, ranks=world, ms=ms,
                              tflops=flops / world / ms / 1e9, speedup=single_ms / ms,
                              rel_out=errs[0], rel_dq=errs[1], rel_dk=errs[2], rel_dv=errs[3],

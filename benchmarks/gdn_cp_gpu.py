@@ -50,7 +50,7 @@ from overlap_runtime.context_parallel.linear_attention import (  # noqa: E402
     LinearAttentionContextParallel,
 )
 from overlap_runtime.models import GatedDeltaNet  # noqa: E402
-from _timing import max_over_ranks, rank_device, timed_slowest_rank  # noqa: E402  (benchmarks/_timing.py)
+from _timing import max_over_ranks, profile_kernels, rank_device, timed_slowest_rank, write_out  # noqa: E402  (benchmarks/_timing.py)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("ulysses", "p2p", "all_gather")
@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "accuracy check sees a broken chain); qwen: Qwen3.5's initialisation "
                         "(the state is forgotten within a few tokens). Timing does not depend "
                         "on it")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each rank's per-kernel device times to "
+                        "$OUT/gdn_cp_profile_r<rank>.txt")
     p.add_argument("--tol", type=float, default=1e-2, help="accuracy bound (rel-L2)")
     p.add_argument("--warmup", type=int, default=None, help="default 3 (smoke: 1)")
     p.add_argument("--iters", type=int, default=None, help="default 10 (smoke: 2)")
@@ -147,6 +150,9 @@ def bench_length(args: argparse.Namespace, local_len: int, device: torch.device,
     dy_loc = dy_full[:, rows_sl].contiguous()
     ms, peak = timed(lambda: fwd_bwd(base, x_loc, dy_loc), device, args.warmup, args.iters)
     single_local_ms = ms
+    if args.profile and rank == 0:
+        write_out("gdn_cp_profile_r0.txt", f"local {local_len} single_local\n"
+                  + profile_kernels(lambda: fwd_bwd(base, x_loc, dy_loc), device))
     rows.append(dict(common, mode="single_local", ranks=1, ms=ms, peak_gib=peak, eff=1.0))
 
     # single device over the whole sequence: accuracy reference (and a speedup baseline)
@@ -183,6 +189,10 @@ def bench_length(args: argparse.Namespace, local_len: int, device: torch.device,
             del y
             ms, peak = timed(lambda: fwd_bwd(layer, x_loc, dy_loc), device, args.warmup,
                              args.iters)
+            if args.profile:
+                write_out(f"gdn_cp_profile_r{rank}.txt", f"local {local_len} mode {mode} "
+                          f"rank {rank}\n" + profile_kernels(lambda: fwd_bwd(layer, x_loc,
+                                                                                dy_loc), device))
             ok = all(v < args.tol for v in errs.values())
             rows.append(dict(common, mode=mode, ranks=world, ms=ms, peak_gib=peak,
                              eff=single_local_ms / ms, speedup=single_global_ms / ms,

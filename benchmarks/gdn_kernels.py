@@ -132,6 +132,22 @@ def time_impl(fn: Callable, x: dict[str, torch.Tensor], warmup_only: bool = Fals
     return {"fwd_ms": t_fwd, "bwd_ms": t_bwd, "fwd_bwd_ms": t_fb, "peak_mib": peak}
 
 
+def profile_fwd_bwd(fn: Callable, x: dict[str, torch.Tensor]) -> str:
+    """Per-kernel device time of one forward+backward (benchmarks/_timing.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _timing import profile_kernels
+
+    leaves = [x[n].detach().clone().requires_grad_() for n in NAMES]
+    do, dht = cotangents(x)
+
+    def fwd_bwd():
+        o, h = fn(*leaves)
+        torch.autograd.backward((o, h), (do, dht))
+        for t in leaves:
+            t.grad = None
+    return profile_kernels(fwd_bwd, x["v"].device, iters=3, top=24)
+
+
 def accuracy(seq_len: int, heads: int, dim: int, device: torch.device,
              num_segments: int | None) -> dict:
     x = make_inputs(seq_len, heads, dim, device, seed=2)
@@ -160,7 +176,12 @@ def main() -> int:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=None)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--num-segments", type=int, default=None)
+    parser.add_argument("--num-segments", type=int, nargs="+", default=[0],
+                        help="segments of our parallel state scan; several values give one "
+                             "'triton-nsN' row each (0: chosen from the machine)")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-kernel device times of one forward+backward per impl and T, "
+                             "to stdout and $OUT/gdn_kernels_profile.txt")
     parser.add_argument("--no-fla", action="store_true")
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--no-accuracy", action="store_true")
@@ -172,10 +193,12 @@ def main() -> int:
     seq_lens = args.seq_lens or ([8192, 16384] if args.quick else [8192, 16384, 32768, 65536])
     acc_lens = [8192] if args.quick else [n for n in (8192, 16384, 32768)]
     import triton
+    segs = [None if n == 0 else n for n in args.num_segments]
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": triton.__version__, "heads": args.heads, "dim": args.dim,
-                    "num_segments": args.num_segments, "speed": [], "accuracy": []}
-    impls: dict[str, Callable] = {"triton": ours(args.num_segments)}
+                    "num_segments": segs, "speed": [], "accuracy": []}
+    impls: dict[str, Callable] = {("triton" if n is None else f"triton-ns{n}"): ours(n)
+                                  for n in segs}
     if not args.no_fla:
         fla_fn, note = load_fla()
         report["fla"] = note
@@ -198,6 +221,13 @@ def main() -> int:
                 traceback.print_exc()
             report["speed"].append(row)
             print(json.dumps(row), flush=True)
+            if args.profile and "error" not in row:
+                text = f"{name} T={seq_len} forward+backward\n" + profile_fwd_bwd(fn, x)
+                print(text, flush=True)
+                if os.environ.get("OUT"):
+                    with open(os.path.join(os.environ["OUT"], "gdn_kernels_profile.txt"),
+                              "a") as f:
+                        f.write(text + "\n\n")
             torch.cuda.empty_cache()
         del x
 
@@ -205,7 +235,7 @@ def main() -> int:
         for seq_len in acc_lens:
             row = {"T": seq_len}
             try:
-                row.update(accuracy(seq_len, args.heads, args.dim, device, args.num_segments))
+                row.update(accuracy(seq_len, args.heads, args.dim, device, segs[0]))
             except Exception as error:  # noqa: BLE001
                 row["error"] = f"{type(error).__name__}: {error}"
                 row["ok"] = False
@@ -226,7 +256,7 @@ def main() -> int:
         ratios = []
         for other in ("fla", "eager"):
             ref = by_key.get((other, r["T"]))
-            if r["impl"] == "triton" and ref and "fwd_bwd_ms" in ref:
+            if r["impl"].startswith("triton") and ref and "fwd_bwd_ms" in ref:
                 ratios.append(f"{ref['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x")
             else:
                 ratios.append("")

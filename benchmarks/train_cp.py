@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--align-seq-len", type=int, default=None,
                    help="global length of the alignment runs (default: the config's)")
     p.add_argument("--activation-checkpoint", action="store_true")
+    p.add_argument("--gdn-backend", choices=["eager", "triton"], default=None,
+                   help="override model.gdn_backend and linear_attention_gdn_backend "
+                        "(default: the config's)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model on 2 CPU ranks, few steps (checks that the script runs)")
     p.add_argument("--json", default=None)
@@ -84,8 +87,11 @@ def base_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def variant(cfg: TrainConfig, mode: str, steps: int, seq_len: int | None = None,
-            ckpt: bool = False) -> TrainConfig:
+            ckpt: bool = False, gdn_backend: str | None = None) -> TrainConfig:
     data = cfg.model_dump()
+    if gdn_backend is not None:
+        data["model"]["gdn_backend"] = gdn_backend
+        data["train"]["accelerator"]["linear_attention_gdn_backend"] = gdn_backend
     data["train"]["accelerator"]["linear_attention_cp_mode"] = mode
     data["train"]["steps"] = steps
     data["train"]["activation_checkpoint"] = ckpt or data["train"]["activation_checkpoint"]
@@ -106,7 +112,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] 
     out: dict[str, Any] = {"timing": {}, "align": {}}
     for mode in args.modes:
         res = train_distributed(variant(cfg, mode, args.warmup + args.steps,
-                                        ckpt=args.activation_checkpoint), device, quiet)
+                                        ckpt=args.activation_checkpoint,
+                                        gdn_backend=args.gdn_backend), device, quiet)
         timed = res.steps[args.warmup:]
         med = statistics.median(s.step_time_s for s in timed)
         out["timing"][mode] = {
@@ -118,7 +125,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] 
     if args.align_steps > 0:
         for mode in args.modes:
             res = train_distributed(variant(cfg, mode, args.align_steps, args.align_seq_len,
-                                            args.activation_checkpoint), device, quiet)
+                                            args.activation_checkpoint, args.gdn_backend), device, quiet)
             out["align"][mode] = res.to_dict()
     dist.barrier()
     return out if rank == 0 else None
@@ -132,7 +139,7 @@ def baseline_and_report(args: argparse.Namespace, out: dict[str, Any], device: t
     align_len = args.align_seq_len or cfg.data.seq_len
     if args.align_steps > 0:
         ref_cfg = variant(cfg, args.modes[0], args.align_steps, args.align_seq_len,
-                          args.activation_checkpoint)
+                          args.activation_checkpoint, args.gdn_backend)
         try:
             baseline = train_single(ref_cfg, device)
         except torch.cuda.OutOfMemoryError as exc:  # type: ignore[attr-defined]

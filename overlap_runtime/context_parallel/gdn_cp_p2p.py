@@ -37,26 +37,21 @@ What is saved for backward: the inputs (q, k, v, g, beta), ``H_in`` and ``M`` (o
 ``[B, HV, K, K]`` fp32); no chunk-level graph survives the forward (the local output backward goes
 through the memory-lean ``chunk_gated_delta_rule``).
 
-``backend="triton"`` runs the same chain with the Triton kernels
-(``overlap_runtime.ops.gdn.triton``; the summaries there are forward-only, so the backward is
-arranged around the chunk op's own backward)::
+``backend="triton"`` puts the chain inside the Triton op itself (:class:`TritonStateChain`).
+The op already splits a sequence into segments whose affine summaries it builds in parallel and
+chains (``ops/gdn/triton/function.py``); across ranks the chain simply continues::
 
-    forward   M, S  = triton.state_summary(q, k, v, g, beta)        (r < P-1), fp32
-              H_out = triton.apply_summary(M, S, H_in) -> isend
-              o     = chunk_gated_delta_rule(..., initial_state=H_in, backend="triton")  no graph
-    backward  post irecv dH_out (r < P-1)
-              dH_in_local = triton.output_state_grad(q, k, v, g, beta, dO)   (r > 0, no dH_out)
-              wait dH_out
-              dH_in = triton.apply_summary_backward(M, dH_out, dH_in_local) -> isend   (r > 0)
-              o, H_out = chunk_gated_delta_rule(..., initial_state=H_in, backend="triton")
-              autograd.grad((o, H_out), inputs, (dO, dH_out))     every input gradient at once
+    forward   prepare, segment summaries (M_s, S_s)             no H_in needed
+              wait H_in; chain H_in through the NS segment maps -> H_out, isend at once
+              per-segment scans from their true states, outputs   (H_out travelling)
+    backward  post irecv dH_out; rescan, dv_local, segment-local reverse scans (no dH_out)
+              wait dH_out; reverse chain through the M_s^T -> dH_in, isend at once
+              per-chunk reverse scan, every input-gradient kernel (dH_in travelling)
 
-The last step is exact: ``H_out = M H_in + S`` is the op's final state, so its gradient with
-``dH_out`` is the summary's gradient with ``dM = dH_out H_in^T, dS = dH_out``; the op's backward
-(fp32 state gradients) sums it with the local output's. Cost against one device on the same local
-length: forward + one summary; backward + ``output_state_grad`` (prepare + one reverse state walk)
-+ one recomputed forward (the op's graph is not kept from the forward, as in eager). Only the
-summary / ``output_state_grad`` and the P applies sit before the chain's sends.
+No rank computes anything a single GPU would not (the op's own summaries are the chain's
+summaries; at least two segments per rank so that they exist), no forward is recomputed in the
+backward (the op's saved tensors are kept), and each hop of the chain costs ``NS`` products of
+``K x K x V`` plus one state send.
 """
 
 from __future__ import annotations
@@ -64,8 +59,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.ops.gdn.state_link import StateLink
 from overlap_runtime.ops.gdn import (
     apply_summary,
     apply_summary_backward,
@@ -79,7 +76,7 @@ from overlap_runtime.ops.gdn import (
 
 from .gdn_cp_common import GDNCPPlan, halo_conv_qkv, post_recv, post_send
 
-__all__ = ["GDNStateChain", "gdn_state_chain", "p2p_forward"]
+__all__ = ["GDNStateChain", "TritonStateChain", "gdn_state_chain", "p2p_forward"]
 
 
 class GDNStateChain(torch.autograd.Function):
@@ -110,31 +107,17 @@ class GDNStateChain(torch.autograd.Function):
         if rank > 0:  # posted before the local work, so H_in lands while we prepare
             h_in = torch.empty(batch, heads, key_dim, value_dim, dtype=state_dtype, device=q.device)
             recv = post_recv(h_in, rank - 1, plan, "gdn p2p forward H_in")
-        fused = plan.backend == "triton"
-        prep = None if fused else prepare_chunks(q, k, v, g, beta, scale, True, chunk_size)
+        prep = prepare_chunks(q, k, v, g, beta, scale, True, chunk_size)
         m = s = None
         if rank < world - 1:
-            if fused:
-                m, s = _triton().state_summary(q, k, v, g, beta, True, chunk_size)
-            else:
-                m, s = summarize(prep)
+            m, s = summarize(prep)
         if recv is not None:
             recv.wait()
         send = None
         if rank < world - 1:
-            if h_in is None:
-                h_out = s
-            elif fused:
-                h_out = _triton().apply_summary(m, s, h_in)
-            else:
-                h_out = apply_summary(m, s, h_in)
+            h_out = s if h_in is None else apply_summary(m, s, h_in)
             send = post_send(h_out, rank + 1, plan, "gdn p2p forward H_out")
-        if fused:  # grad mode is off in forward: no graph is kept
-            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h_in,
-                                          use_qk_l2norm=True, chunk_size=chunk_size,
-                                          backend=plan.backend)
-        else:
-            o, _ = chunk_output(prep, h_in)
+        o, _ = chunk_output(prep, h_in)
         if send is not None:
             send.wait()  # late: the local output ran while the state travelled
         ctx.save_for_backward(q, k, v, g, beta, h_in, m)
@@ -143,8 +126,6 @@ class GDNStateChain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        if ctx.plan.backend == "triton":
-            return _triton_backward(ctx, do)
         q, k, v, g, beta, h_in, m = ctx.saved_tensors
         plan: GDNCPPlan = ctx.plan
         rank, world = plan.rank, plan.cp_size
@@ -204,64 +185,91 @@ class GDNStateChain(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def _triton() -> Any:
-    """``overlap_runtime.ops.gdn.triton`` (its names import triton on first use only)."""
-    from overlap_runtime.ops.gdn import triton as fused
+class _ChainLink(StateLink):
+    """The Triton op's state hooks wired to the CP neighbours, for one forward or backward."""
 
-    return fused
+    min_segments = 2
+
+    def __init__(self, plan: GDNCPPlan, state_shape: tuple[int, ...], device: torch.device
+                 ) -> None:
+        self.plan, self.rank, self.world = plan, plan.rank, plan.cp_size
+        self.shape, self.device = state_shape, device
+        self.recv: Any = None
+        self.buf: torch.Tensor | None = None
+        self.send: Any = None
+        self.h_in: torch.Tensor | None = None
+
+    def _post_recv(self, src: int, what: str) -> None:
+        self.buf = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        self.recv = post_recv(self.buf, src, self.plan, what)
+
+    def _take(self) -> torch.Tensor | None:
+        if self.recv is None:
+            return None
+        self.recv.wait()
+        self.recv = None
+        return self.buf
+
+    # forward: H from rank - 1, H_out to rank + 1
+    def entering_state(self) -> torch.Tensor | None:
+        self.h_in = self._take()
+        return self.h_in
+
+    def leaving_state(self, h_out: torch.Tensor) -> None:
+        if self.rank < self.world - 1:
+            self.send = post_send(h_out, self.rank + 1, self.plan, "gdn p2p forward H_out")
+
+    # backward: dH_out from rank + 1, dH_in to rank - 1
+    def leaving_state_grad(self) -> torch.Tensor | None:
+        return self._take()
+
+    def entering_state_grad(self, dh_in: torch.Tensor) -> None:
+        if self.rank > 0:
+            self.send = post_send(dh_in, self.rank - 1, self.plan, "gdn p2p backward dH_in")
+
+    def finish(self) -> None:
+        """Wait the send (late: after the local work that followed it)."""
+        if self.send is not None:
+            self.send.wait()
+            self.send = None
 
 
-def _triton_backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    """Backward of the chain with the Triton kernels (module docstring, ``backend="triton"``).
+class TritonStateChain(torch.autograd.Function):
+    """``apply(q, k, v, g, beta, plan, scale) -> o [B, T, HV, V]`` with the Triton op's chain
+    continued across ranks (module docstring, ``backend="triton"``). Shapes as
+    :class:`GDNStateChain`; q/k/v/beta bf16/fp16/fp32, g fp32; ``T`` a multiple of 64."""
 
-    The Triton summaries are forward-only, so the summary's gradient is not taken through them:
-    it is the gradient of the chunk op's final state (``M H_in + S``) given ``dH_out``, which the
-    op's backward returns together with the local output's gradients in one pass.
-    """
-    q, k, v, g, beta, h_in, m = ctx.saved_tensors
-    plan: GDNCPPlan = ctx.plan
-    rank, world = plan.rank, plan.cp_size
-    fused = _triton()
-    recv = dh_out = None
-    if rank < world - 1:  # posted first, as in the eager backward
-        dh_out = m.new_empty((v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]))
-        recv = post_recv(dh_out, rank + 1, plan, "gdn p2p backward dH_out")
-    dh_in_local = None
-    if rank > 0:  # needs no dH_out: runs while the chain's later ranks work
-        dh_in_local = fused.output_state_grad(q, k, v, g, beta, do, ctx.scale, True,
-                                              ctx.chunk_size)
-    if recv is not None:
-        recv.wait()
-    send = None
-    if rank > 0:
-        dh_in = (dh_in_local if dh_out is None
-                 else fused.apply_summary_backward(m, dh_out, dh_in_local))
-        send = post_send(dh_in, rank - 1, plan, "gdn p2p backward dH_in")
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, plan: GDNCPPlan, scale: float,
+    ) -> torch.Tensor:
+        from overlap_runtime.ops.gdn.triton.function import gdn_forward
 
-    needs = ctx.needs_input_grad[:5]
-    grads: list[torch.Tensor | None] = [None] * 5
-    if any(needs):
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_(need) for x, need in zip((q, k, v, g, beta), needs)]
-            o, h_out = chunk_gated_delta_rule(
-                *leaves, scale=ctx.scale, initial_state=h_in, output_final_state=True,
-                use_qk_l2norm=True, chunk_size=ctx.chunk_size, backend=plan.backend,
-            )
-            outs, gouts = [o], [do]
-            if dh_out is not None:  # the summary's part: d<dH_out, M H_in + S>
-                outs.append(h_out)
-                gouts.append(dh_out)
-            wanted = [x for x in leaves if x.requires_grad]
-            local = iter(torch.autograd.grad(outs, wanted, gouts, allow_unused=True))
-        for i, need in enumerate(needs):
-            if need:
-                grads[i] = next(local)
-    if send is not None:
-        send.wait()
-    grads = [
-        gr.to(x.dtype) if gr is not None else None for gr, x in zip(grads, (q, k, v, g, beta))
-    ]
-    return (*grads, None, None, None)
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        shape = (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+        link = _ChainLink(plan, shape, q.device)
+        if link.rank > 0:  # posted before the local work, so H_in lands while we prepare
+            link._post_recv(link.rank - 1, "gdn p2p forward H_in")
+        o, _, saved, meta = gdn_forward(q, k, v, g, beta, None, scale, True, None, link=link)
+        link.finish()
+        ctx.save_for_backward(*saved)
+        ctx.meta, ctx.plan, ctx.state_shape = meta, plan, shape
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        from overlap_runtime.ops.gdn.triton.function import gdn_backward
+
+        plan: GDNCPPlan = ctx.plan
+        link = _ChainLink(plan, ctx.state_shape, do.device)
+        if link.rank < link.world - 1:  # posted first; the local work before it needs none
+            link._post_recv(link.rank + 1, "gdn p2p backward dH_out")
+        dq, dk, dv, dg, dbeta, _ = gdn_backward(ctx.saved_tensors, ctx.meta, do, None,
+                                                link=link)
+        link.finish()
+        return dq, dk, dv, dg, dbeta, None, None
 
 
 def gdn_state_chain(
@@ -292,6 +300,8 @@ def gdn_state_chain(
             "'triton' local kernels only"
         )
     scale = q.shape[-1] ** -0.5
+    if plan.backend == "triton":
+        return TritonStateChain.apply(q, k, v, g, beta, plan, scale)
     return GDNStateChain.apply(q, k, v, g, beta, plan, scale, chunk_size)
 
 

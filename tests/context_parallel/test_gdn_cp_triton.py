@@ -14,9 +14,11 @@ state crossing ranks matter (dropping the chain's ``M^T dH_out`` and the final-s
 from the Triton backward raises the gradient errors to ~0.3-0.5).
 
 * ulysses CP2: the Triton GDN op over the full sequence (128 tokens) on each rank's 2 heads.
-* p2p CP2: rank 0 sends S (Triton ``state_summary``), rank 1 is the last rank
-  (``output_state_grad`` only).
-* p2p CP3: the middle rank also runs ``apply_summary`` and ``apply_summary_backward``.
+* p2p CP2, local 128 (two chunks, so two segments per rank): the chain continues through the
+  op's segment summaries; rank 0 sends the chain's end before its scans, rank 1 sends dH_in
+  from the reverse chain before its per-chunk reverse scan.
+* p2p CP3, local 64 (one chunk, one segment): the hooks fall back to the scan's own ends (the
+  state is sent after the scan, dH_in after the reverse scan); the middle rank does both.
 * p2p CP2 with padding (B=2, right and left, one rank holding only padding): exact zeros.
 * p2p CP2 under ``checkpoint(use_reentrant=False)``, twice: bitwise the plain run.
 
@@ -54,14 +56,15 @@ def _assert_figures(worst: dict[str, float], what: str) -> None:
     assert not bad, f"{what}: rel-L2 above {TOL:g}: {bad} (all: {worst})"
 
 
-@pytest.mark.parametrize("mode,cp", [("ulysses", 2), ("p2p", 2), ("p2p", 3)])
-def test_triton_matches_single_process_eager(mode: str, cp: int) -> None:
+@pytest.mark.parametrize("mode,cp,local_len", [("ulysses", 2, 64), ("p2p", 2, 128),
+                                               ("p2p", 3, 64)])
+def test_triton_matches_single_process_eager(mode: str, cp: int, local_len: int) -> None:
     results = run_ranks(
-        compare_worker, cp, timeout_s=240.0, env=INTERPRETER_ENV,
-        args=(mode, 1, 64, 1, False, False, 4, "triton", HEAD_DIM),
+        compare_worker, cp, timeout_s=300.0, env=INTERPRETER_ENV,
+        args=(mode, 1, local_len, 1, False, False, 4, "triton", HEAD_DIM),
     )
     for rank, res in enumerate(results):
-        what = f"backend=triton mode={mode} cp={cp} rank={rank}"
+        what = f"backend=triton mode={mode} cp={cp} local={local_len} rank={rank}"
         assert res["triton_interpreted"], f"{what}: the Triton kernels did not run"
         _assert_figures(res["worst"], what)
 

@@ -37,6 +37,7 @@ from torch.autograd.function import once_differentiable
 
 from .bwd_chunk import dqkwg_kernel, kkt_bwd_kernel, wy_bwd_kernel
 from .bwd_state import bwd_scan_kernel, dv_local_kernel
+from ..state_link import StateLink
 from .common import CHUNK, choose_segments
 from .fwd_output import output_kernel
 from .fwd_prepare import kkt_solve, wy_forward
@@ -52,6 +53,9 @@ __all__ = [
     "state_scan",
     "state_grad_scan",
     "prepare",
+    "StateLink",
+    "gdn_forward",
+    "gdn_backward",
 ]
 
 
@@ -215,26 +219,147 @@ def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.
     return out
 
 
-def _forward_states(prep: dict, h0: torch.Tensor | None, num_segments: int | None
-                    ) -> dict[str, Any]:
-    kn, w, u, gamma = prep["kn"], prep["w"], prep["u"], prep["gamma"]
+def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
+            min_segments: int) -> tuple[int, int]:
     batch, seq_len, _, key_dim = kn.shape
+    num_value_heads, value_dim = u.shape[2], u.shape[3]
+    programs = batch * num_value_heads * (value_dim // _block(key_dim, value_dim))
+    num_chunks = triton.cdiv(seq_len, CHUNK)
+    ns, per_segment = segment_layout(num_chunks, programs, kn.device, num_segments)
+    if ns < min_segments and num_chunks >= min_segments:
+        ns, per_segment = segment_layout(num_chunks, programs, kn.device, min_segments)
+    return ns, per_segment
+
+
+def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, h0: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
+                num_segments: int | None, link: StateLink | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...], dict]:
+    """The forward kernels (module docstring) without autograd.
+
+    Args:
+        q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, beta ``[B, T, HV]`` contiguous, one of
+        bf16/fp16/fp32; g ``[B, T, HV]`` fp32; h0 ``[B, HV, K, V]`` fp32 or None (with a
+        ``link``, the link's entering state is used instead).
+
+    Returns:
+        ``(o [B, T, HV, V] in v's dtype, final [B, HV, K, V] fp32, saved tensors, meta)``:
+        what :func:`gdn_backward` needs (``saved`` may hold None).
+    """
+    prep = prepare(q, k, v, g, beta, use_qk_l2norm)
+    kn, w, u, gamma = prep["kn"], prep["w"], prep["u"], prep["gamma"]
+    batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     bh = batch * num_value_heads
     num_chunks = triton.cdiv(seq_len, CHUNK)
-    programs = bh * (value_dim // _block(key_dim, value_dim))
-    ns, per_segment = segment_layout(num_chunks, programs, kn.device, num_segments)
-    h0_flat = None if h0 is None else h0.reshape(bh, key_dim, value_dim)
-    m_seg = None
+    ns, per_segment = _layout(kn, u, num_segments, link.min_segments if link else 1)
+    m_seg = s_seg = None
     if ns > 1:
         m_seg, s_seg = segment_summaries(kn, w, u, gamma, ns, per_segment)
-        _, seg_init = chain(m_seg, s_seg, h0_flat, store_segments=True)
+    if link is not None:
+        h0 = link.entering_state()
+    h0_flat = None if h0 is None else h0.reshape(bh, key_dim, value_dim)
+    if ns > 1:
+        final_flat, seg_init = chain(m_seg, s_seg, h0_flat, store_segments=True)
+        if link is not None:
+            link.leaving_state(final_flat.reshape(batch, num_value_heads, key_dim, value_dim))
     else:
         seg_init = None if h0_flat is None else h0_flat.reshape(bh, 1, key_dim, value_dim)
+    del s_seg
     states, v_new, h_end = state_scan(kn, w, u, gamma, seg_init, ns, per_segment)
     final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)
-    return {"states": states, "v_new": v_new, "final": final, "seg_init": seg_init,
-            "m_seg": m_seg, "ns": ns, "per_segment": per_segment}
+    if link is not None and ns == 1:
+        link.leaving_state(final)
+    o = torch.empty_like(v)
+    bv = _block(key_dim, value_dim)
+    output_kernel[(value_dim // bv, num_chunks, bh)](
+        prep["qn"], kn, gamma, states, v_new, o, scale, seq_len, num_chunks, H=heads,
+        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
+    )
+    saved = (q, k, v, beta, prep["qn"], kn, prep["q_rstd"], prep["k_rstd"], gamma,
+             prep["ainv"], w, u, seg_init, m_seg)
+    meta = {"scale": scale, "ns": ns, "per_segment": per_segment}
+    return o, final, saved, meta
+
+
+def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: dict, do: torch.Tensor,
+                 dht: torch.Tensor | None, link: StateLink | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor, torch.Tensor]:
+    """The backward kernels (module docstring) given :func:`gdn_forward`'s ``saved, meta``.
+
+    Args:
+        do: ``[B, T, HV, V]``; dht: ``[B, HV, K, V]`` gradient of the final state or None
+            (zeros; with a ``link``, the link's leaving-state gradient is used instead).
+
+    Returns:
+        ``(dq, dk, dv, dg fp32, dbeta, dh0 [B, HV, K, V] fp32)``; dh0 is the gradient of the
+        entering state (zeros-start included).
+    """
+    (q, k, v, beta, qn, kn, q_rstd, k_rstd, gamma, ainv, w, u, seg_init, m_seg) = saved
+    scale, ns, per_segment = meta["scale"], meta["ns"], meta["per_segment"]
+    do = do.contiguous()
+    batch, seq_len, heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[2], v.shape[3]
+    bh = batch * num_value_heads
+    num_chunks = triton.cdiv(seq_len, CHUNK)
+    states, v_new, _ = state_scan(kn, w, u, gamma, seg_init, ns, per_segment)
+    dvl = dv_local(qn, kn, gamma, do, scale)
+    local = None
+    if ns > 1:
+        _, _, local = state_grad_scan(qn, kn, w, gamma, do, dvl, None, scale, ns,
+                                      per_segment, store=False)
+    if link is not None:
+        dht = link.leaving_state_grad()
+    dht_flat = (None if dht is None
+                else dht.to(torch.float32).reshape(bh, key_dim, value_dim).contiguous())
+    if ns > 1:
+        dh_in, dh_seg = chain(m_seg, local, dht_flat, reverse=True, store_segments=True)
+        if link is not None:
+            link.entering_state_grad(dh_in.reshape(batch, num_value_heads, key_dim, value_dim))
+    elif dht_flat is None:
+        dh_seg = None
+    else:
+        dh_seg = dht_flat.reshape(bh, 1, key_dim, value_dim)
+    del local
+    dhs, dv2, dh_start = state_grad_scan(qn, kn, w, gamma, do, dvl, dh_seg, scale, ns,
+                                         per_segment)
+    if link is not None and ns == 1:
+        link.entering_state_grad(dh_start[:, 0].reshape(batch, num_value_heads, key_dim,
+                                                        value_dim))
+    del dvl
+    bk = min(64, key_dim)
+    bv = min(64, value_dim)
+    slots = key_dim // bk + 1
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dq_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
+    dk_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
+    dw = torch.empty_like(w)
+    dg_part = torch.empty(slots, batch, seq_len, num_value_heads, **f32)
+    dqkwg_kernel[(key_dim // bk, num_chunks, bh)](
+        qn, kn, gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part, scale, seq_len,
+        num_chunks, batch, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
+        BK=bk, BV=bv,
+    )
+    del states, dhs, v_new
+    dv = torch.empty_like(v)
+    da = torch.empty(batch, seq_len, num_value_heads, CHUNK, **f32)
+    db_part = torch.empty(batch, seq_len, num_value_heads, **f32)
+    wy_bwd_kernel[(num_chunks, bh)](
+        kn, v, beta, gamma, ainv, dv2, dw, dv, dk_v, da, db_part, dg_part, seq_len, batch,
+        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
+        SLOT=slots - 1,
+    )
+    dbeta = torch.empty_like(beta)
+    dg = torch.empty(batch, seq_len, num_value_heads, **f32)
+    kkt_bwd_kernel[(num_chunks, bh)](
+        kn, beta, gamma, da, dk_v, db_part, dg_part, dbeta, dg, seq_len, batch, H=heads,
+        HV=num_value_heads, K=key_dim, BT=CHUNK, SLOTS=slots,
+    )
+    dq = l2norm_group_backward(q, q_rstd, dq_v)
+    dk = l2norm_group_backward(k, k_rstd, dk_v)
+    dh0 = dh_start[:, 0].reshape(batch, num_value_heads, key_dim, value_dim)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
@@ -248,83 +373,20 @@ class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-        prep = prepare(q, k, v, g, beta, use_qk_l2norm)
-        fwd = _forward_states(prep, h0, num_segments)
-        o = torch.empty_like(v)
-        batch, seq_len, heads, key_dim = q.shape
-        num_value_heads, value_dim = v.shape[2], v.shape[3]
-        num_chunks = triton.cdiv(seq_len, CHUNK)
-        bv = _block(key_dim, value_dim)
-        output_kernel[(value_dim // bv, num_chunks, batch * num_value_heads)](
-            prep["qn"], prep["kn"], prep["gamma"], fwd["states"], fwd["v_new"], o, scale, seq_len,
-            num_chunks, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
-        )
-        ctx.save_for_backward(q, k, v, beta, prep["qn"], prep["kn"], prep["q_rstd"],
-                              prep["k_rstd"], prep["gamma"], prep["ainv"], prep["w"], prep["u"],
-                              fwd["seg_init"], fwd["m_seg"])
-        ctx.scale, ctx.ns, ctx.per_segment = scale, fwd["ns"], fwd["per_segment"]
+        o, final, saved, meta = gdn_forward(q, k, v, g, beta, h0, scale, use_qk_l2norm,
+                                            num_segments)
+        ctx.save_for_backward(*saved)
+        ctx.meta = meta
         ctx.has_initial_state = initial_state is not None
         ctx.state_dtype = None if initial_state is None else initial_state.dtype
-        return o, fwd["final"]
+        return o, final
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, do: torch.Tensor, dht: torch.Tensor
                  ) -> tuple[torch.Tensor | None, ...]:
-        (q, k, v, beta, qn, kn, q_rstd, k_rstd, gamma, ainv, w, u, seg_init,
-         m_seg) = ctx.saved_tensors
-        scale, ns, per_segment = ctx.scale, ctx.ns, ctx.per_segment
-        do = do.contiguous()
-        batch, seq_len, heads, key_dim = q.shape
-        num_value_heads, value_dim = v.shape[2], v.shape[3]
-        bh = batch * num_value_heads
-        num_chunks = triton.cdiv(seq_len, CHUNK)
-        states, v_new, _ = state_scan(kn, w, u, gamma, seg_init, ns, per_segment)
-        dvl = dv_local(qn, kn, gamma, do, scale)
-        dht_flat = dht.to(torch.float32).reshape(bh, key_dim, value_dim).contiguous()
-        if ns > 1:
-            _, _, local = state_grad_scan(qn, kn, w, gamma, do, dvl, None, scale, ns,
-                                          per_segment, store=False)
-            _, dh_seg = chain(m_seg, local, dht_flat, reverse=True, store_segments=True)
-        else:
-            dh_seg = dht_flat.reshape(bh, 1, key_dim, value_dim)
-        dhs, dv2, dh_start = state_grad_scan(qn, kn, w, gamma, do, dvl, dh_seg, scale, ns,
-                                             per_segment)
-        del dvl
-        bk = min(64, key_dim)
-        bv = min(64, value_dim)
-        slots = key_dim // bk + 1
-        f32 = dict(device=q.device, dtype=torch.float32)
-        dq_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
-        dk_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
-        dw = torch.empty_like(w)
-        dg_part = torch.empty(slots, batch, seq_len, num_value_heads, **f32)
-        dqkwg_kernel[(key_dim // bk, num_chunks, bh)](
-            qn, kn, gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part, scale, seq_len,
-            num_chunks, batch, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
-            BK=bk, BV=bv,
-        )
-        del states, dhs, v_new
-        dv = torch.empty_like(v)
-        da = torch.empty(batch, seq_len, num_value_heads, CHUNK, **f32)
-        db_part = torch.empty(batch, seq_len, num_value_heads, **f32)
-        wy_bwd_kernel[(num_chunks, bh)](
-            kn, v, beta, gamma, ainv, dv2, dw, dv, dk_v, da, db_part, dg_part, seq_len, batch,
-            H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
-            SLOT=slots - 1,
-        )
-        dbeta = torch.empty_like(beta)
-        dg = torch.empty(batch, seq_len, num_value_heads, **f32)
-        kkt_bwd_kernel[(num_chunks, bh)](
-            kn, beta, gamma, da, dk_v, db_part, dg_part, dbeta, dg, seq_len, batch, H=heads,
-            HV=num_value_heads, K=key_dim, BT=CHUNK, SLOTS=slots,
-        )
-        dq = l2norm_group_backward(q, q_rstd, dq_v)
-        dk = l2norm_group_backward(k, k_rstd, dk_v)
-        dh0 = None
-        if ctx.has_initial_state:
-            dh0 = dh_start[:, 0].reshape(batch, num_value_heads, key_dim, value_dim)
-            dh0 = dh0.to(ctx.state_dtype)
+        dq, dk, dv, dg, dbeta, dh0 = gdn_backward(ctx.saved_tensors, ctx.meta, do, dht)
+        dh0 = dh0.to(ctx.state_dtype) if ctx.has_initial_state else None
         return dq, dk, dv, dg, dbeta, dh0, None, None, None
 
 
