@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--align-seq-len", type=int, default=None,
                    help="global length of the alignment runs (default: the config's)")
     p.add_argument("--activation-checkpoint", action="store_true")
+    p.add_argument("--corpus", default=None,
+                   help="override data.corpus: a UTF-8 text file (the packaged corpus is 29 KB, "
+                        "so a long run at 32K tokens a step memorises it)")
     p.add_argument("--gdn-backend", choices=["eager", "triton"], default=None,
                    help="override model.gdn_backend and linear_attention_gdn_backend "
                         "(default: the config's)")
@@ -86,15 +89,19 @@ def base_config(args: argparse.Namespace) -> TrainConfig:
     return load_config(args.config)
 
 
-def variant(cfg: TrainConfig, mode: str, steps: int, seq_len: int | None = None,
-            ckpt: bool = False, gdn_backend: str | None = None) -> TrainConfig:
+def variant(cfg: TrainConfig, args: argparse.Namespace, mode: str, steps: int,
+            seq_len: int | None = None) -> TrainConfig:
+    """``cfg`` with this run's GDN CP mode, steps, length and the command-line overrides."""
     data = cfg.model_dump()
-    if gdn_backend is not None:
-        data["model"]["gdn_backend"] = gdn_backend
-        data["train"]["accelerator"]["linear_attention_gdn_backend"] = gdn_backend
+    if args.corpus is not None:
+        data["data"]["corpus"] = args.corpus
+    if args.gdn_backend is not None:
+        data["model"]["gdn_backend"] = args.gdn_backend
+        data["train"]["accelerator"]["linear_attention_gdn_backend"] = args.gdn_backend
     data["train"]["accelerator"]["linear_attention_cp_mode"] = mode
     data["train"]["steps"] = steps
-    data["train"]["activation_checkpoint"] = ckpt or data["train"]["activation_checkpoint"]
+    data["train"]["activation_checkpoint"] = (args.activation_checkpoint
+                                              or data["train"]["activation_checkpoint"])
     if seq_len is not None:
         data["data"]["seq_len"] = seq_len
     return config_from_dict(data, "(benchmark variant)")
@@ -111,9 +118,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] 
     quiet = (lambda line: None)
     out: dict[str, Any] = {"timing": {}, "align": {}}
     for mode in args.modes:
-        res = train_distributed(variant(cfg, mode, args.warmup + args.steps,
-                                        ckpt=args.activation_checkpoint,
-                                        gdn_backend=args.gdn_backend), device, quiet)
+        res = train_distributed(variant(cfg, args, mode, args.warmup + args.steps), device, quiet)
         timed = res.steps[args.warmup:]
         med = statistics.median(s.step_time_s for s in timed)
         out["timing"][mode] = {
@@ -124,8 +129,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] 
             print(f"[{mode}] median step {med * 1e3:.1f} ms", flush=True)
     if args.align_steps > 0:
         for mode in args.modes:
-            res = train_distributed(variant(cfg, mode, args.align_steps, args.align_seq_len,
-                                            args.activation_checkpoint, args.gdn_backend), device, quiet)
+            res = train_distributed(variant(cfg, args, mode, args.align_steps,
+                                            args.align_seq_len), device, quiet)
             out["align"][mode] = res.to_dict()
     dist.barrier()
     return out if rank == 0 else None
@@ -138,8 +143,7 @@ def baseline_and_report(args: argparse.Namespace, out: dict[str, Any], device: t
     baseline = None
     align_len = args.align_seq_len or cfg.data.seq_len
     if args.align_steps > 0:
-        ref_cfg = variant(cfg, args.modes[0], args.align_steps, args.align_seq_len,
-                          args.activation_checkpoint, args.gdn_backend)
+        ref_cfg = variant(cfg, args, args.modes[0], args.align_steps, args.align_seq_len)
         try:
             baseline = train_single(ref_cfg, device)
         except torch.cuda.OutOfMemoryError as exc:  # type: ignore[attr-defined]

@@ -12,9 +12,12 @@ recurrence and the causal conv run left to right, so rank ``r``'s tokens directl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap_runtime.models.gated_deltanet import GatedDeltaNet
@@ -72,14 +75,18 @@ def post_recv(buf: torch.Tensor, src: int, plan: GDNCPPlan, what: str) -> comm.A
     then ``halo grad`` (r+1 -> r) - so untagged gloo/NCCL/HCCL matching pairs them correctly.
     """
     work = dist.irecv(buf, plan.global_rank(src), group=plan.group)
-    return comm.AsyncHandle([work], f"{what} (recv from cp rank {src})", plan.timeout_s)
+    # device=: on cuda/npu the wait orders the stream (bounded by the NCCL/HCCL watchdog)
+    # instead of blocking the host; on the CPU it is a timed wait.
+    return comm.AsyncHandle([work], f"{what} (recv from cp rank {src})", plan.timeout_s,
+                            device=buf.device)
 
 
 def post_send(x: torch.Tensor, dst: int, plan: GDNCPPlan, what: str) -> comm.AsyncHandle:
     """Post ``isend(x)`` to CP rank ``dst``; the handle keeps ``x`` alive until waited."""
     payload = x.detach().contiguous()
     work = dist.isend(payload, plan.global_rank(dst), group=plan.group)
-    handle = comm.AsyncHandle([work], f"{what} (send to cp rank {dst})", plan.timeout_s)
+    handle = comm.AsyncHandle([work], f"{what} (send to cp rank {dst})", plan.timeout_s,
+                              device=payload.device)
     handle.payload = payload  # type: ignore[attr-defined]  # the buffer must outlive the send
     return handle
 
@@ -134,14 +141,75 @@ def check_backend_before_comm(module: GatedDeltaNet, hidden: torch.Tensor, plan:
     check_triton_inputs(qk, qk, v, gb, beta, state, module.chunk_size)
 
 
+class _HaloCausalConv(torch.autograd.Function):
+    """Depthwise causal conv (pre-activation) of a shard whose left context is the previous
+    rank's last ``halo`` positions, exchanged point to point inside the op.
+
+    Forward: the shard goes into the conv's padded layout once (``F.pad``, the copy the
+    single-device conv makes too), the received halo fills the pad (rank 0: zeros, the causal
+    padding). Backward: ``convolution_backward`` gives the padded input's gradient; its first
+    ``halo`` positions go back to the previous rank, and the next rank's halo gradient is added
+    in place to the last ``halo`` positions. No concatenation of the shard with its halo and no
+    second full-size gradient to accumulate (``comm.halo_exchange`` + ``torch.cat`` cost two
+    full-shard passes each way, ~2 ms per layer at 16K tokens on an H200).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dilation: int, halo: int,
+                plan: GDNCPPlan) -> torch.Tensor:
+        rank, world = plan.rank, plan.cp_size
+        batch, seq_len, channels = x.shape
+        recv = buf = send = None
+        if rank > 0:
+            buf = x.new_empty(batch, halo, channels)
+            recv = post_recv(buf, rank - 1, plan, "gdn halo conv forward (halo)")
+        if rank < world - 1:
+            send = post_send(x[:, seq_len - halo:], rank + 1, plan,
+                             "gdn halo conv forward (halo)")
+        xp = F.pad(x.transpose(1, 2), (halo, 0))  # [B, C, halo + T]
+        if recv is not None:
+            recv.wait()
+            xp[:, :, :halo].copy_(buf.transpose(1, 2))
+        out = F.conv1d(xp, weight, None, 1, 0, dilation, channels)
+        if send is not None:
+            send.wait()
+        ctx.save_for_backward(xp, weight)
+        ctx.dilation, ctx.halo, ctx.plan = dilation, halo, plan
+        return out  # [B, C, T]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xp, weight = ctx.saved_tensors
+        plan: GDNCPPlan = ctx.plan
+        rank, world, halo = plan.rank, plan.cp_size, ctx.halo
+        grad_xp, grad_w, _ = torch.ops.aten.convolution_backward(
+            grad_out.contiguous(), xp, weight, None, [1], [0], [ctx.dilation], False, [0],
+            weight.shape[0], [True, ctx.needs_input_grad[1], False])
+        send = recv = tail = None
+        if rank > 0:
+            send = post_send(grad_xp[:, :, :halo].transpose(1, 2), rank - 1, plan,
+                             "gdn halo conv backward (halo grad)")
+        if rank < world - 1:
+            tail = grad_xp.new_empty(grad_xp.shape[0], halo, grad_xp.shape[1])
+            recv = post_recv(tail, rank + 1, plan, "gdn halo conv backward (halo grad)")
+        grad_x = grad_xp[:, :, halo:].transpose(1, 2)  # [B, T, C], a view
+        if recv is not None:
+            recv.wait()
+            grad_x[:, grad_x.shape[1] - halo:] += tail
+        if send is not None:
+            send.wait()
+        return grad_x, grad_w, None, None, None
+
+
 def halo_conv_qkv(
     module: GatedDeltaNet, mixed_qkv: torch.Tensor, plan: GDNCPPlan
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal conv of a sequence shard with the previous rank's halo, then split into q, k, v.
 
-    Only the last ``conv_halo`` positions of each shard travel, to the next rank
-    (``comm.halo_exchange``, point to point); rank 0 receives zeros, which equal the causal
-    padding of the unsplit conv. Backward returns the halo's gradient to the previous rank.
+    Only the last ``conv_halo`` positions of each shard travel, to the next rank (point to
+    point, inside :class:`_HaloCausalConv`); rank 0 uses zeros, which equal the causal padding
+    of the unsplit conv. Backward returns the halo's gradient to the previous rank.
 
     Args:
         mixed_qkv: ``[B, T_local, conv_dim]`` projections before the conv.
@@ -151,8 +219,8 @@ def halo_conv_qkv(
     """
     check_halo(module, mixed_qkv.shape[1], plan)
     halo = module.conv_halo
-    left = None
-    if halo > 0 and plan.cp_size > 1:
-        left = comm.halo_exchange(mixed_qkv, halo, dim=1, group=plan.group,
-                                  timeout_s=plan.timeout_s)
-    return module.split_qkv(module.causal_conv(mixed_qkv, left_context=left))
+    if halo == 0 or plan.cp_size == 1:
+        return module.split_qkv(module.causal_conv(mixed_qkv))
+    pre = _HaloCausalConv.apply(mixed_qkv, module.conv1d.weight, module.conv1d.dilation[0],
+                                halo, plan)
+    return module.split_qkv(F.silu(pre).transpose(1, 2))

@@ -44,7 +44,7 @@ chains (``ops/gdn/triton/function.py``); across ranks the chain simply continues
     forward   prepare, segment summaries (M_s, S_s)             no H_in needed
               wait H_in; chain H_in through the NS segment maps -> H_out, isend at once
               per-segment scans from their true states, outputs   (H_out travelling)
-    backward  post irecv dH_out; rescan, dv_local, segment-local reverse scans (no dH_out)
+    backward  post irecv dH_out; dv_local, segment-local reverse scans (no dH_out)
               wait dH_out; reverse chain through the M_s^T -> dH_in, isend at once
               per-chunk reverse scan, every input-gradient kernel (dH_in travelling)
 

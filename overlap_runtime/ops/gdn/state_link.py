@@ -21,7 +21,7 @@ class StateLink:
     * forward: :meth:`entering_state` after the segment summaries (the wait sits there, after
       everything that does not need the state), :meth:`leaving_state` right after the chain
       across segments (before the per-segment scans and the outputs);
-    * backward: :meth:`leaving_state_grad` after the rescan, ``dv_local`` and the segment-local
+    * backward: :meth:`leaving_state_grad` after ``dv_local`` and the segment-local
       reverse scans; :meth:`entering_state_grad` right after the reverse chain (before the
       per-chunk reverse scan and every input-gradient kernel).
 

@@ -93,11 +93,13 @@ def choose_segments(num_chunks: int, programs_per_segment: int, device: torch.de
     """How many segments to split each sequence into for the parallel state scan.
 
     One segment (the plain sequential scan) when ``B * HV * value blocks`` programs already
-    fill the machine; otherwise enough segments for about four programs per multiprocessor,
+    fill the machine; otherwise enough segments for about two programs per multiprocessor,
     each segment keeping at least 4 chunks (the summaries cost about one scan of the segment,
-    so very short segments only add work).
+    so very short segments only add work). Two, not more: on an H200 (B*HV = 32, V = 128)
+    4 segments ran forward+backward 7% faster than the 9 of a four-per-SM target at 16K and
+    64K, and 16 / 32 segments were slower again (docs/benchmarks.md, the segment sweep).
     """
-    target = 4 * num_sms(device)
+    target = 2 * num_sms(device)
     if programs_per_segment >= target or num_chunks < 8:
         return 1
     wanted = -(-target // programs_per_segment)
