@@ -13,17 +13,13 @@ With ``h`` the state entering the chunk, ``dH`` the gradient of the state leavin
 ``(P * Gamma)^T`` is formed by a second product ``v_new dO^T`` rather than transposing the
 cast result of a product (the Hopper miscompile pattern of gpu/README.md).
 
-``wy_kkt_bwd_kernel``, grid ``(NT, B * HV)``, in three steps on one chunk:
+``wy_bwd_kernel``, grid ``(NT, B * HV)``: through ``u = Ainv diag(beta) V``,
+``w = Ainv diag(beta exp(gamma)) K``: ``dR = Ainv^T [du | dw]`` gives dv, the w part of dk,
+dbeta and dgamma, and ``dA = -strict_lower(dR R^T Ainv^T)`` (written to memory, fp32).
 
-1. through ``u = Ainv diag(beta) V``: ``dR_u = Ainv^T du`` gives dv and part of dbeta;
-2. through ``w = Ainv diag(beta exp(gamma)) K``: ``dR_w = Ainv^T dw`` gives the w part of dk,
-   dbeta and dgamma, while ``K K^T`` accumulates; ``dA = -strict_lower(dR R^T Ainv^T)``;
-3. through ``A = strict_lower(diag(beta) K K^T * Gamma)``: the A part of dk
-   (``dA_m K + dA_m^T K``), the rest of dbeta and dgamma; the summed dgamma (with the slots
-   of ``dqkwg_kernel``) becomes dg by a reverse cumsum inside the chunk.
-
-dA never leaves the registers (it used to go through memory to a separate kernel: one fp32
-``[T, 64]`` round trip and one more read-modify-write of dk).
+``kkt_bwd_kernel``, grid ``(NT, B * HV)``: through ``A = strict_lower(diag(beta) K K^T * Gamma)``
+(dA and its transpose both loaded from memory): adds the A part of dk, finishes dbeta, and
+turns the summed dgamma into dg by a reverse cumsum inside the chunk.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import triton.language as tl
 
 from .common import autotune_configs, mm, mm_f32
 
-__all__ = ["dqkwg_kernel", "wy_kkt_bwd_kernel"]
+__all__ = ["dqkwg_kernel", "wy_bwd_kernel", "kkt_bwd_kernel"]
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V"])
@@ -105,10 +101,9 @@ def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V"], restore_value=["dk"])
 @triton.jit
-def wy_kkt_bwd_kernel(k, v, beta, gamma, ainv, dv2, dw, dg_part, dv, dk, dbeta, dg, T, B,
-                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      SLOTS: tl.constexpr):
+def wy_bwd_kernel(k, v, beta, gamma, ainv, dv2, dw, dv, dk, da, db_part, dg_part, T, B,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -124,10 +119,8 @@ def wy_kkt_bwd_kernel(k, v, beta, gamma, ainv, dv2, dw, dg_part, dv, dk, dbeta, 
     b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
     b_bk = b_beta * tl.exp(b_gam)
     b_da = tl.zeros([BT, BT], dtype=tl.float32)
-    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     b_dgam = tl.zeros([BT], dtype=tl.float32)
-    # 1. through u = Ainv diag(beta) V: dv, and the V part of dR R^T
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
@@ -140,7 +133,6 @@ def wy_kkt_bwd_kernel(k, v, beta, gamma, ainv, dv2, dw, dg_part, dv, dk, dbeta, 
                  mask=m_t[:, None])
         b_db += tl.sum(b_dr * b_v.to(tl.float32), axis=1)
         b_da += mm(b_dr.to(DT), (b_vt * b_beta[None, :]).to(DT))
-    # 2. through w = Ainv diag(beta exp(gamma)) K: the w part of dk, and K K^T for step 3
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
@@ -156,30 +148,52 @@ def wy_kkt_bwd_kernel(k, v, beta, gamma, ainv, dv2, dw, dg_part, dv, dk, dbeta, 
         b_db += tl.exp(b_gam) * b_rk
         b_dgam += b_bk * b_rk
         b_da += mm(b_dr.to(DT), (b_kt * b_bk[None, :]).to(DT))
-        b_kk += mm(b_k, b_kt)
     b_da = -mm_f32(b_da, b_at)
-    # 3. through A = strict_lower(diag(beta) K K^T * Gamma): dA -> dk, dbeta, dgamma
+    b_da = tl.where(o_i[:, None] > o_i[None, :], b_da, 0.0)
+    tl.store(da + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :], b_da,
+             mask=m_t[:, None])
+    tl.store(db_part + (i_b * T + o_t) * HV + i_hv, b_db, mask=m_t)
+    tl.store(dg_part + ((SLOT * B + i_b) * T + o_t) * HV + i_hv, b_dgam, mask=m_t)
+
+
+@triton.autotune(configs=autotune_configs(), key=["K"], restore_value=["dk"])
+@triton.jit
+def kkt_bwd_kernel(k, beta, gamma, da, dk, db_part, dg_part, dbeta, dg, T, B,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                   SLOTS: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_i = tl.arange(0, BT)
+    o_t = i_n * BT + o_i
+    m_t = o_t < T
+    o_k = tl.arange(0, K)
+    DT = k.dtype.element_ty
+    b_da = tl.load(da + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
+                   mask=m_t[:, None], other=0.0)
+    b_dat = tl.load(da + ((i_b * T + o_t[None, :]) * HV + i_hv) * BT + o_i[:, None],
+                    mask=m_t[None, :], other=0.0)
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
+    b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
     lower = o_i[:, None] > o_i[None, :]
+    upper = o_i[None, :] > o_i[:, None]
     b_decay = tl.exp(tl.where(lower, b_gam[:, None] - b_gam[None, :], 0.0))
-    b_dam = tl.where(lower, b_da * b_decay, 0.0)
-    b_z = b_dam * b_kk
-    b_db += tl.sum(b_z, axis=1)
+    b_decay_t = tl.exp(tl.where(upper, b_gam[None, :] - b_gam[:, None], 0.0))
+    b_kk = mm(b_k, tl.trans(b_k))
+    b_dam = tl.where(lower, b_da * b_decay * b_beta[:, None], 0.0)
+    b_damt = tl.where(upper, b_dat * b_decay_t * b_beta[None, :], 0.0)
+    b_dka = mm(b_dam.to(DT), b_k) + mm(b_damt.to(DT), b_k)
+    b_z = tl.where(lower, b_da * b_decay * b_kk, 0.0)
+    b_dba = tl.sum(b_z, axis=1)
     b_z = b_z * b_beta[:, None]
-    b_dgam += tl.sum(b_z, axis=1) - tl.sum(b_z, axis=0)
-    b_damc = (b_dam * b_beta[:, None]).to(DT)
-    for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
-                      mask=m_t[:, None], other=0.0)
-        b_kt = tl.load(k + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
-                       mask=m_t[None, :], other=0.0)
-        # dA_m K + dA_m^T K; the second as (K^T dA_m)^T so that no dot takes the transpose
-        # of a product's cast result (the Hopper miscompile pattern, gpu/README.md)
-        b_dka = mm(b_damc, b_k) + tl.trans(mm(b_kt, b_damc))
-        b_dkp = tl.load(dk + off_k, mask=m_t[:, None], other=0.0)
-        tl.store(dk + off_k, b_dkp + b_dka, mask=m_t[:, None])
+    b_dgam = tl.sum(b_z, axis=1) - tl.sum(b_z, axis=0)
+    off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+    b_dk = tl.load(dk + off_k, mask=m_t[:, None], other=0.0)
+    tl.store(dk + off_k, b_dk + b_dka, mask=m_t[:, None])
     off = (i_b * T + o_t) * HV + i_hv
+    b_db = tl.load(db_part + off, mask=m_t, other=0.0) + b_dba
     tl.store(dbeta + off, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     for s in range(SLOTS):
         b_dgam += tl.load(dg_part + s * B * T * HV + off, mask=m_t, other=0.0)

@@ -96,13 +96,14 @@ def choose_segments(num_chunks: int, programs_per_segment: int, device: torch.de
     fill the machine; otherwise enough segments for about two programs per multiprocessor,
     each segment keeping at least 4 chunks (the summaries cost about one scan of the segment,
     so very short segments only add work). Two, not more: on an H200 (B*HV = 32, V = 128)
-    4 segments ran forward+backward 7% faster than the 9 of a four-per-SM target at 16K and
-    64K, and 16 / 32 segments were slower again (docs/benchmarks.md, the segment sweep).
+    (264 programs, 64 per segment) 4 segments ran forward+backward 7% faster than the 9 of a
+    four-per-SM target at 16K and 64K; 2, 16 and 32 were slower (docs/benchmarks.md, the
+    segment sweep).
     """
     target = 2 * num_sms(device)
     if programs_per_segment >= target or num_chunks < 8:
         return 1
-    wanted = -(-target // programs_per_segment)
+    wanted = max(2, target // programs_per_segment)
     segments = max(1, min(wanted, num_chunks // 4))
     chunks_per_segment = -(-num_chunks // segments)
     return -(-num_chunks // chunks_per_segment)

@@ -23,7 +23,8 @@ Backward::
     reverse scan          NS > 1: segment-local state gradients c_s from zero, the chain
                           dH_(s) = M_s^T dH_(s+1) + c_s, then every segment's reverse walk
     dqkwg                 dq, dk (output and chunk-end parts), dw, dgamma  grid (K/BK, NT, B*HV)
-    wy_kkt_bwd            dv, dk (w and A parts), dbeta, dg (reverse cumsum)  grid (NT, B*HV)
+    wy_bwd                dv, dk (w part), dbeta, dgamma, dA              grid (NT, B*HV)
+    kkt_bwd               dk (A part), dbeta, dg (reverse cumsum)         grid (NT, B*HV)
     l2norm_bwd            sum over the value heads of each key head, norm backward
 """
 
@@ -35,7 +36,7 @@ import torch
 import triton
 from torch.autograd.function import once_differentiable
 
-from .bwd_chunk import dqkwg_kernel, wy_kkt_bwd_kernel
+from .bwd_chunk import dqkwg_kernel, kkt_bwd_kernel, wy_bwd_kernel
 from .bwd_state import bwd_scan_kernel, dv_local_kernel
 from ..state_link import StateLink
 from .common import CHUNK, choose_segments
@@ -330,7 +331,7 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: dict, do: torch.T
     del dvl
     bk = min(64, key_dim)
     bv = min(64, value_dim)
-    slots = key_dim // bk
+    slots = key_dim // bk + 1
     f32 = dict(device=q.device, dtype=torch.float32)
     dq_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
     dk_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
@@ -343,12 +344,18 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: dict, do: torch.T
     )
     del states, dhs, v_new
     dv = torch.empty_like(v)
+    da = torch.empty(batch, seq_len, num_value_heads, CHUNK, **f32)
+    db_part = torch.empty(batch, seq_len, num_value_heads, **f32)
+    wy_bwd_kernel[(num_chunks, bh)](
+        kn, v, beta, gamma, ainv, dv2, dw, dv, dk_v, da, db_part, dg_part, seq_len, batch,
+        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
+        SLOT=slots - 1,
+    )
     dbeta = torch.empty_like(beta)
     dg = torch.empty(batch, seq_len, num_value_heads, **f32)
-    wy_kkt_bwd_kernel[(num_chunks, bh)](
-        kn, v, beta, gamma, ainv, dv2, dw, dg_part, dv, dk_v, dbeta, dg, seq_len, batch,
-        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
-        SLOTS=slots,
+    kkt_bwd_kernel[(num_chunks, bh)](
+        kn, beta, gamma, da, dk_v, db_part, dg_part, dbeta, dg, seq_len, batch, H=heads,
+        HV=num_value_heads, K=key_dim, BT=CHUNK, SLOTS=slots,
     )
     dq = l2norm_group_backward(q, q_rstd, dq_v)
     dk = l2norm_group_backward(k, k_rstd, dk_v)
