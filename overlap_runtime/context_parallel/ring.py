@@ -6,6 +6,15 @@ already sends it on to ``me + 1`` and receives the next one from ``me - 1`` (poi
 prefetch), so the transfer hides behind the block's attention. Partial results are merged by
 online softmax in float32 (``ops.attention.merge_attention_``).
 
+Elementwise work besides the kernels and the K/V packing: blocks return their kernel's dtype
+(``cast_float32=False``) and every sum reads it as is, in float32 arithmetic. The forward keeps
+the diagonal block's output as the starting value and materialises a float32 accumulator only
+for the rows a later block merges into, the last merge writing the output dtype
+(:class:`_OutputMerger`); the backward's dq, dK, dV take each row piece's first contribution by
+a copy and its last one straight into the result dtype (:class:`_GradSum`). So there are no
+zero fills, no float32 copies of block results and no cast passes of their own; the rounding is
+that of float32 accumulators cast once.
+
 Which block to compute (causal)
 -------------------------------
 Under zigzag (``sharding.py``: rank ``r`` holds chunks ``r`` and ``2P-1-r``; local halves ``q =
@@ -53,7 +62,7 @@ sends/receives plus ``P-1`` dK/dV sends/receives. Bytes: :func:`kv_hop_is_half`,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -194,6 +203,170 @@ def _diag_backward_parts(local_len: int, causal: bool, split: bool
     return [(lo, _ALL, False)], [(hi, _ALL, False)]
 
 
+def _span(rows: slice, length: int) -> tuple[int, int]:
+    """``(start, stop)`` of a contiguous row slice of a sequence of ``length`` rows."""
+    start, stop, step = rows.indices(length)
+    if step != 1:
+        raise AssertionError(f"ring attention: row slice {rows} is not contiguous")
+    return start, stop
+
+
+def _pieces(length: int) -> list[tuple[int, int]]:
+    """The row pieces a local shard's accumulators track: its two halves (every block plan and
+    diagonal part covers whole halves), or the whole shard when it has fewer than 2 rows."""
+    if length < 2:
+        return [(0, length)]
+    return [(0, length // 2), (length // 2, length)]
+
+
+def _runs(span: tuple[int, int], pieces: list[tuple[int, int]], key: Callable[[int], Any]
+          ) -> list[tuple[int, int, Any]]:
+    """The non-empty pieces inside ``span`` as maximal runs ``(start, stop, key(i))`` of equal
+    key. ``span`` must be a union of whole pieces (raises otherwise: a plan the trackers below
+    cannot follow)."""
+    runs: list[tuple[int, int, Any]] = []
+    covered = 0
+    for i, (a, b) in enumerate(pieces):
+        if a >= span[1] or b <= span[0] or a == b:
+            continue
+        if a < span[0] or b > span[1]:
+            raise AssertionError(f"ring attention: rows {span} cut piece {(a, b)}")
+        k = key(i)
+        if runs and runs[-1][2] == k and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], b, k)
+        else:
+            runs.append((a, b, k))
+        covered += b - a
+    if covered != span[1] - span[0]:
+        raise AssertionError(f"ring attention: rows {span} are not a union of pieces {pieces}")
+    return runs
+
+
+def _inside(span: tuple[int, int], pieces: list[tuple[int, int]]) -> list[int]:
+    """Indices of the non-empty pieces inside ``span``."""
+    return [i for i, (a, b) in enumerate(pieces) if span[0] <= a and b <= span[1] and a < b]
+
+
+class _OutputMerger:
+    """The forward's output rows, merged block by block, in float32 only where a merge needs it.
+
+    Starts from the diagonal block (``diag_out`` ``[B, L, H, D]`` in its kernel's dtype, which
+    covers every row; ``diag_lse`` ``[B, H, L]`` float32, updated in place). A row piece (half
+    of the shard, :func:`_pieces`) enters the float32 accumulator at its first merge, which
+    reads the diagonal's output directly (``merge_attention_(prev_out=...)``), and its last merge
+    writes the result in ``dtype`` (``result=...``). So the first block is never copied to
+    float32 and the output is never cast in a pass of its own; rows no merge touches are the
+    diagonal's output as is. The result is the diagonal's own tensor when it already has
+    ``dtype`` and is contiguous (the cuDNN/flash case: their output is laid out like q, and q is
+    contiguous), else a new contiguous one.
+
+    ``merges``: the rows of every later merge (only the count per piece matters). Rounding is
+    that of a float32 accumulator cast once at the end.
+    """
+
+    def __init__(self, diag_out: torch.Tensor, diag_lse: torch.Tensor, dtype: torch.dtype,
+                 merges: list[slice]) -> None:
+        self.length = diag_out.shape[1]
+        self.pieces = _pieces(self.length)
+        self.left = [0] * len(self.pieces)
+        for rows in merges:
+            for i in _inside(_span(rows, self.length), self.pieces):
+                self.left[i] += 1
+        self.in_acc = [False] * len(self.pieces)
+        self.diag, self.lse = diag_out, diag_lse
+        self.acc: torch.Tensor | None = None
+        if diag_out.dtype == dtype and diag_out.is_contiguous():
+            self.result = diag_out
+        else:
+            self.result = torch.empty(diag_out.shape, dtype=dtype, device=diag_out.device)
+
+    def merge(self, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+        """Merge a block's ``(out [B, n, H, D], lse [B, H, n] float32)`` into rows ``rows``."""
+        span = _span(rows, self.length)
+        a0 = span[0]
+        if self.acc is None:
+            self.acc = torch.empty(self.diag.shape, dtype=torch.float32, device=self.diag.device)
+        for a, b, (in_acc, last) in _runs(span, self.pieces,
+                                          lambda i: (self.in_acc[i], self.left[i] == 1)):
+            merge_attention_(self.acc[:, a:b], self.lse[:, :, a:b], blk_out[:, a - a0:b - a0],
+                             blk_lse[:, :, a - a0:b - a0],
+                             prev_out=None if in_acc else self.diag[:, a:b],
+                             result=self.result[:, a:b] if last else None)
+        for i in _inside(span, self.pieces):
+            if self.left[i] < 1:
+                raise AssertionError(f"ring attention: unplanned merge into rows {span}")
+            self.in_acc[i] = True
+            self.left[i] -= 1
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, L, H, D] in dtype, lse [B, H, L] float32)`` after every planned merge."""
+        if any(self.left):
+            raise AssertionError(f"ring attention: merges left per piece {self.left}")
+        if self.result is not self.diag:
+            for a, b, merged in _runs((0, self.length), self.pieces, lambda i: self.in_acc[i]):
+                if not merged:
+                    self.result[:, a:b].copy_(self.diag[:, a:b])
+        return self.result, self.lse
+
+
+class _GradSum:
+    """A gradient ``[B, L, H, D]`` (``like``'s shape) summed from block contributions to rows
+    (dim 1), returned in ``dtype``.
+
+    Contributions (any float dtype: a kernel's bf16 gradients are read as is) accumulate in
+    float32, without a zero fill or a cast pass: per row piece (:func:`_pieces`) the first
+    contribution is copied into the float32 accumulator and the last one is added straight into
+    the result (``torch.add(acc, x, out=result)``; a piece with a single contribution is copied
+    there). Rounding is that of a float32 sum cast once. ``spans``: the rows of every
+    contribution that will come (only the count per piece matters).
+    """
+
+    def __init__(self, like: torch.Tensor, dtype: torch.dtype, spans: list[slice]) -> None:
+        self.shape, self.device = tuple(like.shape), like.device
+        self.length = like.shape[1]
+        self.pieces = _pieces(self.length)
+        self.left = [0] * len(self.pieces)
+        for rows in spans:
+            for i in _inside(_span(rows, self.length), self.pieces):
+                self.left[i] += 1
+        self.seen = [False] * len(self.pieces)
+        self.acc: torch.Tensor | None = None
+        self.result = torch.empty(self.shape, dtype=dtype, device=self.device)
+
+    def add(self, rows: slice, x: torch.Tensor) -> None:
+        """Add ``x`` ``[B, n, H, D]`` to rows ``rows`` (one of the planned spans)."""
+        span = _span(rows, self.length)
+        a0 = span[0]
+        runs = _runs(span, self.pieces, lambda i: (not self.seen[i], self.left[i] == 1))
+        for a, b, (first, last) in runs:
+            xs = x[:, a - a0:b - a0]
+            if first and last:
+                self.result[:, a:b].copy_(xs)
+                continue
+            if self.acc is None:
+                self.acc = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+            if first:
+                self.acc[:, a:b].copy_(xs)
+            elif last:
+                torch.add(self.acc[:, a:b], xs, out=self.result[:, a:b])
+            else:
+                self.acc[:, a:b].add_(xs)
+        for i in _inside(span, self.pieces):
+            if self.left[i] < 1:
+                raise AssertionError(f"ring attention: unplanned contribution to rows {span}")
+            self.seen[i] = True
+            self.left[i] -= 1
+
+    def finish(self) -> torch.Tensor:
+        """The sum in ``dtype``; rows no block contributed to are zero."""
+        if any(self.left):
+            raise AssertionError(f"ring attention: contributions left per piece {self.left}")
+        for a, b, seen in _runs((0, self.length), self.pieces, lambda i: self.seen[i]):
+            if not seen:
+                self.result[:, a:b].zero_()
+        return self.result
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -202,36 +375,38 @@ class _RingAttention(torch.autograd.Function):
                 backend: Backend) -> torch.Tensor:
         me, world = group_rank(group), group_size(group)
         s = q.shape[1]
-        out = lse = None
+        plans = [ring_step_block((me - step) % world, me, s, causal, load_balance)
+                 for step in range(world)]
+        merger: _OutputMerger | None = None
         kv = _kv_message(k, v, kv_hop_is_half(me, causal, load_balance)) if world > 1 else None
         spare: dict[tuple[int, ...], torch.Tensor] = {}  # free receive buffers, by shape
         for step in range(world):
-            src = (me - step) % world
             shift = None
             if step + 1 < world:  # prefetch the next block before this one computes
                 nsrc = (me - step - 1) % world
                 recv = _take(spare, kv, kv_hop_is_half(nsrc, causal, load_balance), s)
                 shift = _RingShift(kv, recv, group, timeout_s, stats, "forward", "K/V")
-            plan = ring_step_block(src, me, s, causal, load_balance)
+            plan = plans[step]
             if plan is not None:
                 qr, kr, blk_causal = plan
                 kk, vv = (k, v) if step == 0 else _kv_rows(kv, kr, s)
+                # The kernel's own dtype: the merges read it as is (float32 arithmetic).
                 blk_out, blk_lse = attention_block_forward(q[:, qr], kk, vv, blk_causal, scale,
-                                                           backend)
-                if out is None:  # the diagonal covers every row: take it as the accumulator
-                    out = blk_out.float().contiguous()
-                    lse = blk_lse.float().contiguous()
+                                                           backend, cast_float32=False)
+                if merger is None:  # the diagonal covers every row: it starts the accumulator
+                    merges = [p[0] for p in plans[1:] if p is not None]
+                    merger = _OutputMerger(blk_out, blk_lse, q.dtype, merges)
                 else:
-                    merge_attention_(out[:, qr], lse[:, :, qr], blk_out, blk_lse)
+                    merger.merge(qr, blk_out, blk_lse)
             if shift is not None:
                 sent, kv = kv, shift.wait()
                 spare[tuple(sent.shape)] = sent  # its send is complete: reuse as a buffer
-        assert out is not None and lse is not None  # step 0 (diagonal) always computes
-        out_cast = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out_cast, lse)
+        assert merger is not None  # step 0 (diagonal) always computes
+        out, lse = merger.finish()
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.load_balance = group, causal, load_balance
         ctx.scale, ctx.timeout_s, ctx.stats, ctx.backend = scale, timeout_s, stats, backend
-        return out_cast
+        return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
@@ -241,20 +416,32 @@ class _RingAttention(torch.autograd.Function):
         me, world = group_rank(group), group_size(group)
         s = q.shape[1]
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        first, last = _diag_backward_parts(s, causal, split=world > 1)
+        plans = [ring_step_block((me - step) % world, me, s, causal, lb)
+                 for step in range(world)]
+        # Every contribution's rows are known up front, so each gradient row piece takes its
+        # first contribution by a copy (no zero fill) and its last one straight into the
+        # result dtype (no cast pass): _GradSum.
+        dq = _GradSum(q, q.dtype, [p[0] for p in first + [p for p in plans[1:] if p] + last])
         # This rank's share of its own block's dK/dV stays here; the other ranks' shares come
-        # home in one accumulator after the ring (P-1 dK/dV hops, not P).
-        own = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        # home in one accumulator of home_len rows after the ring (P-1 dK/dV hops, not P).
+        home_len = 0
+        if world > 1:
+            sender = (me - 1) % world
+            home_half = dkv_hop_is_half(sender, (sender - (world - 1)) % world, causal, lb)
+            home_len = s // 2 if home_half else s
+        own_spans = [p[1] for p in first + last] + ([slice(0, home_len)] if world > 1 else [])
+        dk, dv = _GradSum(k, k.dtype, own_spans), _GradSum(v, v.dtype, own_spans)
 
         def block(qr: slice, kk: torch.Tensor, vv: torch.Tensor, blk_causal: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            # Gradients in the kernel's dtype: the sums read them as is (float32 arithmetic).
             dq_b, dk_b, dv_b = attention_block_backward(
                 dout[:, qr], q[:, qr], kk, vv, out[:, qr], lse[:, :, qr], blk_causal, scale,
-                backend)
-            dq[:, qr] += dq_b
+                backend, cast_float32=False)
+            dq.add(qr, dq_b)
             return dk_b, dv_b
 
-        first, last = _diag_backward_parts(s, causal, split=world > 1)
         kv = _kv_message(k, v, kv_hop_is_half(me, causal, lb)) if world > 1 else None
         kv_shift = None
         if world > 1:  # block me-1 arrives while the first half of the diagonal computes
@@ -263,8 +450,8 @@ class _RingAttention(torch.autograd.Function):
             kv_shift = _RingShift(kv, recv, group, timeout_s, stats, "backward", "K/V")
         for qr, kr, blk_causal in first:
             dk_b, dv_b = block(qr, k[:, kr], v[:, kr], blk_causal)
-            own[0][:, kr] += dk_b
-            own[1][:, kr] += dv_b
+            dk.add(kr, dk_b)
+            dv.add(kr, dv_b)
         dkv_shift: _RingShift | None = None
         spare: dict[tuple[int, ...], torch.Tensor] = {}
         for step in range(1, world):
@@ -278,7 +465,7 @@ class _RingAttention(torch.autograd.Function):
                 kv_shift = _RingShift(kv, _take(spare, kv, kv_hop_is_half(nsrc, causal, lb), s),
                                       group, timeout_s, stats, "backward", "K/V")
             share = None
-            plan = ring_step_block(src, me, s, causal, lb)
+            plan = plans[step]
             if plan is not None:
                 qr, kr, blk_causal = plan
                 share = (kr, *block(qr, *_kv_rows(kv, kr, s), blk_causal))
@@ -293,12 +480,16 @@ class _RingAttention(torch.autograd.Function):
             dkv_shift = _RingShift(acc, recv, group, timeout_s, stats, "backward", "dK/dV")
         for qr, kr, blk_causal in last:  # hides the last dK/dV hop
             dk_b, dv_b = block(qr, k[:, kr], v[:, kr], blk_causal)
-            own[0][:, kr] += dk_b
-            own[1][:, kr] += dv_b
+            dk.add(kr, dk_b)
+            dv.add(kr, dv_b)
         if dkv_shift is not None:
             home = dkv_shift.wait()
-            own[:, :, :home.shape[2]] += home
-        return (dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype),
+            if home.shape[2] != home_len:
+                raise AssertionError(f"ring attention: dK/dV home message has {home.shape[2]} "
+                                     f"rows, expected {home_len}")
+            dk.add(slice(0, home_len), home[0])
+            dv.add(slice(0, home_len), home[1])
+        return (dq.finish(), dk.finish(), dv.finish(),
                 None, None, None, None, None, None, None)
 
 
@@ -319,20 +510,42 @@ def _take(spare: dict[tuple[int, ...], torch.Tensor], like: torch.Tensor, half: 
 
 def _accumulate(acc: torch.Tensor | None, share: tuple[slice, torch.Tensor, torch.Tensor] | None,
                 half: bool, k: torch.Tensor) -> torch.Tensor:
-    """The dK/dV message ``acc + share`` (float32 ``[2, B, L, Hkv, D]``; L = half or whole),
-    adding in place into the received accumulator where it is big enough."""
+    """The dK/dV message ``acc + share`` (float32 ``[2, B, L, Hkv, D]``; L = half or whole).
+
+    ``acc``: the received float32 message or None; ``share``: ``(kv_rows, dk [B, n, Hkv, D],
+    dv)`` in any float dtype (a kernel's bf16 gradients are read as is). Adds in place into the
+    received accumulator where it is big enough; otherwise writes a new message segment by
+    segment (``torch.add(..., out=)`` where both cover rows, a copy where one does, zeros where
+    neither): one pass, no zero fill under rows that are then overwritten.
+    """
     b, s, h, d = k.shape
     length = s // 2 if half else s
-    if acc is None or acc.shape[2] < length:
-        grown = torch.zeros((2, b, length, h, d), dtype=torch.float32, device=k.device)
-        if acc is not None:
-            grown[:, :, :acc.shape[2]] = acc
-        acc = grown
-    if share is not None:
-        kr, dk_b, dv_b = share
-        acc[0][:, kr] += dk_b
-        acc[1][:, kr] += dv_b
-    return acc
+    ka, kb = _span(share[0], s) if share is not None else (0, 0)
+    if kb > length:
+        raise AssertionError(f"ring attention: dK/dV share rows {(ka, kb)} outside a "
+                             f"{length}-row message")
+    if acc is not None and acc.shape[2] >= length:
+        if share is not None:
+            acc[0][:, ka:kb].add_(share[1])
+            acc[1][:, ka:kb].add_(share[2])
+        return acc
+    new = torch.empty((2, b, length, h, d), dtype=torch.float32, device=k.device)
+    have = 0 if acc is None else acc.shape[2]
+    cuts = sorted({0, length, have, ka, kb})
+    for a, z in zip(cuts, cuts[1:]):
+        in_acc = acc is not None and z <= have
+        in_share = share is not None and ka <= a and z <= kb
+        if acc is not None and in_acc and share is not None and in_share:
+            for i in (0, 1):
+                torch.add(acc[i][:, a:z], share[1 + i][:, a - ka:z - ka], out=new[i][:, a:z])
+        elif acc is not None and in_acc:
+            new[:, :, a:z].copy_(acc[:, :, a:z])
+        elif share is not None and in_share:
+            for i in (0, 1):
+                new[i][:, a:z].copy_(share[1 + i][:, a - ka:z - ka])
+        else:
+            new[:, :, a:z].zero_()
+    return new
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -11,7 +11,19 @@ side by side), so a call issues 2 all-to-alls forward and 2 backward (the revers
 
 Sequence order: the gathered sequence is the rank-ordered concatenation of shards. Under zigzag
 that is not the true order, so for a causal mask the gathered tokens are permuted to true order
-before attention and back after (a local index_select; non-causal attention needs no reorder).
+before attention and back after (non-causal attention needs no reorder). The permutation moves
+whole chunks: true chunk ``t < P`` is the first half of rank ``t``'s shard, chunk ``2P-1-j`` the
+second half of rank ``j``'s, so it is a ``torch.cat`` of ``2P`` views, no index tensor.
+
+Local work between the two all-to-alls (:class:`_UlyssesLocal`, one autograd node): the received
+buffer ``[P, B, s, Hq/P + 2 Hkv/P, D]`` is read once into contiguous q, k, v in true order (one
+``cat`` of chunk views each: head split and reorder in the same copy, and the layout the kernel
+takes without another copy); the kernel's output, in its own dtype (no float32 round trip), is
+written once into the next all-to-all's send buffer in shard order. The backward mirrors it:
+one copy of the output gradient into true order, the kernel's backward, one copy of dq, dk, dv
+into the received buffer's layout. Device copies per call besides the kernels and the
+all-to-alls: forward pack q/k/v, unpack, out -> send buffer, final ``[B, s, Hq, D]`` layout;
+backward the same four, reversed.
 
 Heads (grouped-query attention)
 -------------------------------
@@ -27,18 +39,21 @@ Heads (grouped-query attention)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
 
-from overlap_runtime.context_parallel.sharding import (
-    LoadBalance,
-    check_load_balance,
-    reorder_to_sequence,
-    reorder_to_shards,
-)
+from overlap_runtime.context_parallel.sharding import LoadBalance, check_load_balance
 from overlap_runtime.context_parallel.stats import CommStats, record_backward
 from overlap_runtime.ops import comm
-from overlap_runtime.ops.attention import Backend, attention
+from overlap_runtime.ops.attention import (
+    Backend,
+    attention_block_backward,
+    attention_block_forward,
+    default_scale,
+)
 
 __all__ = ["ulysses_attention", "ulysses_kv_heads"]
 
@@ -73,6 +88,74 @@ def _pack_heads(x: torch.Tensor, world: int) -> torch.Tensor:
     return x.view(b, s, world, h // world, d).permute(2, 0, 1, 3, 4)
 
 
+Pieces = list[tuple[int, int, int]]
+
+
+def _sequence_pieces(world: int, shard_len: int, reorder: bool) -> Pieces:
+    """The full sequence in true order as pieces ``(j, start, stop)``: rows ``[start, stop)`` of
+    rank ``j``'s shard, consecutive in the sequence.
+
+    Zigzag (``reorder``): chunks ``0 .. P-1`` are the first halves of ranks ``0 .. P-1``, chunks
+    ``P .. 2P-1`` the second halves of ranks ``P-1 .. 0``. Otherwise the shards in rank order.
+    """
+    if not reorder:
+        return [(j, 0, shard_len) for j in range(world)]
+    c = shard_len // 2
+    return [(j, 0, c) for j in range(world)] + [(j, c, shard_len) for j in reversed(range(world))]
+
+
+def _gather(src: torch.Tensor, pieces: Pieces, h0: int, h1: int) -> torch.Tensor:
+    """Heads ``[h0, h1)`` of a ``[P, B, s, H, D]`` buffer in sequence order: ``[B, P*s, h1-h0,
+    D]``, contiguous, in one ``cat`` of the pieces' views (one pass, any dtype)."""
+    return torch.cat([src[j, :, a:b, h0:h1] for j, a, b in pieces], dim=1)
+
+
+def _scatter(parts: list[torch.Tensor], pieces: Pieces, dst: torch.Tensor) -> None:
+    """Inverse of :func:`_gather`: write ``parts`` (``[B, P*s, h_i, D]`` in sequence order, any
+    float dtype, rounded to dst's) side by side along the heads of ``dst`` ``[P, B, s, sum h_i,
+    D]``, piece by piece (one pass over dst in all)."""
+    t = 0
+    for j, a, b in pieces:
+        views = [x[:, t:t + b - a] for x in parts]
+        if len(views) == 1:
+            dst[j, :, a:b].copy_(views[0])
+        else:
+            torch.cat(views, dim=2, out=dst[j, :, a:b])
+        t += b - a
+
+
+class _UlyssesLocal(torch.autograd.Function):
+    """Received ``[P, B, s, hq + 2 hkv, D]`` (q, k, v head groups packed, shard order) -> the
+    output all-to-all's send buffer ``[P, B, s, hq, D]`` (shard order), in recv's dtype."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, recv: torch.Tensor, hq: int, hkv: int, causal: bool,
+                reorder: bool, scale: float, backend: Backend) -> torch.Tensor:
+        world, b, s, _, d = recv.shape
+        pieces = _sequence_pieces(world, s, reorder)
+        q = _gather(recv, pieces, 0, hq)                              # [B, S, hq, D]
+        k = _gather(recv, pieces, hq, hq + hkv)
+        v = _gather(recv, pieces, hq + hkv, hq + 2 * hkv)
+        out, lse = attention_block_forward(q, k, v, causal, scale, backend, cast_float32=False)
+        out = out.to(recv.dtype)         # a no-op for the CUDA kernels (already recv's dtype)
+        send = torch.empty((world, b, s, hq, d), dtype=recv.dtype, device=recv.device)
+        _scatter([out], pieces, send)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pieces, ctx.recv_shape, ctx.causal = pieces, tuple(recv.shape), causal
+        ctx.scale, ctx.backend = scale, backend
+        return send
+
+    @staticmethod
+    def backward(ctx: Any, grad_send: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = _gather(grad_send, ctx.pieces, 0, q.shape[2])          # [B, S, hq, D]
+        dq, dk, dv = attention_block_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale,
+                                              ctx.backend, cast_float32=False)
+        grad = torch.empty(ctx.recv_shape, dtype=q.dtype, device=q.device)
+        _scatter([dq, dk, dv], ctx.pieces, grad)
+        return grad, None, None, None, None, None, None
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       group: dist.ProcessGroup | None = None, causal: bool = True,
                       load_balance: LoadBalance = "zigzag", scale: float | None = None,
@@ -100,32 +183,30 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"ulysses: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     world = comm.group_size(group)
     b, s, hq, d = q.shape
+    reorder = causal and load_balance == "zigzag"
+    if reorder and s % 2:
+        raise ValueError(f"ulysses: local length {s} must be even under zigzag (two chunks per "
+                         f"rank; the full length must be a multiple of 2 * cp)")
     hkv = ulysses_kv_heads(hq, k.shape[2], world)
     if hkv != k.shape[2]:
         rep = hkv // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     hq_l, hkv_l = hq // world, hkv // world
 
-    # sequence -> heads: one all-to-all for q, k, v together.
+    # sequence -> heads: one all-to-all for q, k, v together (the cat is the one packing copy).
     send = torch.cat([_pack_heads(q, world), _pack_heads(k, world), _pack_heads(v, world)], dim=3)
-    send = send.contiguous()                                    # [P, B, s, hq_l + 2 hkv_l, D]
+    #                                                             [P, B, s, hq_l + 2 hkv_l, D]
     nbytes = send.numel() * send.element_size()
     recv = comm.all_to_all_single(send, group=group, timeout_s=timeout_s)
     assert isinstance(recv, torch.Tensor)
     if stats is not None:
         stats.record("forward", "all_to_all", nbytes)
         recv = record_backward(recv, stats, "all_to_all", nbytes)
-    full = recv.permute(1, 0, 2, 3, 4).reshape(b, world * s, hq_l + 2 * hkv_l, d)
-    if causal:
-        full = reorder_to_sequence(full, world, 1, load_balance)
-    q_f, k_f, v_f = full.split([hq_l, hkv_l, hkv_l], dim=2)
-
-    out = attention(q_f, k_f, v_f, causal, scale, backend)     # [B, S, hq_l, D]
+    sc = default_scale(d) if scale is None else float(scale)
+    send_o = _UlyssesLocal.apply(recv, hq_l, hkv_l, bool(causal), reorder, sc,
+                                 backend)                       # [P, B, s, hq_l, D]
 
     # heads -> sequence.
-    if causal:
-        out = reorder_to_shards(out, world, 1, load_balance)
-    send_o = out.reshape(b, world, s, hq_l, d).transpose(0, 1).contiguous()   # [P, B, s, hq_l, D]
     nbytes_o = send_o.numel() * send_o.element_size()
     recv_o = comm.all_to_all_single(send_o, group=group, timeout_s=timeout_s)
     assert isinstance(recv_o, torch.Tensor)

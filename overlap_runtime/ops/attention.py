@@ -13,7 +13,11 @@ Layout and dtypes
 * ``lse``: ``[B, Hq, Sq]`` float32, natural-log ``logsumexp`` over the block's keys of the scaled
   scores ``q . k * scale`` (the layout fused kernels return).
 * Block outputs and gradients are float32 whatever the input dtype; callers accumulate in float32
-  and cast back to the input dtype once, at the end.
+  and cast back to the input dtype once, at the end. With ``cast_float32=False`` a block returns
+  its kernel's own dtype instead (q's dtype for ``flash``/``cudnn``, whose kernels accumulate in
+  float32 and round once; float32 for ``math``): widening that to float32 adds no information, so
+  a caller that accumulates with mixed-dtype float32 ops (``acc += x``, ``torch.add(acc, x,
+  out=...)``, :func:`merge_attention_`) gets the same numbers without a cast kernel per block.
 
 Masks
 -----
@@ -126,11 +130,16 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _reduce_kv(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """Inverse of :func:`_expand_kv` for gradients: sum the ``group`` copies of each kv head."""
+    """Inverse of :func:`_expand_kv` for gradients: sum the ``group`` copies of each kv head.
+
+    ``[B, S, Hkv * group, D]`` (any float dtype) -> ``[B, S, Hkv, D]``; the sum is float32 (read
+    in the input dtype, accumulated and written in float32: no separate cast) when ``group > 1``,
+    the input itself otherwise.
+    """
     if group == 1:
         return grad
     b, s, h, d = grad.shape
-    return grad.view(b, s, h // group, group, d).sum(dim=3)
+    return grad.reshape(b, s, h // group, group, d).sum(dim=3, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------- math backend
@@ -177,14 +186,15 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   scale: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, group: int, cast_float32: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = _expand_kv(k, group), _expand_kv(v, group)
     # The aten op takes [B, H, S, D] views; a transpose of [B, S, H, D] keeps the last dim
     # contiguous, which is all the kernel needs.
     res = torch.ops.aten._scaled_dot_product_flash_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale)
-    out, lse = res[0], res[1]
-    return out.transpose(1, 2).float(), lse.float()
+    out, lse = res[0].transpose(1, 2), res[1]
+    return (out.float() if cast_float32 else out), lse.float()
 
 
 def _philox_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,18 +206,33 @@ def _philox_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                    group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    group: int, cast_float32: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ke, ve = _expand_kv(k, group), _expand_kv(v, group)
     seed, offset = _philox_placeholders(q.device)
     t = lambda x: x.to(q.dtype).transpose(1, 2)  # noqa: E731 - [B, S, H, D] -> [B, H, S, D]
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         t(dout), t(q), t(ke), t(ve), t(out), lse.float().contiguous(), None, None,
         q.shape[1], k.shape[1], 0.0, causal, seed, offset, scale=scale)
-    return (dq.transpose(1, 2).float(), _reduce_kv(dk.transpose(1, 2).float(), group),
-            _reduce_kv(dv.transpose(1, 2).float(), group))
+    return _bshd_grads(dq, dk, dv, group, cast_float32)
 
 
 # --------------------------------------------------------------------------- cuDNN backend (CUDA)
+
+
+def _bshd_grads(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, group: int,
+                cast_float32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A kernel's ``[B, H, S, D]`` gradients -> ``[B, S, H, D]`` views, kv heads reduced.
+
+    float32 when ``cast_float32``; else the kernel's dtype (dk, dv float32 when ``group > 1``:
+    :func:`_reduce_kv` sums in float32).
+    """
+    dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+    if cast_float32:
+        dq = dq.float()
+        if group == 1:
+            dk, dv = dk.float(), dv.float()
+    return dq, _reduce_kv(dk, group), _reduce_kv(dv, group)
 
 
 def _bhsd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -217,19 +242,21 @@ def _bhsd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   scale: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, group: int, cast_float32: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = _expand_kv(k, group), _expand_kv(v, group)
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         _bhsd(q, q.dtype), _bhsd(k, q.dtype), _bhsd(v, q.dtype), None, True, 0.0, causal, False,
         scale=scale)
-    out, lse = res[0], res[1]                                  # lse [B, H, Sq, 1]
+    out, lse = res[0].transpose(1, 2), res[1]                  # lse [B, H, Sq, 1]
     b, sq, h, _ = q.shape
-    return out.transpose(1, 2).float(), lse.reshape(b, h, sq).float()
+    return (out.float() if cast_float32 else out), lse.reshape(b, h, sq).float()
 
 
 def _cudnn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                    group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    group: int, cast_float32: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ke, ve = _expand_kv(k, group), _expand_kv(v, group)
     b, sq, h, _ = q.shape
     seed = torch.zeros((), dtype=torch.long, device=q.device)  # dropout 0: never read
@@ -238,40 +265,44 @@ def _cudnn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         _bhsd(dout, q.dtype), _bhsd(q, q.dtype), _bhsd(ke, q.dtype), _bhsd(ve, q.dtype),
         _bhsd(out, q.dtype), lse.float().reshape(b, h, sq, 1).contiguous(), seed, offset, None,
         None, None, sq, k.shape[1], 0.0, causal, scale=scale)
-    return (dq.transpose(1, 2).float(), _reduce_kv(dk.transpose(1, 2).float(), group),
-            _reduce_kv(dv.transpose(1, 2).float(), group))
+    return _bshd_grads(dq, dk, dv, group, cast_float32)
 
 
 # --------------------------------------------------------------------------- public block API
 
 
 def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                            scale: float | None = None,
-                            backend: Backend = "math") -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float | None = None, backend: Backend = "math", *,
+                            cast_float32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention block.
 
     Args:
         q: ``[B, Sq, Hq, D]``; k, v: ``[B, Sk, Hkv, D]``; one float dtype.
         causal: square causal mask (``Sq == Sk``) or none.
         scale: softmax scale, default ``D ** -0.5``.
+        cast_float32: return ``out`` in float32 (default); False: in the kernel's own dtype
+            (q's dtype for ``flash``/``cudnn``, float32 for ``math``), saving a cast kernel
+            when the caller accumulates in float32 anyway (module docstring).
 
     Returns:
-        ``(out, lse)``: ``out`` ``[B, Sq, Hq, D]`` float32 (normalised within this block),
-        ``lse`` ``[B, Hq, Sq]`` float32.
+        ``(out, lse)``: ``out`` ``[B, Sq, Hq, D]`` float32 or the kernel's dtype (normalised
+        within this block; laid out like q, so contiguous for a contiguous q), ``lse``
+        ``[B, Hq, Sq]`` float32.
     """
     group = _check_block(q, k, v, causal)
     sc = default_scale(q.shape[-1]) if scale is None else float(scale)
     chosen = select_backend(q, backend)
     if chosen == "flash":
-        return _flash_forward(q, k, v, causal, sc, group)
+        return _flash_forward(q, k, v, causal, sc, group, cast_float32)
     if chosen == "cudnn":
-        return _cudnn_forward(q, k, v, causal, sc, group)
+        return _cudnn_forward(q, k, v, causal, sc, group, cast_float32)
     return _math_forward(q, k, v, causal, sc, group)
 
 
 def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                             scale: float | None = None, backend: Backend = "math"
+                             scale: float | None = None, backend: Backend = "math", *,
+                             cast_float32: bool = True
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients, recomputed from the *final* ``(out, lse)``.
 
@@ -279,41 +310,57 @@ def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dout, out: ``[B, Sq, Hq, D]`` (any float dtype; the CUDA kernels cast them to q's).
         q: ``[B, Sq, Hq, D]``; k, v: ``[B, Sk, Hkv, D]``.
         lse: ``[B, Hq, Sq]`` float32, the row's logsumexp over *all* its blocks.
+        cast_float32: return float32 gradients (default); False: the kernel's own dtype (q's
+            for ``flash``/``cudnn``, except dk, dv are float32 when kv heads are shared: their
+            copies are summed in float32; float32 for ``math``).
 
     Returns:
-        ``(dq, dk, dv)`` float32 with q's, k's and v's shapes.
+        ``(dq, dk, dv)`` with q's, k's and v's shapes, float32 or as ``cast_float32`` says.
     """
     group = _check_block(q, k, v, causal)
     sc = default_scale(q.shape[-1]) if scale is None else float(scale)
     chosen = select_backend(q, backend)
     if chosen == "flash":
-        return _flash_backward(dout, q, k, v, out, lse, causal, sc, group)
+        return _flash_backward(dout, q, k, v, out, lse, causal, sc, group, cast_float32)
     if chosen == "cudnn":
-        return _cudnn_backward(dout, q, k, v, out, lse, causal, sc, group)
+        return _cudnn_backward(dout, q, k, v, out, lse, causal, sc, group, cast_float32)
     return _math_backward(dout, q, k, v, out, lse, causal, sc, group)
 
 
 def merge_attention_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                     block_lse: torch.Tensor) -> None:
+                     block_lse: torch.Tensor, *, prev_out: torch.Tensor | None = None,
+                     result: torch.Tensor | None = None) -> None:
     """Online-softmax merge of a block into an accumulator, in place, in float32.
 
     Args:
         out: accumulator ``[B, S, H, D]`` float32 (a view is fine: it is written in place).
         lse: accumulator ``[B, H, S]`` float32; ``-inf`` rows mean "nothing merged yet".
-        block_out: ``[B, S, H, D]``; block_lse: ``[B, H, S]`` (float32 preferred).
+        block_out: ``[B, S, H, D]``, any float dtype (a kernel's bf16/fp16 output is read as is:
+            the arithmetic is float32, no cast kernel); block_lse: ``[B, H, S]`` float32.
+        prev_out: the accumulator's current value when it is not (yet) in ``out``, e.g. the
+            first block's output in its kernel dtype: read instead of ``out``, which is then
+            written without being read (no float32 copy of the first block is needed).
+        result: where the merged output goes, any float dtype (e.g. the final output in the
+            input dtype, on a row's last merge: computed in float32, rounded once). ``out`` then
+            only serves as float32 scratch and holds ``w_old * prev`` afterwards, not the merge.
 
-    After the call ``lse = log(exp(lse) + exp(block_lse))`` and ``out`` is the softmax-weighted
-    mix of the two. Rows where both are ``-inf`` stay ``out = 0``, ``lse = -inf``.
+    After the call ``lse = log(exp(lse) + exp(block_lse))`` and ``out`` (or ``result``) is the
+    softmax-weighted mix ``w_old * prev + w_new * block_out`` with ``w_new = sigmoid(block_lse -
+    lse)``, ``w_old = sigmoid(lse - block_lse)`` (``= exp(lse_i - new_lse)``, summing to 1). Rows
+    where both are ``-inf`` keep ``w_old = 1, w_new = 0``: ``out`` stays 0, ``lse`` ``-inf``.
+    Device work: a few ``[B, H, S]`` ops and two passes over the rows (``mul``, ``addcmul``).
     """
     if out.dtype != torch.float32 or lse.dtype != torch.float32:
         raise ValueError(f"merge_attention_: accumulators must be float32, got out {out.dtype}, "
                          f"lse {lse.dtype}")
-    new_lse = torch.logaddexp(lse, block_lse.float())
-    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)       # [B, S, H, 1]
-    w_new = torch.exp(block_lse.float() - safe).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(block_out.float() * w_new)
-    lse.copy_(new_lse)
+    inf = float("inf")
+    d = block_lse.float() - lse                                        # [B, H, S]
+    torch.logaddexp(lse, block_lse, out=lse)
+    d.nan_to_num_(nan=-inf, posinf=inf, neginf=-inf)   # both -inf (nan): keep the accumulator
+    w_new = torch.sigmoid(d).transpose(1, 2).unsqueeze(-1)             # [B, S, H, 1]
+    w_old = torch.sigmoid(d.neg_()).transpose(1, 2).unsqueeze(-1)
+    torch.mul(out if prev_out is None else prev_out, w_old, out=out)
+    torch.addcmul(out, block_out, w_new, out=out if result is None else result)
 
 
 # --------------------------------------------------------------------------- differentiable

@@ -112,3 +112,40 @@ def test_block_errors_name_values() -> None:
         with pytest.raises(ValueError, match=r"backend must be 'math', 'flash' or 'cudnn' \(no "
                                              f"'auto'\\), got '{bad}'"):
             select_backend(q, bad)  # type: ignore[arg-type]
+
+
+def test_block_kernel_dtype_and_merge_into_result() -> None:
+    """``cast_float32=False`` returns the kernel's dtype (float32 for math) with the same values;
+    merging a block into a first block held in bf16 (``prev_out``) and writing the row's last
+    merge straight into a bf16 result gives exactly the float32-accumulator path cast once."""
+    q, k, v, dout = make_qkv(5, 1, 16, 4, 2, 8)
+    out, lse = attention_block_forward(q, k, v, True)
+    out_k, lse_k = attention_block_forward(q, k, v, True, cast_float32=False)
+    assert out_k.dtype == torch.float32 and torch.equal(out_k, out) and torch.equal(lse_k, lse)
+    grads = attention_block_backward(dout, q, k, v, out, lse, True)
+    grads_k = attention_block_backward(dout, q, k, v, out, lse, True, cast_float32=False)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_k))
+
+    first = torch.randn(1, 16, 4, 8).bfloat16()
+    blk = torch.randn(1, 16, 4, 8).bfloat16()
+    lse0, blk_lse = torch.randn(1, 4, 16), torch.randn(1, 4, 16)
+    acc, lse_a = first.float(), lse0.clone()
+    merge_attention_(acc, lse_a, blk, blk_lse)
+    scratch, lse_b = torch.empty(1, 16, 4, 8), lse0.clone()
+    result = torch.empty(1, 16, 4, 8, dtype=torch.bfloat16)
+    merge_attention_(scratch, lse_b, blk, blk_lse, prev_out=first, result=result)
+    assert torch.equal(result, acc.to(torch.bfloat16)) and torch.equal(lse_a, lse_b)
+    ref = (first.float() * torch.exp(lse0 - lse_a).transpose(1, 2).unsqueeze(-1)
+           + blk.float() * torch.exp(blk_lse - lse_a).transpose(1, 2).unsqueeze(-1))
+    assert rel_l2(acc, ref) <= TOL
+
+
+def test_merge_keeps_rows_empty_on_both_sides() -> None:
+    out = torch.zeros(1, 3, 2, 4)
+    lse = torch.full((1, 2, 3), float("-inf"))
+    blk = torch.randn(1, 3, 2, 4)
+    blk_lse = torch.randn(1, 2, 3)
+    blk_lse[:, :, 0] = float("-inf")
+    merge_attention_(out, lse, blk, blk_lse)
+    assert torch.equal(out[:, 0], torch.zeros(1, 2, 4)) and torch.isinf(lse[:, :, 0]).all()
+    assert torch.allclose(out[:, 1:], blk[:, 1:]) and torch.equal(lse[:, :, 1:], blk_lse[:, :, 1:])

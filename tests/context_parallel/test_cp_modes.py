@@ -13,11 +13,13 @@ derived from chunk-level visibility, not from ``ring.py``).
 from __future__ import annotations
 
 
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _cp_util import C10dOpCounter, make_qkv, reference_grads
 from overlap_runtime.context_parallel import (
@@ -188,3 +190,52 @@ def test_cp8_matches_full_attention() -> None:
     worst = run_ranks(_modes_worker, 8, args=(cases,))
     assert max(worst) <= TOL
 
+
+
+class _AtenOpCounter(TorchDispatchMode):
+    """Counts the aten ops (by packet name) torch dispatches, views included."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as C10dOpCounter: avoid importing torch._dynamo per rank
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+#: Reorders by index (and their backward: index_add, sort for argsort) that the chunk
+#: permutation replaced, and zero fills the accumulators no longer need.
+_INDEX_OPS = {"index_select", "index_add", "index_add_", "index_copy", "index_copy_", "index",
+              "index_put", "index_put_", "gather", "scatter", "scatter_add", "sort", "argsort"}
+_FILL_OPS = {"zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full", "full_like"}
+
+
+def _elementwise_worker(rank: int, world: int) -> dict[str, dict[str, int]]:
+    mesh = init_device_mesh("cpu", (world,))
+    group = mesh.get_group()
+    q, k, v, dout = make_qkv(7, 2, 32, 4, 2, 8)
+    pos = shard_positions(32, world, rank, "zigzag")
+    dl = dout[:, pos]
+    found: dict[str, dict[str, int]] = {}
+    for mode in ("ulysses", "ring"):
+        ql, kl, vl = (x[:, pos].clone().requires_grad_(True) for x in (q, k, v))
+        counter = _AtenOpCounter()
+        with counter:
+            out = FUNCS[mode](ql, kl, vl, group=group, causal=True, load_balance="zigzag")
+            out.backward(dl)
+        found[mode] = {op: n for op, n in counter.counts.items()
+                       if op in _INDEX_OPS or op in _FILL_OPS}
+    return found
+
+
+def test_ulysses_and_ring_need_no_index_reorder_or_zero_fill() -> None:
+    """Causal zigzag, forward + backward: Ulysses permutes whole chunks (no index_select /
+    index_add / argsort), and neither mode zero-fills an accumulator (ring: each gradient row
+    piece's first contribution is copied in; Ulysses: the kernel's gradients are written once)."""
+    for rank, found in enumerate(run_ranks(_elementwise_worker, 2)):
+        assert found == {"ulysses": {}, "ring": {}}, f"rank {rank}: {found}"
