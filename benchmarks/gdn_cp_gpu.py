@@ -80,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "accuracy check sees a broken chain); qwen: Qwen3.5's initialisation "
                         "(the state is forgotten within a few tokens). Timing does not depend "
                         "on it")
+    p.add_argument("--predict", action="store_true",
+                   help="GPU, backend triton: measure the fused chain's node costs and one state "
+                        "message, simulate CP 2..32 (benchmarks/gdn_cp_nodes.py) and print the "
+                        "prediction next to the measured p2p row")
     p.add_argument("--profile", action="store_true",
                    help="also write each rank's per-kernel device times to "
                         "$OUT/gdn_cp_profile_r<rank>.txt")
@@ -150,6 +154,9 @@ def bench_length(args: argparse.Namespace, local_len: int, device: torch.device,
     dy_loc = dy_full[:, rows_sl].contiguous()
     ms, peak = timed(lambda: fwd_bwd(base, x_loc, dy_loc), device, args.warmup, args.iters)
     single_local_ms = ms
+    prediction = None
+    if args.predict:
+        prediction = predict_chain(args, local_len, device, x_loc, base, single_local_ms)
     if args.profile and rank == 0:
         write_out("gdn_cp_profile_r0.txt", f"local {local_len} single_local\n"
                   + profile_kernels(lambda: fwd_bwd(base, x_loc, dy_loc), device))
@@ -204,7 +211,47 @@ def bench_length(args: argparse.Namespace, local_len: int, device: torch.device,
                              error=f"{type(exc).__name__}: {exc}"))
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if prediction is not None:
+        measured = next((r["ms"] for r in rows if r.get("mode") == "p2p" and "ms" in r), None)
+        rows.append(dict(common, mode="predicted", ranks=world, prediction=prediction,
+                         measured_p2p_ms=measured))
     return rows
+
+
+def predict_chain(args: argparse.Namespace, local_len: int, device: torch.device,
+                  x_loc: torch.Tensor, base: torch.nn.Module, single_local_ms: float
+                  ) -> dict[str, Any]:
+    """Node costs on rank 0 (every rank runs them; rank 0's are kept), one state message,
+    then the simulated chain for CP 2..32 (benchmarks/gdn_cp_nodes.py)."""
+    if device.type != "cuda" or args.backend != "triton":
+        raise SystemExit(f"--predict needs --device cuda and --backend triton, got "
+                         f"{device.type}/{args.backend}")
+    from gdn_cp_nodes import measure_node_costs, measure_state_message, predict, timed_ms
+
+    layer_fwd_ms = timed_ms(lambda: base(x_loc), device)
+    costs = measure_node_costs(layer_fwd_ms, single_local_ms, local_len, args.key_heads,
+                               args.value_heads, args.head_dim, DTYPES[args.dtype], device)
+    message_ms = measure_state_message(args.value_heads, args.head_dim, device)
+    state_bytes = args.batch * args.value_heads * args.head_dim ** 2 * 4
+    return {"node_ms": costs, "message_ms": message_ms,
+            "rows": predict(costs, message_ms, [2, 4, 8, 16, 32], state_bytes)}
+
+
+def format_prediction(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in rows:
+        if r.get("mode") != "predicted":
+            continue
+        pr = r["prediction"]
+        nodes = ", ".join(f"{k} {v:.3f}" for k, v in pr["node_ms"].items())
+        lines.append(f"local {r['local_seq']}: node ms {nodes}; state message "
+                     f"{pr['message_ms']:.3f} ms")
+        cells = " | ".join(f"CP{x['cp']} {x['makespan_ms']:.2f} ms eff {x['eff']:.3f}"
+                           for x in pr["rows"])
+        measured = r.get("measured_p2p_ms")
+        lines.append(f"  predicted (fused chain, weak scaling): {cells}"
+                     + (f"; measured p2p CP{r['ranks']} {measured:.2f} ms" if measured else ""))
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict[str, Any]], tol: float) -> str:
@@ -212,6 +259,8 @@ def format_table(rows: list[dict[str, Any]], tol: float) -> str:
             f"{'eff':>6} {'speedup':>8} {'rel out':>9} {'rel dx':>9} {'rel param':>9}  ok")
     lines = [head, "-" * len(head)]
     for r in rows:
+        if r["mode"] == "predicted":
+            continue
         pre = f"{r['local_seq']:>7} {r['seq']:>7} {r['mode']:>13} {r['ranks']:>5}"
         if "error" in r:
             lines.append(f"{pre}  ERROR {r['error']}")
@@ -247,6 +296,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, world: int) -> 
     print("eff = single_local / row (weak scaling), speedup = single_global / row;")
     print("rel-L2 against single_global (out, dx: this rank's rows; param: summed over ranks)\n")
     print(format_table(rows, args.tol))
+    if any(r["mode"] == "predicted" for r in rows):
+        print("\n" + format_prediction(rows))
     path = args.json or (os.path.join(os.environ["OUT"], "gdn_cp_gpu.json")
                          if os.environ.get("OUT") else None)
     if path:

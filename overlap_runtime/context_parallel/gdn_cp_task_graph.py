@@ -1,5 +1,9 @@
 """The p2p GDN state chain, forward and backward, as a :class:`~overlap_runtime.graph.TaskGraph`.
 
+Two graphs: :func:`gdn_p2p_task_graph` for the eager chain (``GDNStateChain``, below) and
+:func:`gdn_p2p_fused_task_graph` for the Triton chain (``TritonStateChain``: the op's own
+segment summaries continue across ranks; its docstring has the nodes).
+
 One node per step of ``gdn_cp_p2p.GDNStateChain`` on every rank, so the validator proves the
 chain cannot deadlock and the simulator predicts CP16/32/64 timelines from measured node costs
 (``benchmarks/gdn_cp_predict.py``).
@@ -30,11 +34,18 @@ from typing import Mapping
 
 from overlap_runtime.graph import CommInfo, CostModel, SimulationResult, Task, TaskGraph
 
-__all__ = ["GDN_P2P_NODE_KINDS", "gdn_p2p_task_graph", "gdn_p2p_cost_model", "simulate_gdn_p2p"]
+__all__ = ["GDN_P2P_NODE_KINDS", "GDN_P2P_FUSED_NODE_KINDS", "gdn_p2p_task_graph",
+           "gdn_p2p_fused_task_graph", "gdn_p2p_cost_model", "simulate_gdn_p2p"]
 
 GDN_P2P_NODE_KINDS: tuple[str, ...] = (
     "gdn_prepare", "gdn_summary", "gdn_apply", "gdn_output",
     "gdn_output_bwd", "gdn_apply_bwd", "gdn_summary_bwd",
+)
+
+#: Node kinds of the Triton chain (:func:`gdn_p2p_fused_task_graph`).
+GDN_P2P_FUSED_NODE_KINDS: tuple[str, ...] = (
+    "layer_fwd", "gdn_fwd_pre", "gdn_fwd_chain", "gdn_fwd_post",
+    "gdn_bwd_pre", "gdn_bwd_chain", "gdn_bwd_post", "layer_bwd",
 )
 
 COMPUTE, COMM = "compute", "comm:cp"
@@ -121,27 +132,110 @@ def gdn_p2p_task_graph(cp_size: int, state_bytes: float | None = None) -> TaskGr
     return graph
 
 
+def gdn_p2p_fused_task_graph(cp_size: int, state_bytes: float | None = None) -> TaskGraph:
+    """The chain of ``backend="triton"`` (``gdn_cp_p2p.TritonStateChain``), forward + backward,
+    for ``cp_size`` ranks, with the layer around the GDN core.
+
+    Nodes of rank ``r`` of ``P`` (kind in :data:`GDN_P2P_FUSED_NODE_KINDS`, or send/recv)::
+
+        L.fwd      layer_fwd       projections, conv, gates (and, folded in, the rest of the
+                                   layer's forward: norm, out_proj)
+        F.pre      gdn_fwd_pre     prepare + segment summaries            (no state needed)
+        F.recv_H   recv            r > 0, posted at the start
+        F.chain    gdn_fwd_chain   the NS segment maps from H_in -> H_out, segment states
+        F.send_H   send            r < P-1
+        F.post     gdn_fwd_post    per-segment scans + outputs
+        B.pre      gdn_bwd_pre     dv_local + segment-local reverse scans   (no dH needed)
+        B.recv_dH  recv            r < P-1, posted when the backward starts
+        B.chain    gdn_bwd_chain   the reverse chain from dH_out -> dH_in
+        B.send_dH  send            r > 0
+        B.post     gdn_bwd_post    per-chunk reverse scan + every input-gradient kernel
+        L.bwd      layer_bwd       the layer's backward outside the GDN core
+
+    Every rank runs both chains (rank 0 chains from zero, the last rank needs the segment
+    states), so with costs ``c_kind`` and a message cost ``l`` the makespan is
+    ``T_1 + (P - 1) (c_fwd_chain + c_bwd_chain + 2 l)``, ``T_1`` being the sum of all eight
+    costs (one device on the local length, same segments); tested. The conv halo messages
+    (three positions) are left out: they leave every rank at the same time.
+    """
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size={cp_size!r} must be a positive int")
+    p = cp_size
+    graph = TaskGraph(name=f"gdn_p2p_fused_cp{p}")
+    data: list[tuple[str, str]] = []
+    program: list[tuple[str, str]] = []
+    match: list[tuple[str, str]] = []
+
+    def node(rank: int, name: str, kind: str, step: int, comm: CommInfo | None = None) -> str:
+        tid = f"{rank}{name}"
+        graph.add_task(Task(tid, rank, COMM if comm else COMPUTE, kind, comm=comm, step=step,
+                            label=tid))
+        return tid
+
+    for r in range(p):
+        first, last = r == 0, r == p - 1
+        lf = node(r, "L.fwd", "layer_fwd", 0)
+        pre = node(r, "F.pre", "gdn_fwd_pre", 1)
+        chain = node(r, "F.chain", "gdn_fwd_chain", 2)
+        post = node(r, "F.post", "gdn_fwd_post", 3)
+        program += [(lf, pre), (pre, chain), (chain, post)]
+        send_h = None
+        if not first:
+            recv_h = node(r, "F.recv_H", "recv", 0, CommInfo("recv", ("H", r), r - 1))
+            data.append((recv_h, chain))
+        if not last:
+            send_h = node(r, "F.send_H", "send", 3, CommInfo("send", ("H", r + 1), r + 1,
+                                                             state_bytes))
+            data.append((chain, send_h))
+            match.append((send_h, f"{r + 1}F.recv_H"))
+        bpre = node(r, "B.pre", "gdn_bwd_pre", 4)
+        bchain = node(r, "B.chain", "gdn_bwd_chain", 5)
+        bpost = node(r, "B.post", "gdn_bwd_post", 6)
+        lb = node(r, "L.bwd", "layer_bwd", 7)
+        program += [(post, bpre), (bpre, bchain), (bchain, bpost), (bpost, lb)]
+        if send_h is not None:
+            program.append((send_h, bpre))  # the forward waits its send before returning
+        if not last:
+            recv_dh = node(r, "B.recv_dH", "recv", 4, CommInfo("recv", ("dH", r), r + 1))
+            program.append((post, recv_dh))
+            data.append((recv_dh, bchain))
+        if not first:
+            send_dh = node(r, "B.send_dH", "send", 6, CommInfo("send", ("dH", r - 1), r - 1,
+                                                               state_bytes))
+            data.append((bchain, send_dh))
+            match.append((send_dh, f"{r - 1}B.recv_dH"))
+    graph.add_edges(data, "data")
+    graph.add_edges(program, "program")
+    graph.add_edges(match, "match")
+    return graph
+
+
 def gdn_p2p_cost_model(
     costs: Mapping[str, float],
     comm_latency: float = 0.0,
     comm_bandwidth: float = float("inf"),
     message_bytes: float = 0.0,
 ) -> CostModel:
-    """A :class:`CostModel` with a cost for every kind in :data:`GDN_P2P_NODE_KINDS`.
+    """A :class:`CostModel` with a cost for every kind in :data:`GDN_P2P_NODE_KINDS` (the
+    eager chain) or every kind in :data:`GDN_P2P_FUSED_NODE_KINDS` (the Triton chain).
 
     Raises ValueError naming the missing kinds.
     """
-    missing = [k for k in GDN_P2P_NODE_KINDS if k not in costs]
+    fused = any(k in costs for k in GDN_P2P_FUSED_NODE_KINDS)
+    kinds = GDN_P2P_FUSED_NODE_KINDS if fused else GDN_P2P_NODE_KINDS
+    missing = [k for k in kinds if k not in costs]
     if missing:
         raise ValueError(f"gdn_p2p_cost_model: no cost for node kinds {missing}")
     return CostModel(kinds=dict(costs), comm_latency=comm_latency,
                      comm_bandwidth=comm_bandwidth, message_bytes=message_bytes)
 
 
-def simulate_gdn_p2p(cp_size: int, costs: CostModel,
-                     state_bytes: float | None = None) -> SimulationResult:
-    """Validate and simulate the chain for ``cp_size`` ranks under ``costs``."""
-    graph = gdn_p2p_task_graph(cp_size, state_bytes)
+def simulate_gdn_p2p(cp_size: int, costs: CostModel, state_bytes: float | None = None,
+                     fused: bool = False) -> SimulationResult:
+    """Validate and simulate the chain for ``cp_size`` ranks under ``costs`` (``fused``: the
+    Triton chain of :func:`gdn_p2p_fused_task_graph`)."""
+    build = gdn_p2p_fused_task_graph if fused else gdn_p2p_task_graph
+    graph = build(cp_size, state_bytes)
     matching = graph.validate()
     from overlap_runtime.graph import simulate
 

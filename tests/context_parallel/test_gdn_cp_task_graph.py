@@ -56,3 +56,32 @@ def test_cost_model_needs_every_kind() -> None:
         gdn_p2p_cost_model({k: 1.0 for k in GDN_P2P_NODE_KINDS if k != "gdn_apply_bwd"})
     with pytest.raises(ValueError, match=r"cp_size=0"):
         gdn_p2p_task_graph(0)
+
+
+FUSED_COSTS = {"layer_fwd": 3.0, "gdn_fwd_pre": 2.0, "gdn_fwd_chain": 0.125, "gdn_fwd_post": 1.5,
+               "gdn_bwd_pre": 1.0, "gdn_bwd_chain": 0.25, "gdn_bwd_post": 4.0, "layer_bwd": 6.0}
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 8, 32])
+def test_fused_chain_makespan_is_one_device_plus_a_hop_per_rank(cp: int) -> None:
+    from overlap_runtime.context_parallel.gdn_cp_task_graph import gdn_p2p_fused_task_graph
+
+    lat = 0.0625
+    costs = gdn_p2p_cost_model(FUSED_COSTS, comm_latency=lat)
+    graph = gdn_p2p_fused_task_graph(cp)
+    assert len(graph.validate().pairs) == 2 * (cp - 1)
+    res = simulate_gdn_p2p(cp, costs, fused=True)
+    one_device = sum(FUSED_COSTS.values())
+    hop = FUSED_COSTS["gdn_fwd_chain"] + FUSED_COSTS["gdn_bwd_chain"] + 2 * lat
+    assert res.makespan == pytest.approx(one_device + (cp - 1) * hop)
+    path = res.critical_path
+    # forward chains in rank order, then backward chains in reverse rank order
+    chains = [t for t in path if t.endswith(".chain")]
+    assert chains == [f"{r}F.chain" for r in range(cp)] + [f"{r}B.chain"
+                                                          for r in range(cp - 1, -1, -1)]
+
+
+def test_fused_cost_model_names_missing_kinds() -> None:
+    partial = {k: v for k, v in FUSED_COSTS.items() if k != "gdn_bwd_chain"}
+    with pytest.raises(ValueError, match=r"no cost for node kinds \['gdn_bwd_chain'\]"):
+        gdn_p2p_cost_model(partial)
