@@ -177,8 +177,9 @@ def baseline_and_report(args: argparse.Namespace, out: dict[str, Any], device: t
                          if os.environ.get("OUT") else None)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"rows": rows, "align_seq_len": align_len,
-                                          "runs": out}, indent=2))
+        Path(path).write_text(json.dumps({
+            "rows": rows, "align_seq_len": align_len, "runs": out,
+            "baseline": None if baseline is None else baseline.to_dict()}, indent=2))
         print(f"JSON written to {path}")
 
 
