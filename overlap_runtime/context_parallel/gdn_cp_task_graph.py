@@ -51,6 +51,31 @@ GDN_P2P_FUSED_NODE_KINDS: tuple[str, ...] = (
 COMPUTE, COMM = "compute", "comm:cp"
 
 
+class _Builder:
+    """Tasks and edges of one chain graph (both builders below share it)."""
+
+    def __init__(self, name: str, cp_size: int) -> None:
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"cp_size={cp_size!r} must be a positive int")
+        self.graph = TaskGraph(name=name)
+        self.data: list[tuple[str, str]] = []
+        self.program: list[tuple[str, str]] = []
+        self.match: list[tuple[str, str]] = []
+
+    def node(self, rank: int, name: str, kind: str, step: int,
+             comm: CommInfo | None = None) -> str:
+        tid = f"{rank}{name}"
+        self.graph.add_task(Task(tid, rank, COMM if comm else COMPUTE, kind, comm=comm,
+                                 step=step, label=tid))
+        return tid
+
+    def finish(self) -> TaskGraph:
+        self.graph.add_edges(self.data, "data")
+        self.graph.add_edges(self.program, "program")
+        self.graph.add_edges(self.match, "match")
+        return self.graph
+
+
 def gdn_p2p_task_graph(cp_size: int, state_bytes: float | None = None) -> TaskGraph:
     """Forward + backward p2p chain for ``cp_size`` ranks (see the module docstring).
 
@@ -62,19 +87,8 @@ def gdn_p2p_task_graph(cp_size: int, state_bytes: float | None = None) -> TaskGr
     Returns:
         The graph; node costs come from :func:`gdn_p2p_cost_model` (by kind).
     """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size={cp_size!r} must be a positive int")
-    p = cp_size
-    graph = TaskGraph(name=f"gdn_p2p_cp{p}")
-    data: list[tuple[str, str]] = []
-    program: list[tuple[str, str]] = []
-    match: list[tuple[str, str]] = []
-
-    def node(rank: int, name: str, kind: str, step: int, comm: CommInfo | None = None) -> str:
-        tid = f"{rank}{name}"
-        graph.add_task(Task(tid, rank, COMM if comm else COMPUTE, kind, comm=comm, step=step,
-                            label=f"{rank}{name}"))
-        return tid
+    b = _Builder(f"gdn_p2p_cp{cp_size}", cp_size)
+    p, node, data, program, match = cp_size, b.node, b.data, b.program, b.match
 
     for r in range(p):
         first, last = r == 0, r == p - 1
@@ -126,10 +140,7 @@ def gdn_p2p_task_graph(cp_size: int, state_bytes: float | None = None) -> TaskGr
             summ_b = node(r, "B.summary", "gdn_summary_bwd", 8)
             data.append((recv_dh, summ_b))
             program.append((bwd_tail, summ_b))
-    graph.add_edges(data, "data")
-    graph.add_edges(program, "program")
-    graph.add_edges(match, "match")
-    return graph
+    return b.finish()
 
 
 def gdn_p2p_fused_task_graph(cp_size: int, state_bytes: float | None = None) -> TaskGraph:
@@ -158,19 +169,8 @@ def gdn_p2p_fused_task_graph(cp_size: int, state_bytes: float | None = None) -> 
     costs (one device on the local length, same segments); tested. The conv halo messages
     (three positions) are left out: they leave every rank at the same time.
     """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size={cp_size!r} must be a positive int")
-    p = cp_size
-    graph = TaskGraph(name=f"gdn_p2p_fused_cp{p}")
-    data: list[tuple[str, str]] = []
-    program: list[tuple[str, str]] = []
-    match: list[tuple[str, str]] = []
-
-    def node(rank: int, name: str, kind: str, step: int, comm: CommInfo | None = None) -> str:
-        tid = f"{rank}{name}"
-        graph.add_task(Task(tid, rank, COMM if comm else COMPUTE, kind, comm=comm, step=step,
-                            label=tid))
-        return tid
+    b = _Builder(f"gdn_p2p_fused_cp{cp_size}", cp_size)
+    p, node, data, program, match = cp_size, b.node, b.data, b.program, b.match
 
     for r in range(p):
         first, last = r == 0, r == p - 1
@@ -204,10 +204,7 @@ def gdn_p2p_fused_task_graph(cp_size: int, state_bytes: float | None = None) -> 
                                                                state_bytes))
             data.append((bchain, send_dh))
             match.append((send_dh, f"{r - 1}B.recv_dH"))
-    graph.add_edges(data, "data")
-    graph.add_edges(program, "program")
-    graph.add_edges(match, "match")
-    return graph
+    return b.finish()
 
 
 def gdn_p2p_cost_model(

@@ -247,6 +247,17 @@ def _inside(span: tuple[int, int], pieces: list[tuple[int, int]]) -> list[int]:
     return [i for i, (a, b) in enumerate(pieces) if span[0] <= a and b <= span[1] and a < b]
 
 
+def _piece_counts(length: int, spans: list[slice]
+                  ) -> tuple[list[tuple[int, int]], list[int]]:
+    """The shard's row pieces (:func:`_pieces`) and how many of ``spans`` cover each."""
+    pieces = _pieces(length)
+    count = [0] * len(pieces)
+    for rows in spans:
+        for i in _inside(_span(rows, length), pieces):
+            count[i] += 1
+    return pieces, count
+
+
 class _OutputMerger:
     """The forward's output rows, merged block by block, in float32 only where a merge needs it.
 
@@ -267,11 +278,7 @@ class _OutputMerger:
     def __init__(self, diag_out: torch.Tensor, diag_lse: torch.Tensor, dtype: torch.dtype,
                  merges: list[slice]) -> None:
         self.length = diag_out.shape[1]
-        self.pieces = _pieces(self.length)
-        self.left = [0] * len(self.pieces)
-        for rows in merges:
-            for i in _inside(_span(rows, self.length), self.pieces):
-                self.left[i] += 1
+        self.pieces, self.left = _piece_counts(self.length, merges)
         self.in_acc = [False] * len(self.pieces)
         self.diag, self.lse = diag_out, diag_lse
         self.acc: torch.Tensor | None = None
@@ -324,11 +331,7 @@ class _GradSum:
     def __init__(self, like: torch.Tensor, dtype: torch.dtype, spans: list[slice]) -> None:
         self.shape, self.device = tuple(like.shape), like.device
         self.length = like.shape[1]
-        self.pieces = _pieces(self.length)
-        self.left = [0] * len(self.pieces)
-        for rows in spans:
-            for i in _inside(_span(rows, self.length), self.pieces):
-                self.left[i] += 1
+        self.pieces, self.left = _piece_counts(self.length, spans)
         self.seen = [False] * len(self.pieces)
         self.acc: torch.Tensor | None = None
         self.result = torch.empty(self.shape, dtype=dtype, device=self.device)
