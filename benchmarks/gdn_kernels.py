@@ -132,6 +132,18 @@ def time_impl(fn: Callable, x: dict[str, torch.Tensor], warmup_only: bool = Fals
     return {"fwd_ms": t_fwd, "bwd_ms": t_bwd, "fwd_bwd_ms": t_fb, "peak_mib": peak}
 
 
+def autotuned() -> dict[str, list[str]]:
+    """The configuration the autotuner picked for each key of our walk kernels."""
+    from overlap_runtime.ops.gdn.triton import bwd_state, fwd_state
+
+    out = {}
+    for name, kernel in (("fwd_scan", fwd_state.fwd_scan_kernel),
+                         ("bwd_scan", bwd_state.bwd_scan_kernel)):
+        cache = getattr(kernel, "cache", {}) or {}
+        out[name] = [f"{key}: {cfg}" for key, cfg in cache.items()]
+    return out
+
+
 def profile_fwd_bwd(fn: Callable, x: dict[str, torch.Tensor]) -> str:
     """Per-kernel device time of one forward+backward (benchmarks/_timing.py)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -230,6 +242,10 @@ def main() -> int:
                         f.write(text + "\n\n")
             torch.cuda.empty_cache()
         del x
+
+    report["autotuned"] = autotuned()
+    for name, picks in report["autotuned"].items():
+        print(f"autotuned {name}: {picks}", flush=True)
 
     if not args.no_accuracy:
         for seq_len in acc_lens:
