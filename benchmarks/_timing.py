@@ -67,6 +67,22 @@ def timed_slowest_rank(fn: Callable[[], Any], device: torch.device, warmup: int,
     return statistics.median(samples), peak
 
 
+def timed_local_ms(fn: Callable[[], Any], device: torch.device, iters: int = 10) -> float:
+    """Median ms of ``fn()`` on this CUDA device alone (CUDA events, no ranks involved), after
+    two warm-up calls."""
+    samples = []
+    for i in range(iters + 2):
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
 def profile_kernels(fn: Callable[[], Any], device: torch.device, iters: int = 2,
                     top: int = 18) -> str:
     """Device time per kernel of ``fn()`` (``iters`` calls under ``torch.profiler``), the

@@ -50,7 +50,9 @@ from overlap_runtime.context_parallel.linear_attention import (  # noqa: E402
     LinearAttentionContextParallel,
 )
 from overlap_runtime.models import GatedDeltaNet  # noqa: E402
-from _timing import max_over_ranks, profile_kernels, rank_device, timed_slowest_rank, write_out  # noqa: E402  (benchmarks/_timing.py)
+from _timing import (  # noqa: E402  (benchmarks/_timing.py)
+    max_over_ranks, profile_kernels, rank_device, timed_local_ms, timed_slowest_rank, write_out,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("ulysses", "p2p", "all_gather")
@@ -226,9 +228,9 @@ def predict_chain(args: argparse.Namespace, local_len: int, device: torch.device
     if device.type != "cuda" or args.backend != "triton":
         raise SystemExit(f"--predict needs --device cuda and --backend triton, got "
                          f"{device.type}/{args.backend}")
-    from gdn_cp_nodes import measure_node_costs, measure_state_message, predict, timed_ms
+    from gdn_cp_nodes import measure_node_costs, measure_state_message, predict
 
-    layer_fwd_ms = timed_ms(lambda: base(x_loc), device)
+    layer_fwd_ms = timed_local_ms(lambda: base(x_loc), device)
     costs = measure_node_costs(layer_fwd_ms, single_local_ms, local_len, args.key_heads,
                                args.value_heads, args.head_dim, DTYPES[args.dtype], device)
     message_ms = measure_state_message(args.value_heads, args.head_dim, device)

@@ -22,7 +22,7 @@ goes.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -165,18 +165,3 @@ def predict(costs: dict[str, float], message_ms: float, cp_sizes: list[int],
         rows.append({"cp": p, "makespan_ms": res.makespan, "eff": one / res.makespan,
                      "one_device_ms": one})
     return rows
-
-
-def timed_ms(fn: Callable[[], Any], device: torch.device, iters: int = 10) -> float:
-    """Median ms of ``fn()`` on this device alone (CUDA events), after two warm-up calls."""
-    samples = []
-    for i in range(iters + 2):
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= 2:
-            samples.append(start.elapsed_time(end))
-    return statistics.median(samples)

@@ -25,7 +25,7 @@ from overlap_runtime.models.gated_deltanet import GatedDeltaNet
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.gdn import state_summary, tree_compose
 
-from .gdn_cp_common import GDNCPPlan, halo_conv_qkv
+from .gdn_cp_common import GDNCPPlan, local_gdn_inputs
 
 __all__ = ["gathered_initial_state", "all_gather_forward"]
 
@@ -58,13 +58,10 @@ def all_gather_forward(
     module: GatedDeltaNet, plan: GDNCPPlan, hidden: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """The whole layer on a local shard ``[B, S/P, hidden] -> [B, S/P, hidden]``."""
-    hidden = module.mask_input(hidden, mask)
-    proj = module.project(hidden)
-    q, k, v = halo_conv_qkv(module, proj.mixed_qkv, plan)
-    g, beta = module.gates(proj.a, proj.b, mask=mask)
+    (q, k, v, g, beta), z = local_gdn_inputs(module, plan, hidden, mask)
     m, s = state_summary(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=module.chunk_size)
     h_in, gathered = gathered_initial_state(m, s, plan)
     o = module.core(q, k, v, g, beta, initial_state=h_in, backend=plan.backend)
     if h_in is None:
         o = comm.attach(o, gathered)  # rank 0 reads no summary; keep the collective in its graph
-    return module.finish(o, proj.z, mask)
+    return module.finish(o, z, mask)

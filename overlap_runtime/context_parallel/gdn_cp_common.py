@@ -28,6 +28,7 @@ __all__ = [
     "post_recv",
     "post_send",
     "halo_conv_qkv",
+    "local_gdn_inputs",
     "check_halo",
     "check_backend_before_comm",
     "TRITON_CHUNK",
@@ -227,3 +228,23 @@ def halo_conv_qkv(
     pre = _HaloCausalConv.apply(mixed_qkv, module.conv1d.weight, module.conv1d.dilation[0],
                                 halo, plan)
     return module.split_qkv(F.silu(pre).transpose(1, 2))
+
+
+def local_gdn_inputs(
+    module: GatedDeltaNet, plan: GDNCPPlan, hidden: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The layer up to the GDN core on a contiguous shard (the p2p and all_gather modes):
+    padding mask, projections, halo conv, gates.
+
+    Args:
+        hidden: ``[B, T_local, hidden]``; mask: ``[B, T_local]`` (1 real, 0 pad) or None.
+
+    Returns:
+        ``((q, k [B, T_local, H, K], v [B, T_local, HV, V], g fp32, beta [B, T_local, HV]),
+        z)``, z the gate projection ``module.finish`` takes.
+    """
+    hidden = module.mask_input(hidden, mask)
+    proj = module.project(hidden)
+    q, k, v = halo_conv_qkv(module, proj.mixed_qkv, plan)
+    g, beta = module.gates(proj.a, proj.b, mask=mask)
+    return (q, k, v, g, beta), proj.z

@@ -74,7 +74,7 @@ from overlap_runtime.ops.gdn import (
     validate_inputs,
 )
 
-from .gdn_cp_common import GDNCPPlan, halo_conv_qkv, post_recv, post_send
+from .gdn_cp_common import GDNCPPlan, local_gdn_inputs, post_recv, post_send
 
 __all__ = ["GDNStateChain", "TritonStateChain", "gdn_state_chain", "p2p_forward"]
 
@@ -186,22 +186,23 @@ class GDNStateChain(torch.autograd.Function):
 
 
 class _ChainLink(StateLink):
-    """The Triton op's state hooks wired to the CP neighbours, for one forward or backward."""
+    """The Triton op's state hooks wired to the CP neighbours, for one forward or backward.
+
+    ``recv_from`` (a CP rank or None) gets its receive posted at construction, before the local
+    work: the forward's ``H_in`` from ``r - 1``, the backward's ``dH_out`` from ``r + 1``.
+    """
 
     min_segments = 2
 
-    def __init__(self, plan: GDNCPPlan, state_shape: tuple[int, ...], device: torch.device
-                 ) -> None:
+    def __init__(self, plan: GDNCPPlan, state_shape: tuple[int, ...], device: torch.device,
+                 recv_from: int | None, what: str) -> None:
         self.plan, self.rank, self.world = plan, plan.rank, plan.cp_size
-        self.shape, self.device = state_shape, device
         self.recv: Any = None
         self.buf: torch.Tensor | None = None
         self.send: Any = None
-        self.h_in: torch.Tensor | None = None
-
-    def _post_recv(self, src: int, what: str) -> None:
-        self.buf = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-        self.recv = post_recv(self.buf, src, self.plan, what)
+        if recv_from is not None:
+            self.buf = torch.empty(state_shape, dtype=torch.float32, device=device)
+            self.recv = post_recv(self.buf, recv_from, plan, what)
 
     def _take(self) -> torch.Tensor | None:
         if self.recv is None:
@@ -212,8 +213,7 @@ class _ChainLink(StateLink):
 
     # forward: H from rank - 1, H_out to rank + 1
     def entering_state(self) -> torch.Tensor | None:
-        self.h_in = self._take()
-        return self.h_in
+        return self._take()
 
     def leaving_state(self, h_out: torch.Tensor) -> None:
         if self.rank < self.world - 1:
@@ -248,9 +248,9 @@ class TritonStateChain(torch.autograd.Function):
 
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         shape = (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
-        link = _ChainLink(plan, shape, q.device)
-        if link.rank > 0:  # posted before the local work, so H_in lands while we prepare
-            link._post_recv(link.rank - 1, "gdn p2p forward H_in")
+        rank = plan.rank  # H_in is posted before the local work, so it lands while we prepare
+        link = _ChainLink(plan, shape, q.device, rank - 1 if rank > 0 else None,
+                          "gdn p2p forward H_in")
         o, _, saved, meta = gdn_forward(q, k, v, g, beta, None, scale, True, None, link=link)
         link.finish()
         ctx.save_for_backward(*saved)
@@ -263,9 +263,10 @@ class TritonStateChain(torch.autograd.Function):
         from overlap_runtime.ops.gdn.triton.function import gdn_backward
 
         plan: GDNCPPlan = ctx.plan
-        link = _ChainLink(plan, ctx.state_shape, do.device)
-        if link.rank < link.world - 1:  # posted first; the local work before it needs none
-            link._post_recv(link.rank + 1, "gdn p2p backward dH_out")
+        rank = plan.rank  # dH_out is posted first; the local work before it needs none
+        link = _ChainLink(plan, ctx.state_shape, do.device,
+                          rank + 1 if rank < plan.cp_size - 1 else None,
+                          "gdn p2p backward dH_out")
         dq, dk, dv, dg, dbeta, _ = gdn_backward(ctx.saved_tensors, ctx.meta, do, None,
                                                 link=link)
         link.finish()
@@ -309,9 +310,6 @@ def p2p_forward(
     module: GatedDeltaNet, plan: GDNCPPlan, hidden: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """The whole layer on a local shard ``[B, T_local, hidden] -> [B, T_local, hidden]``."""
-    hidden = module.mask_input(hidden, mask)
-    proj = module.project(hidden)
-    q, k, v = halo_conv_qkv(module, proj.mixed_qkv, plan)
-    g, beta = module.gates(proj.a, proj.b, mask=mask)
+    (q, k, v, g, beta), z = local_gdn_inputs(module, plan, hidden, mask)
     o = gdn_state_chain(q, k, v, g, beta, plan, module.chunk_size)
-    return module.finish(o, proj.z, mask)
+    return module.finish(o, z, mask)
