@@ -30,6 +30,7 @@ Backward::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ __all__ = [
     "StateLink",
     "gdn_forward",
     "gdn_backward",
+    "ScanMeta",
 ]
 
 
@@ -220,6 +222,16 @@ def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.
     return out
 
 
+@dataclass(frozen=True)
+class ScanMeta:
+    """What one forward decided and its backward reuses: the query scale and the segment
+    layout (``num_segments`` segments of ``per_segment`` chunks, the last possibly shorter)."""
+
+    scale: float
+    num_segments: int
+    per_segment: int
+
+
 def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
             min_segments: int) -> tuple[int, int]:
     batch, seq_len, _, key_dim = kn.shape
@@ -235,7 +247,8 @@ def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
 def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, h0: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
                 num_segments: int | None, link: StateLink | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...], dict]:
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...],
+                           "ScanMeta"]:
     """The forward kernels (module docstring) without autograd.
 
     Args:
@@ -279,11 +292,11 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     )
     saved = (q, k, v, beta, prep["qn"], kn, prep["q_rstd"], prep["k_rstd"], gamma,
              prep["ainv"], w, u, seg_init, m_seg, states, v_new)
-    meta = {"scale": scale, "ns": ns, "per_segment": per_segment}
+    meta = ScanMeta(scale, ns, per_segment)
     return o, final, saved, meta
 
 
-def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: dict, do: torch.Tensor,
+def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: torch.Tensor,
                  dht: torch.Tensor | None, link: StateLink | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor, torch.Tensor]:
@@ -299,7 +312,7 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: dict, do: torch.T
     """
     (q, k, v, beta, qn, kn, q_rstd, k_rstd, gamma, ainv, w, u, seg_init, m_seg, states,
      v_new) = saved
-    scale, ns, per_segment = meta["scale"], meta["ns"], meta["per_segment"]
+    scale, ns, per_segment = meta.scale, meta.num_segments, meta.per_segment
     do = do.contiguous()
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
