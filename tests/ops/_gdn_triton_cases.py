@@ -31,6 +31,8 @@ CASES = {
     "fp32_one_segment": (130, 2, 4, 32, 32, torch.float32, 1, True, True, 1e-5),
     "fp32_segments": (250, 1, 2, 32, 16, torch.float32, 3, False, False, 1e-5),
     "bf16_segments": (192, 2, 4, 64, 64, torch.bfloat16, 2, True, True, 4e-2),
+    # one value head per key head: dk's l2norm backward runs inside the WY/KKT kernel
+    "fp32_norm_in_kernel": (150, 2, 2, 32, 32, torch.float32, 2, True, True, 1e-5),
 }
 
 

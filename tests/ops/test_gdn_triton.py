@@ -44,7 +44,7 @@ def _run_case(case: str) -> dict:
 
 @needs_triton
 @pytest.mark.parametrize("case", ["fp32_one_segment", "fp32_segments", "bf16_segments",
-                                  "summaries"])
+                                  "fp32_norm_in_kernel", "summaries"])
 def test_interpreter_matches_reference(case):
     result = _run_case(case)
     errors, tol = result["errors"], result["tolerance"]

@@ -13,13 +13,17 @@ With ``h`` the state entering the chunk, ``dH`` the gradient of the state leavin
 ``(P * Gamma)^T`` is formed by a second product ``v_new dO^T`` rather than transposing the
 cast result of a product (the Hopper miscompile pattern of gpu/README.md).
 
-``wy_bwd_kernel``, grid ``(NT, B * HV)``: through ``u = Ainv diag(beta) V``,
-``w = Ainv diag(beta exp(gamma)) K``: ``dR = Ainv^T [du | dw]`` gives dv, the w part of dk,
-dbeta and dgamma, and ``dA = -strict_lower(dR R^T Ainv^T)`` (written to memory, fp32).
-
-``kkt_bwd_kernel``, grid ``(NT, B * HV)``: through ``A = strict_lower(diag(beta) K K^T * Gamma)``
-(dA and its transpose both loaded from memory): adds the A part of dk, finishes dbeta, and
-turns the summed dgamma into dg by a reverse cumsum inside the chunk.
+``wy_kkt_bwd_kernel``, grid ``(NT, B * HV)``: everything left, in one pass per chunk. Through
+``u = Ainv diag(beta) V`` and ``w = Ainv diag(beta exp(gamma)) K``: dv, the beta and gamma parts,
+and ``dAinv = du (beta V)^T + dw (beta e^gamma K)^T``; through ``Ainv = (I + A)^-1``:
+``dA = -strict_lower(Ainv^T dAinv Ainv^T)`` (in registers); through
+``A = strict_lower(diag(beta) K K^T * Gamma)``: the A parts of dk, dbeta and dgamma. The fp32 dk
+of dqkwg is read once and gets all three parts (WY, A rows, A columns); with ``NORM_OUT``
+(l2norm in the op and ``H == HV``) whole rows are finished in registers and the l2norm backward
+``dk_raw = rstd (dk - y (y . dk))`` is applied before the one store (in k's dtype), else dk is
+written back in fp32 for the grouped l2norm backward. dgamma's partial sums are added and turned
+into dg by a reverse cumsum inside the chunk. (Two kernels with dA
+through memory and dk read-modify-written twice took 2.5 ms at T = 32K on an H200.)
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, mm, mm_f32
+from .common import autotune_configs, mm, mma
 
-__all__ = ["dqkwg_kernel", "wy_bwd_kernel", "kkt_bwd_kernel"]
+__all__ = ["dqkwg_kernel", "wy_kkt_bwd_kernel"]
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V"])
@@ -99,11 +103,29 @@ def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, 
     tl.store(dg_part + ((i_kb * B + i_b) * T + o_t) * HV + i_hv, b_dgam, mask=m_t)
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V"], restore_value=["dk"])
 @triton.jit
-def wy_bwd_kernel(k, v, beta, gamma, ainv, dv2, dw, dv, dk, da, db_part, dg_part, T, B,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr):
+def _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta, b_bk,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+    """Columns ``o_k`` of the full key gradient of one chunk (fp32 ``[BT, len(o_k)]``): dqkwg's
+    part, the WY part ``diag(beta e^gamma) Ainv^T dw`` and both A parts ``diag(beta) dM K``,
+    ``dM^T diag(beta) K`` (``dM`` the decayed gradient of A)."""
+    DT = k.dtype.element_ty
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
+    off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+    b_dk = tl.load(dk + off_k, mask=m_t[:, None], other=0.0)
+    b_dk += mm(b_atd, tl.load(dw + off_k, mask=m_t[:, None], other=0.0)) * b_bk[:, None]
+    b_dk += mm(b_dmd, b_k) * b_beta[:, None]
+    b_dk += tl.trans(mm(tl.trans((b_k * b_beta[:, None]).to(DT)), b_dmd))
+    return b_dk
+
+
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "NORM_OUT"], restore_value=["dk"])
+@triton.jit
+def wy_kkt_bwd_kernel(k, v, beta, gamma, ainv, dv2, dw, dv, dk, dg_part, dbeta, dg, kraw,
+                      k_rstd, dk_out, T, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      SLOTS: tl.constexpr, NORM_OUT: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -111,89 +133,73 @@ def wy_bwd_kernel(k, v, beta, gamma, ainv, dv2, dw, dv, dk, da, db_part, dg_part
     o_t = i_n * BT + o_i
     m_t = o_t < T
     DT = k.dtype.element_ty
-    # Ainv^T, loaded transposed from memory
-    b_at = tl.load(ainv + ((i_b * T + o_t[None, :]) * HV + i_hv) * BT + o_i[:, None],
-                   mask=m_t[None, :], other=0.0)
-    b_atd = b_at.to(DT)
+    # Ainv^T, loaded transposed from memory, in the storage dtype for the products
+    p_at = ainv + ((i_b * T + o_t[None, :]) * HV + i_hv) * BT + o_i[:, None]
+    b_atd = tl.load(p_at, mask=m_t[None, :], other=0.0).to(DT)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
-    b_bk = b_beta * tl.exp(b_gam)
-    b_da = tl.zeros([BT, BT], dtype=tl.float32)
+    b_eg = tl.exp(b_gam)
+    b_bk = b_beta * b_eg
+    b_dai = tl.zeros([BT, BT], dtype=tl.float32)  # gradient of Ainv
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     b_dgam = tl.zeros([BT], dtype=tl.float32)
+    # u = Ainv diag(beta) V: dv, the beta part, dAinv += du (beta V)^T
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_du = tl.load(dv2 + off_v, mask=m_t[:, None], other=0.0)
-        b_dr = mm(b_atd, b_du)
         b_v = tl.load(v + off_v, mask=m_t[:, None], other=0.0)
-        b_vt = tl.load(v + ((i_b * T + o_t[None, :]) * HV + i_hv) * V + o_v[:, None],
-                       mask=m_t[None, :], other=0.0)
-        tl.store(dv + off_v, (b_dr * b_beta[:, None]).to(dv.dtype.element_ty),
+        b_du = tl.load(dv2 + off_v, mask=m_t[:, None], other=0.0)
+        b_dai = mma(b_du, tl.trans((b_v * b_beta[:, None]).to(DT)), b_dai)
+        b_dvb = mm(b_atd, b_du)
+        tl.store(dv + off_v, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty),
                  mask=m_t[:, None])
-        b_db += tl.sum(b_dr * b_v.to(tl.float32), axis=1)
-        b_da += mm(b_dr.to(DT), (b_vt * b_beta[None, :]).to(DT))
+        b_db += tl.sum(b_dvb * b_v.to(tl.float32), axis=1)
+    # w = Ainv diag(beta exp(gamma)) K: the beta and gamma parts, dAinv += dw (beta e^gamma K)^T;
+    # K K^T for the A parts
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-        b_dwb = tl.load(dw + off_k, mask=m_t[:, None], other=0.0)
-        b_dr = mm(b_atd, b_dwb)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
-        b_kt = tl.load(k + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
-                       mask=m_t[None, :], other=0.0)
-        b_dkp = tl.load(dk + off_k, mask=m_t[:, None], other=0.0)
-        tl.store(dk + off_k, b_dkp + b_dr * b_bk[:, None], mask=m_t[:, None])
-        b_rk = tl.sum(b_dr * b_k.to(tl.float32), axis=1)
-        b_db += tl.exp(b_gam) * b_rk
+        b_dwb = tl.load(dw + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
+                        mask=m_t[:, None], other=0.0)
+        b_dai = mma(b_dwb, tl.trans((b_k * b_bk[:, None]).to(DT)), b_dai)
+        b_kk = mma(b_k, tl.trans(b_k), b_kk)
+        b_rk = tl.sum(mm(b_atd, b_dwb) * b_k.to(tl.float32), axis=1)
+        b_db += b_eg * b_rk
         b_dgam += b_bk * b_rk
-        b_da += mm(b_dr.to(DT), (b_kt * b_bk[None, :]).to(DT))
-    b_da = -mm_f32(b_da, b_at)
-    b_da = tl.where(o_i[:, None] > o_i[None, :], b_da, 0.0)
-    tl.store(da + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :], b_da,
-             mask=m_t[:, None])
-    tl.store(db_part + (i_b * T + o_t) * HV + i_hv, b_db, mask=m_t)
-    tl.store(dg_part + ((SLOT * B + i_b) * T + o_t) * HV + i_hv, b_dgam, mask=m_t)
-
-
-@triton.autotune(configs=autotune_configs(), key=["K"], restore_value=["dk"])
-@triton.jit
-def kkt_bwd_kernel(k, beta, gamma, da, dk, db_part, dg_part, dbeta, dg, T, B,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                   SLOTS: tl.constexpr):
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    o_i = tl.arange(0, BT)
-    o_t = i_n * BT + o_i
-    m_t = o_t < T
-    o_k = tl.arange(0, K)
-    DT = k.dtype.element_ty
-    b_da = tl.load(da + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
-                   mask=m_t[:, None], other=0.0)
-    b_dat = tl.load(da + ((i_b * T + o_t[None, :]) * HV + i_hv) * BT + o_i[:, None],
-                    mask=m_t[None, :], other=0.0)
-    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
-                  mask=m_t[:, None], other=0.0)
-    b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+    # through Ainv = (I + A)^-1: dA = -Ainv^T dAinv Ainv^T (strictly lower; fp32 operands,
+    # tf32 on NVIDIA), then dM = dA * Gamma
     lower = o_i[:, None] > o_i[None, :]
-    upper = o_i[None, :] > o_i[:, None]
+    b_at = tl.load(p_at, mask=m_t[None, :], other=0.0)
+    b_dm = mm(b_at, mm(tl.where(lower, b_dai, 0.0), b_at))
     b_decay = tl.exp(tl.where(lower, b_gam[:, None] - b_gam[None, :], 0.0))
-    b_decay_t = tl.exp(tl.where(upper, b_gam[None, :] - b_gam[:, None], 0.0))
-    b_kk = mm(b_k, tl.trans(b_k))
-    b_dam = tl.where(lower, b_da * b_decay * b_beta[:, None], 0.0)
-    b_damt = tl.where(upper, b_dat * b_decay_t * b_beta[None, :], 0.0)
-    b_dka = mm(b_dam.to(DT), b_k) + mm(b_damt.to(DT), b_k)
-    b_z = tl.where(lower, b_da * b_decay * b_kk, 0.0)
-    b_dba = tl.sum(b_z, axis=1)
+    b_dm = tl.where(lower & m_t[:, None] & m_t[None, :], -b_dm * b_decay, 0.0)
+    # A = strict_lower(diag(beta) K K^T * Gamma): beta and gamma parts from dA * A
+    b_z = b_dm * b_kk
+    b_db += tl.sum(b_z, axis=1)
     b_z = b_z * b_beta[:, None]
-    b_dgam = tl.sum(b_z, axis=1) - tl.sum(b_z, axis=0)
-    off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-    b_dk = tl.load(dk + off_k, mask=m_t[:, None], other=0.0)
-    tl.store(dk + off_k, b_dk + b_dka, mask=m_t[:, None])
+    b_dgam += tl.sum(b_z, axis=1) - tl.sum(b_z, axis=0)
+    b_dmd = b_dm.to(DT)
+    if NORM_OUT:
+        # whole rows: dk of the normalised keys, then the l2norm backward
+        # dk_raw = rstd (dk - y (y . dk)), y = k_raw rstd (H == HV: no sum over value heads)
+        o_k = tl.arange(0, K)
+        b_dk = _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
+                         b_bk, H, HV, K)
+        b_r = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+        off_raw = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        b_y = tl.load(kraw + off_raw, mask=m_t[:, None], other=0.0).to(tl.float32) * b_r[:, None]
+        b_dk = b_r[:, None] * (b_dk - b_y * tl.sum(b_y * b_dk, axis=1)[:, None])
+        tl.store(dk_out + off_raw, b_dk.to(dk_out.dtype.element_ty), mask=m_t[:, None])
+    else:
+        for i_k in range(K // BK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_dk = _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
+                             b_bk, H, HV, K)
+            tl.store(dk + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_dk,
+                     mask=m_t[:, None])
     off = (i_b * T + o_t) * HV + i_hv
-    b_db = tl.load(db_part + off, mask=m_t, other=0.0) + b_dba
     tl.store(dbeta + off, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     for s in range(SLOTS):
         b_dgam += tl.load(dg_part + s * B * T * HV + off, mask=m_t, other=0.0)

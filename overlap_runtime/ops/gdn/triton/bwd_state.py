@@ -1,7 +1,7 @@
 """Backward state kernels: the local value gradient and the reverse state-gradient scan.
 
 ``dv_local_kernel``, grid ``(NT, B * HV)``: ``dv_local = scale (Q K^T * Gamma)^T dO`` per chunk
-(the part of dv_new's gradient that does not depend on the state gradient), fp32.
+(the part of dv_new's gradient that does not depend on the state gradient), in dO's dtype.
 
 ``bwd_scan_kernel``, grid ``(V / BV, NS segments, B * HV)``: walks the chunks of its segment
 backwards with ``dh`` the gradient of the state leaving chunk n::
@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, mm
+from .common import autotune_configs, mm, mma
 
 __all__ = ["dv_local_kernel", "bwd_scan_kernel"]
 
@@ -51,7 +51,8 @@ def dv_local_kernel(q, k, gamma, do, dv_local, scale, T, H: tl.constexpr, HV: tl
         o_v = i_v * BV + tl.arange(0, BV)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
-        tl.store(dv_local + off_v, mm(b_kq.to(DT), b_do), mask=m_t[:, None])
+        tl.store(dv_local + off_v, mm(b_kq.to(DT), b_do).to(dv_local.dtype.element_ty),
+                 mask=m_t[:, None])
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE"])
@@ -84,10 +85,9 @@ def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, s
         g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, T) - 1) * HV + i_hv)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
-        b_ktail = (b_k * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]).to(DT)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_dv = tl.load(dv_local + off_v, mask=m_t[:, None], other=0.0) + mm(b_ktail,
-                                                                             b_dh.to(DT))
+        b_dv = (mm(b_k, b_dh.to(DT)) * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
+                + tl.load(dv_local + off_v, mask=m_t[:, None], other=0.0))
         if STORE:
             tl.store(dv2 + off_v, b_dv.to(dv2.dtype.element_ty), mask=m_t[:, None])
         b_qt = tl.load(q + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
@@ -96,5 +96,6 @@ def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, s
         b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
         b_wt = tl.load(w + ((i_b * T + o_t[None, :]) * HV + i_hv) * K + o_k[:, None],
                        mask=m_t[None, :], other=0.0)
-        b_dh = b_dh * tl.exp(g_last) + mm(b_qt, b_do) - mm(b_wt, b_dv.to(DT))
+        b_dh = mma(b_qt, b_do, b_dh * tl.exp(g_last))
+        b_dh = mma(b_wt, (-b_dv).to(DT), b_dh)
     tl.store(dh_start + ((i_bh * NS + i_s) * K + o_k[:, None]) * V + o_v[None, :], b_dh)

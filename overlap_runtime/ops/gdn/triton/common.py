@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRET", "IS_CUDA", "mm", "mm_f32", "mm_f32x3", "autotune_configs", "CHUNK",
+__all__ = ["INTERPRET", "IS_CUDA", "mm", "mma", "mm_f32x3", "autotune_configs", "CHUNK",
            "num_sms", "choose_segments"]
 
 CHUNK = 64
@@ -46,12 +46,13 @@ def mm(a, b):
 
 
 @triton.jit
-def mm_f32(a, b):
-    """``a @ b`` for fp32 operands in full fp32 (no tf32): summaries, chains, the inverse."""
+def mma(a, b, acc):
+    """``acc + a @ b`` with the product accumulated into the fp32 ``acc`` by the matrix unit
+    (no separate add; operands as in :func:`mm`)."""
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -67,12 +68,12 @@ def mm_f32x3(a, b):
         return tl.dot(a, b, input_precision="ieee")
 
 
-def autotune_configs() -> list[triton.Config]:
-    """Launch configurations to try on a GPU (few: each costs a compile on first use); one
-    under the interpreter (it would run each)."""
+def autotune_configs(pairs: tuple[tuple[int, int], ...] = ((2, 2), (4, 1), (4, 2), (8, 1), (8, 2))
+                     ) -> list[triton.Config]:
+    """Launch configurations ``(num_warps, num_stages)`` to try on a GPU (few: each costs a
+    compile on first use); one under the interpreter (it would run each)."""
     if INTERPRET:
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    pairs = ((2, 2), (4, 1), (4, 2), (8, 1), (8, 2))
     return [triton.Config({}, num_warps=w, num_stages=s) for w, s in pairs]
 
 

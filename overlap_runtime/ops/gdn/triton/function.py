@@ -23,9 +23,10 @@ Backward::
     reverse scan          NS > 1: segment-local state gradients c_s from zero, the chain
                           dH_(s) = M_s^T dH_(s+1) + c_s, then every segment's reverse walk
     dqkwg                 dq, dk (output and chunk-end parts), dw, dgamma  grid (K/BK, NT, B*HV)
-    wy_bwd                dv, dk (w part), dbeta, dgamma, dA              grid (NT, B*HV)
-    kkt_bwd               dk (A part), dbeta, dg (reverse cumsum)         grid (NT, B*HV)
-    l2norm_bwd            sum over the value heads of each key head, norm backward
+    wy_kkt_bwd            dv, dk (WY and A parts), dbeta, dg (reverse cumsum)  grid (NT, B*HV)
+                          (and dk's norm backward when H == HV)
+    l2norm_bwd            sum over the value heads of each key head, norm backward (dq; dk
+                          when H < HV)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 import triton
 from torch.autograd.function import once_differentiable
 
-from .bwd_chunk import dqkwg_kernel, kkt_bwd_kernel, wy_bwd_kernel
+from .bwd_chunk import dqkwg_kernel, wy_kkt_bwd_kernel
 from .bwd_state import bwd_scan_kernel, dv_local_kernel
 from ..state_link import StateLink
 from .common import CHUNK, choose_segments
@@ -211,10 +212,11 @@ def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: 
 
 def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.Tensor,
              scale: float) -> torch.Tensor:
-    """``scale (Q K^T * Gamma)^T dO`` per chunk: ``[B, T, HV, V]`` fp32."""
+    """``scale (Q K^T * Gamma)^T dO`` per chunk: ``[B, T, HV, V]`` in dO's dtype (the reverse
+    scan adds it to ``Ktail dh`` in fp32 and rounds the sum to that dtype anyway)."""
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = do.shape[2], do.shape[3]
-    out = torch.empty(do.shape, device=do.device, dtype=torch.float32)
+    out = torch.empty_like(do)
     dv_local_kernel[(triton.cdiv(seq_len, CHUNK), batch * num_value_heads)](
         qn, kn, gamma, do, out, scale, seq_len, H=heads, HV=num_value_heads, K=key_dim,
         V=value_dim, BT=CHUNK, BV=_block(key_dim, value_dim),
@@ -344,7 +346,7 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     del dvl
     bk = min(64, key_dim)
     bv = min(64, value_dim)
-    slots = key_dim // bk + 1
+    slots = key_dim // bk
     f32 = dict(device=q.device, dtype=torch.float32)
     dq_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
     dk_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
@@ -357,21 +359,19 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     )
     del states, dhs, v_new
     dv = torch.empty_like(v)
-    da = torch.empty(batch, seq_len, num_value_heads, CHUNK, **f32)
-    db_part = torch.empty(batch, seq_len, num_value_heads, **f32)
-    wy_bwd_kernel[(num_chunks, bh)](
-        kn, v, beta, gamma, ainv, dv2, dw, dv, dk_v, da, db_part, dg_part, seq_len, batch,
-        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
-        SLOT=slots - 1,
-    )
     dbeta = torch.empty_like(beta)
     dg = torch.empty(batch, seq_len, num_value_heads, **f32)
-    kkt_bwd_kernel[(num_chunks, bh)](
-        kn, beta, gamma, da, dk_v, db_part, dg_part, dbeta, dg, seq_len, batch, H=heads,
-        HV=num_value_heads, K=key_dim, BT=CHUNK, SLOTS=slots,
+    # with the norm in the op and one value head per key head, the kernel finishes dk itself
+    norm_out = k_rstd is not None and heads == num_value_heads
+    dk = torch.empty_like(k) if norm_out else dk_v
+    wy_kkt_bwd_kernel[(num_chunks, bh)](
+        kn, v, beta, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg, k,
+        k_rstd if norm_out else dbeta, dk, seq_len, batch, H=heads, HV=num_value_heads,
+        K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv, SLOTS=slots, NORM_OUT=norm_out,
     )
     dq = l2norm_group_backward(q, q_rstd, dq_v)
-    dk = l2norm_group_backward(k, k_rstd, dk_v)
+    if not norm_out:
+        dk = l2norm_group_backward(k, k_rstd, dk_v)
     dh0 = dh_start[:, 0].reshape(batch, num_value_heads, key_dim, value_dim)
     return dq, dk, dv, dg, dbeta, dh0
 

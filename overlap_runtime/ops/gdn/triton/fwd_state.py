@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, mm, mm_f32x3
+from .common import autotune_configs, mm, mm_f32x3, mma
 
 __all__ = ["fwd_scan_kernel", "chain_kernel"]
 
@@ -75,7 +75,7 @@ def fwd_scan_kernel(k, w, u, gamma, h_init, states, v_new, h_end, m_sum, s_sum,
         b_vs = b_v * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
         b_kt = tl.load(k + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
                        mask=m_t[None, :], other=0.0)
-        b_h = b_h * tl.exp(g_last) + mm(b_kt, b_vs.to(DT))
+        b_h = mma(b_kt, b_vs.to(DT), b_h * tl.exp(g_last))
     if SUMMARY:
         tl.store(m_sum + ((i_bh * NS + i_s) * K + o_k[:, None]) * K + col_m[None, :], b_h,
                  mask=(o_k[:, None] < K) & is_m[None, :])
