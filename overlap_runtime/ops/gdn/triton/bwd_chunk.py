@@ -60,11 +60,10 @@ def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, 
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        off_vt = ((i_b * T + o_t[None, :]) * HV + i_hv) * V + o_v[:, None]
         b_vn = tl.load(v_new + off_v, mask=m_t[:, None], other=0.0)
-        b_vnt = tl.load(v_new + off_vt, mask=m_t[None, :], other=0.0)
         b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
-        b_dot = tl.load(do + off_vt, mask=m_t[None, :], other=0.0).to(DT)
+        b_vnt = tl.trans(b_vn)
+        b_dot = tl.trans(b_do)
         b_dv = tl.load(dv2 + off_v, mask=m_t[:, None], other=0.0)
         b_ht = tl.load(states + base + o_k[None, :] * V + o_v[:, None])  # [BV, BK]
         b_dht = tl.load(dhs + base + o_k[None, :] * V + o_v[:, None])
