@@ -22,8 +22,9 @@ of dqkwg is read once and gets all three parts (WY, A rows, A columns); with ``N
 (l2norm in the op and ``H == HV``) whole rows are finished in registers and the l2norm backward
 ``dk_raw = rstd (dk - y (y . dk))`` is applied before the one store (in k's dtype), else dk is
 written back in fp32 for the grouped l2norm backward. dgamma's partial sums are added and turned
-into dg by a reverse cumsum inside the chunk. (Two kernels with dA
-through memory and dk read-modify-written twice took 2.5 ms at T = 32K on an H200.)
+into dg by a reverse cumsum inside the chunk. On an H200 at T = 32K (B=1, H=32, K=V=128, bf16)
+it runs 1.39 ms, dk's norm backward included; the two kernels it replaced (dA through memory in
+fp32, dk read-modify-written twice, an ``ieee`` fp32 product) took 2.5 ms without it.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ def mma(a, b, acc):
 def mm_f32x3(a, b):
     """``a @ b`` of fp32 operands to about fp32 accuracy on tensor cores (3xTF32 on NVIDIA;
     ``ieee`` fp32 elsewhere). Used for the long chains of K x K maps, where ``ieee`` products
-    of 128 x 128 tiles spill registers and run ~100x slower."""
+    of 128 x 128 tiles spill registers and run ~100x slower, and for the block products of the
+    WY inverse (``ieee`` runs them on the CUDA cores)."""
     if INTERPRET:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     elif IS_CUDA:
