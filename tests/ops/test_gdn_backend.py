@@ -113,3 +113,25 @@ def test_package_import_does_not_import_triton():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_triton_refuses_tensors_past_int32_offsets_naming_the_count():
+    # stride-0 views: the shapes of a 2^31-element problem without its memory
+    from overlap_runtime.ops.gdn.triton.capability import check_triton_inputs
+
+    def view(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(1, dtype=dtype).expand(*shape)
+
+    batch, seq_len, heads, dim = 8, 65536, 32, 128  # 2^31 elements per token tensor
+    q = view(batch, seq_len, heads, dim)
+    v = view(batch, seq_len, heads, dim)
+    g = view(batch, seq_len, heads, dtype=torch.float32)
+    beta = view(batch, seq_len, heads)
+    with pytest.raises(NotImplementedError, match=r"8\*65536\*32\*128 = 2147483648 elements.*"
+                                                  r"int32 offsets"):
+        check_triton_inputs(q, q, v, g, beta, None, 64)
+    # one batch element fewer fits the rule (on the cpu it may still fail, but not on the size)
+    try:
+        check_triton_inputs(q[:7], q[:7], v[:7], g[:7], beta[:7], None, 64)
+    except NotImplementedError as error:
+        assert "int32" not in str(error)

@@ -11,6 +11,8 @@ never falls back to another):
   (they run, they are not tuned);
 * device ``cuda``; ``npu`` with triton-ascend >= 3.2.1, < 3.3; ``cpu`` only under
   ``TRITON_INTERPRET=1`` (set before triton is first imported);
+* every per-token tensor below 2^31 elements: ``B * T * max(H, HV) * max(K, V, 64) < 2^31``
+  (the kernels index tokens with int32 offsets; split the batch to go beyond);
 * the ``triton`` package importable.
 """
 
@@ -28,6 +30,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 TEST_HEAD_DIMS = (16, 32)
 _IO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ASCEND_RANGE = ((3, 2, 1), (3, 3, 0))
+_MAX_ELEMENTS = 2**31
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -65,6 +68,13 @@ def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         if dim not in allowed:
             _fail(f"head dim {name}={dim} is not supported: {name} must be one of "
                   f"{SUPPORTED_HEAD_DIMS} ({TEST_HEAD_DIMS} for interpreter tests)")
+    batch, seq_len, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    elements = batch * seq_len * max(heads, value_heads) * max(key_dim, value_dim, 64)
+    if elements >= _MAX_ELEMENTS:
+        _fail(f"B*T*max(H, HV)*max(K, V, 64) = {batch}*{seq_len}*{max(heads, value_heads)}*"
+              f"{max(key_dim, value_dim, 64)} = {elements} elements is not supported: the kernels "
+              f"index tokens with int32 offsets (below 2^31); split the batch")
     device = q.device.type
     if device == "cpu":
         if os.environ.get("TRITON_INTERPRET", "0") != "1":
