@@ -13,8 +13,7 @@ first use, so ``TRITON_INTERPRET`` can still be set before that.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ...._lazy import lazy_exports
 
 __all__ = [
     "TritonChunkGatedDeltaRuleFunction",
@@ -39,11 +38,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
