@@ -239,3 +239,18 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
         and torch.equal(y_dt.to_local(), y) else f"mismatch {type(y_dt).__name__}"
     )
     return out
+
+
+# the GatedDeltaNet layer's parameters: every one must come back with a gradient figure
+PARAMS = (
+    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+    "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight",
+)
+
+
+def assert_figures(worst: dict[str, float], what: str, tol: float) -> None:
+    """Every figure of a compare run present (out, dx, grad norm, each parameter) and <= tol."""
+    expected = {"out", "dx", "grad_norm"} | {f"param:{p}" for p in PARAMS}
+    assert set(worst) == expected, f"{what}: figures {sorted(worst)}"
+    bad = {k: v for k, v in worst.items() if not v <= tol}
+    assert not bad, f"{what}: rel-L2 above {tol:g}: {bad} (all: {worst})"
