@@ -3,7 +3,7 @@ Gated DeltaNet CP (ulysses, p2p state chain, all-gather of affine summaries).
 
 See docs/context_parallel.md and docs/gdn_context_parallel.md. One algorithm per module:
 ``sharding`` (contiguous and zigzag splits), ``ulysses``, ``ring``, ``all_gather_kv``, ``api``
-(``ContextParallel``), ``stats`` (per-call communication record); ``linear_attention``
+(``ContextParallel``), ``linear_attention``
 (``LinearAttentionContextParallel``) with ``gdn_cp_ulysses``, ``gdn_cp_p2p``,
 ``gdn_cp_all_gather`` and ``gdn_cp_task_graph``.
 """
@@ -42,7 +42,7 @@ from overlap_runtime.context_parallel.sharding import (
     shard_sequence,
     unshard_sequence,
 )
-from overlap_runtime.context_parallel.stats import CommStats
+from overlap_runtime.ops.comm_stats import CommStats
 from overlap_runtime.context_parallel.ulysses import ulysses_attention, ulysses_kv_heads
 
 __all__ = [

@@ -31,7 +31,7 @@ from overlap_runtime.context_parallel.sharding import (
     reorder_to_sequence,
     shard_positions,
 )
-from overlap_runtime.context_parallel.stats import CommStats, record_backward
+from overlap_runtime.ops.comm_stats import CommStats, record_backward
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.attention import (
     Backend,

@@ -37,7 +37,7 @@ from overlap_runtime.context_parallel.sharding import (
     shard_positions,
     shard_sequence,
 )
-from overlap_runtime.context_parallel.stats import CommStats
+from overlap_runtime.ops.comm_stats import CommStats
 from overlap_runtime.context_parallel.ulysses import ulysses_attention
 from overlap_runtime.ops.attention import Backend, attention
 

@@ -69,7 +69,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from overlap_runtime.context_parallel.sharding import LoadBalance, check_load_balance
-from overlap_runtime.context_parallel.stats import CommStats, Phase
+from overlap_runtime.ops.comm_stats import CommStats, Phase
 from overlap_runtime.ops.attention import (
     Backend,
     attention_block_backward,

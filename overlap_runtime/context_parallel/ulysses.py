@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from overlap_runtime.context_parallel.sharding import LoadBalance, check_load_balance
-from overlap_runtime.context_parallel.stats import CommStats, record_backward
+from overlap_runtime.ops.comm_stats import CommStats, record_backward
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.attention import (
     Backend,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from overlap_runtime.context_parallel.api import CoreAttention
-from overlap_runtime.context_parallel.stats import CommStats
+from overlap_runtime.ops.comm_stats import CommStats
 from overlap_runtime.models.norm import RMSNorm
 from overlap_runtime.models.rope import apply_partial_rotary, rotary_dim_for
 from overlap_runtime.ops.attention import Backend
