@@ -46,10 +46,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from overlap_runtime.context_parallel.linear_attention import (  # noqa: E402
-    LinearAttentionContextParallel,
-)
-from overlap_runtime.models import GatedDeltaNet  # noqa: E402
+from overlap_runtime.context_parallel import LinearAttentionContextParallel  # noqa: E402
+from overlap_runtime.layers import GatedDeltaNet  # noqa: E402
 from _timing import (  # noqa: E402  (benchmarks/_timing.py)
     max_over_ranks, profile_kernels, rank_device, timed_local_ms, timed_slowest_rank, write_out,
 )

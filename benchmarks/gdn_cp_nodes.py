@@ -7,7 +7,7 @@ Used by ``benchmarks/gdn_cp_gpu.py --predict`` (GPU only). For a local length ``
    with a :class:`~overlap_runtime.ops.gdn.state_link.StateLink` that only records CUDA events at
    the chain's hook points (it hands in zero states, so the chain does a middle rank's work), and
    splits the op's time into the six GDN node kinds of
-   ``gdn_cp_task_graph.gdn_p2p_fused_task_graph``; the layer outside the GDN core is the plain
+   ``gdn.task_graph.gdn_p2p_fused_task_graph``; the layer outside the GDN core is the plain
    layer's forward (and forward + backward) time minus the op's phases.
 2. :func:`measure_state_message` times one fp32 state message ``[B, HV, K, V]`` from rank 0 to
    rank 1 (NCCL send/recv, device-synchronised, median).
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from overlap_runtime.context_parallel.gdn_cp_task_graph import (
+from overlap_runtime.context_parallel.gdn.task_graph import (
     GDN_P2P_FUSED_NODE_KINDS,
     gdn_p2p_cost_model,
     simulate_gdn_p2p,

@@ -6,8 +6,8 @@ Usage:
         [--latency-us 10] [--bandwidth-gbs 25] [--cp 2 4 8 16 32 64] [--keep-denormals]
 
 1. Measures, on one process (eager backend, fp32, B=1, chunk 64), the median time of each node
-   of ``gdn_cp_task_graph.gdn_p2p_task_graph`` on a shard of ``--local-seq`` tokens - the same
-   calls ``gdn_cp_p2p.GDNStateChain`` makes:
+   of ``gdn.task_graph.gdn_p2p_task_graph`` on a shard of ``--local-seq`` tokens - the same
+   calls ``gdn.p2p.GDNStateChain`` makes:
        gdn_prepare      prepare_chunks                       (no grad)
        gdn_summary      summarize(prep)                      (tree over chunks)
        gdn_apply        M @ H_in + S
@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from overlap_runtime.context_parallel.gdn_cp_task_graph import (
+from overlap_runtime.context_parallel.gdn.task_graph import (
     gdn_p2p_cost_model,
     simulate_gdn_p2p,
 )

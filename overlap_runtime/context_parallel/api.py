@@ -1,28 +1,26 @@
-"""``ContextParallel``: make an attention module's core attention work on local sequence shards.
+"""``ContextParallel``: make an attention layer's core attention work on local sequence shards.
 
-The protocol
-------------
-An attention module takes part if it exposes ``core_attention``: a submodule called as
-``core_attention(q, k, v, causal=True, stats=None)`` with ``q`` ``[B, S, Hq, D]``, ``k``, ``v``
-``[B, S, Hkv, D]`` (after projection and RoPE) returning ``[B, S, Hq, D]`` in q's dtype; and
-``softmax_scale`` on it (None: ``D ** -0.5``). Everything else in the module (projections, RoPE,
-output projection) is token-wise, so it runs unchanged on a shard as long as the caller hands it
-the shard's **position ids** (split by the same rule as the tokens: :meth:`ContextParallel.shard`
-and :meth:`ContextParallel.position_ids` use the rule the wrapper was built with).
+The attention-core protocol (``overlap_runtime.layers.core_attention``): a layer takes part if it
+exposes ``core_attention``, a submodule called as ``core_attention(q, k, v, causal=True,
+stats=None)`` with ``q`` ``[B, S, Hq, D]``, ``k``, ``v`` ``[B, S, Hkv, D]`` (after projection and
+RoPE) returning ``[B, S, Hq, D]`` in q's dtype, with ``softmax_scale`` on it (None:
+``D ** -0.5``). Everything else in the layer (projections, RoPE, output projection) is
+token-wise, so it runs unchanged on a shard as long as the caller hands it the shard's
+**position ids** (split by the same rule as the tokens: :meth:`ContextParallel.shard` and
+:meth:`ContextParallel.position_ids` use the rule the wrapper was built with).
 
-:class:`CoreAttention` is the single-device implementation; :class:`ReferenceAttention` is a
-minimal module following the protocol (q/k/v/o projections, GQA, RoPE). ``ContextParallel(mode,
-load_balance).apply(module, cp_mesh)`` replaces ``module.core_attention`` with a
-:class:`ContextParallelCoreAttention` bound to ``cp_mesh``'s group; from then on the module's
-forward takes local shards ``[B, S/P, hidden]`` and returns local shards.
+``ContextParallel(mode, load_balance).apply(layer, cp_mesh)`` replaces the layer's single-device
+``core_attention`` (``layers.CoreAttention``) with a :class:`ContextParallelCoreAttention` bound
+to ``cp_mesh``'s group; from then on the layer's forward takes local shards ``[B, S/P, hidden]``
+and returns local shards. ``layers.ReferenceAttention`` is the minimal layer to try it on.
 
-``stats`` is a per-call :class:`CommStats` the *caller* passes through the module's forward;
-neither wrapper keeps per-call state.
+``stats`` is a per-call :class:`CommStats` the *caller* passes through the layer's forward;
+neither core keeps per-call state.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -39,45 +37,15 @@ from overlap_runtime.context_parallel.sharding import (
 )
 from overlap_runtime.ops.comm_stats import CommStats
 from overlap_runtime.context_parallel.ulysses import ulysses_attention
-from overlap_runtime.ops.attention import Backend, attention
+from overlap_runtime.ops.attention import Backend
 
 Mode = Literal["ulysses", "ring", "all_gather_kv"]
 MODES: tuple[str, ...] = ("ulysses", "ring", "all_gather_kv")
 
-__all__ = [
-    "Mode",
-    "MODES",
-    "HasCoreAttention",
-    "CoreAttention",
-    "ContextParallelCoreAttention",
-    "ContextParallel",
-    "ReferenceAttention",
-    "apply_rotary",
-]
+__all__ = ["Mode", "MODES", "ContextParallelCoreAttention", "ContextParallel"]
 
 _CP_FUNCS = {"ulysses": ulysses_attention, "ring": ring_attention,
              "all_gather_kv": all_gather_kv_attention}
-
-
-@runtime_checkable
-class HasCoreAttention(Protocol):
-    """What :meth:`ContextParallel.apply` needs from an attention module."""
-
-    core_attention: nn.Module
-
-
-class CoreAttention(nn.Module):
-    """Single-device core attention: ``(q, k, v, causal, stats) -> out`` (``ops.attention``)."""
-
-    def __init__(self, softmax_scale: float | None = None, backend: Backend = "math") -> None:
-        super().__init__()
-        self.softmax_scale = softmax_scale
-        self.backend = backend
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                stats: CommStats | None = None) -> torch.Tensor:
-        """q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]`` -> ``[B, S, Hq, D]`` (q's dtype)."""
-        return attention(q, k, v, causal, self.softmax_scale, self.backend)
 
 
 class ContextParallelCoreAttention(nn.Module):
@@ -175,65 +143,3 @@ class ContextParallel:
         check_sequence_length(seq_len, cp_mesh.size(), self.load_balance)
         return shard_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(),
                                self.load_balance, device)
-
-
-# --------------------------------------------------------------------------- reference module
-
-
-def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding (rotate-half form) at the given absolute positions.
-
-    Args:
-        x: ``[B, S, H, D]`` (D even); position_ids: ``[S]`` or ``[B, S]`` integer positions.
-
-    Returns:
-        x's shape and dtype; the angles are computed in float32.
-    """
-    d = x.shape[-1]
-    if d % 2:
-        raise ValueError(f"apply_rotary: head dim {d} must be even")
-    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    pos = position_ids.to(device=x.device, dtype=torch.float32)
-    if pos.dim() == 1:
-        pos = pos.unsqueeze(0)
-    ang = pos.unsqueeze(-1) * inv_freq                                  # [B|1, S, D/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(2)            # [B|1, S, 1, D]
-    sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(2)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
-
-
-class ReferenceAttention(nn.Module):
-    """Minimal attention module following the protocol: projections, RoPE, ``core_attention``.
-
-    ``forward(x [B, S, hidden], position_ids [S] or [B, S]) -> [B, S, hidden]``. Under context
-    parallelism ``x`` and ``position_ids`` are this rank's shards (same rule) and so is the result.
-    """
-
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, rope_base: float = 10000.0) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.head_dim = head_dim or hidden // num_heads
-        if num_heads % self.num_kv_heads:
-            raise ValueError(f"ReferenceAttention: num_heads {num_heads} must be a multiple of "
-                             f"num_kv_heads {self.num_kv_heads}")
-        self.rope_base = rope_base
-        self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden, bias=False)
-        self.core_attention: nn.Module = CoreAttention()
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, causal: bool = True,
-                stats: CommStats | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, position_ids, self.rope_base)
-        k = apply_rotary(k, position_ids, self.rope_base)
-        out = self.core_attention(q, k, v, causal=causal, stats=stats)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))

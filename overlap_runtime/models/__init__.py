@@ -1,11 +1,14 @@
-"""Model building blocks (Qwen3.5-style layers) and the Qwen3.5-style hybrid decoder."""
+"""The Qwen3.5-style hybrid decoder (dense or MoE) and how to parallelise it.
 
-from .gated_deltanet import GatedDeltaNet, GDNProjections, RMSNormGated
-from .attention import Qwen3_5Attention
-from .mlp import SwiGLU, build_mlp
-from .norm import RMSNorm
-from .qwen3_5 import LayerType, Qwen3_5Config, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM
-from .rope import apply_partial_rotary, rotary_dim_for
+Composes ``overlap_runtime.layers`` (GatedDeltaNet, Qwen3_5Attention, RMSNorm, SwiGLU) and
+``overlap_runtime.moe.MoE`` into :class:`Qwen3_5ForCausalLM`, and puts it on meshes with
+``context_parallel`` (:func:`parallelize_qwen3_5_cp`) and FSDP2 (:func:`apply_fsdp`). The layer
+classes are imported from ``overlap_runtime.layers``.
+
+May import ``torch``, ``overlap_runtime.layers``, ``overlap_runtime.context_parallel`` and
+(lazily, when ``mlp="moe"``) ``overlap_runtime.moe``.
+"""
+
 from .parallelize import (
     FULL_ATTENTION_CP_MODES,
     apply_fsdp,
@@ -14,25 +17,17 @@ from .parallelize import (
     parallelize_qwen3_5_cp,
     parameter_count,
 )
+from .qwen3_5 import LayerType, Qwen3_5Config, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM
 
 __all__ = [
     "FULL_ATTENTION_CP_MODES",
-    "GDNProjections",
-    "GatedDeltaNet",
     "LayerType",
-    "Qwen3_5Attention",
     "Qwen3_5Config",
     "Qwen3_5DecoderLayer",
     "Qwen3_5ForCausalLM",
-    "RMSNorm",
-    "RMSNormGated",
-    "SwiGLU",
     "apply_fsdp",
-    "apply_partial_rotary",
     "build_dp_cp_mesh",
-    "build_mlp",
     "flat_data_mesh",
     "parallelize_qwen3_5_cp",
     "parameter_count",
-    "rotary_dim_for",
 ]

@@ -1,4 +1,4 @@
-"""Feed-forward blocks of the decoder: SwiGLU, or a mixture of experts from ``overlap_runtime.moe``.
+"""The decoder's feed-forward block: ``layers.SwiGLU`` or a mixture of experts (``moe.MoE``).
 
 The choice is the model config's ``mlp`` field (``"swiglu"`` or ``"moe"``). The MoE layer lives
 in another package that this one does not depend on: it is imported only when ``mlp="moe"``,
@@ -15,32 +15,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
 from torch import nn
+
+from overlap_runtime.layers.mlp import SwiGLU
 
 if TYPE_CHECKING:
     from overlap_runtime.models.qwen3_5 import Qwen3_5Config
 
-__all__ = ["SwiGLU", "build_mlp"]
-
-
-class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``: ``[..., hidden] -> [..., hidden]`` in x's dtype.
-
-    Args:
-        hidden_size: model width.
-        intermediate_size: width of the gated hidden layer.
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+__all__ = ["build_mlp"]
 
 
 def build_mlp(config: "Qwen3_5Config") -> nn.Module:

@@ -35,12 +35,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-# context_parallel.linear_attention imports models.gated_deltanet, so importing it here at module
-# level would close an import cycle (context_parallel -> models -> context_parallel) whenever
-# context_parallel is imported first; it is imported inside parallelize_qwen3_5_cp. ``api`` and
-# ``ulysses`` are loaded by context_parallel/__init__ before linear_attention, so they are safe.
-from overlap_runtime.context_parallel.api import MODES as FULL_ATTENTION_CP_MODES
-from overlap_runtime.context_parallel.api import ContextParallel
+from overlap_runtime.context_parallel import MODES as FULL_ATTENTION_CP_MODES
+from overlap_runtime.context_parallel import ContextParallel, LinearAttentionContextParallel
 from overlap_runtime.context_parallel.ulysses import ulysses_kv_heads
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -109,8 +105,6 @@ def parallelize_qwen3_5_cp(
             f"unknown full_attention_cp_mode {full_attention_cp_mode!r}; supported: "
             f"{FULL_ATTENTION_CP_MODES}"
         )
-    from overlap_runtime.context_parallel.linear_attention import LinearAttentionContextParallel
-
     # Validates mode, backend and their combination before anything is changed.
     gdn_style = LinearAttentionContextParallel(
         mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend, tp_size=1,

@@ -1,4 +1,5 @@
-"""Qwen3.5-style hybrid decoder: Gated DeltaNet and full-attention layers at 3:1.
+"""Qwen3.5-style hybrid decoder: Gated DeltaNet and full-attention layers at 3:1, composed from
+``overlap_runtime.layers``.
 
 ::
 
@@ -30,11 +31,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from overlap_runtime.models.attention import Qwen3_5Attention
-from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.layers import GatedDeltaNet, Qwen3_5Attention, RMSNorm, rotary_dim_for
 from overlap_runtime.models.mlp import build_mlp
-from overlap_runtime.models.norm import RMSNorm
-from overlap_runtime.models.rope import rotary_dim_for
 
 __all__ = ["Qwen3_5Config", "Qwen3_5DecoderLayer", "Qwen3_5ForCausalLM", "LayerType"]
 

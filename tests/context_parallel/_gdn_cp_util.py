@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from overlap_runtime.context_parallel.linear_attention import LinearAttentionContextParallel
-from overlap_runtime.models import GatedDeltaNet
+from overlap_runtime.context_parallel import LinearAttentionContextParallel
+from overlap_runtime.layers import GatedDeltaNet
 from overlap_runtime.testing import rel_l2
 
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 32, 2, 4, 8

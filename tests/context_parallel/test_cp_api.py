@@ -15,13 +15,13 @@ from overlap_runtime.context_parallel import (
     CommStats,
     ContextParallel,
     ContextParallelCoreAttention,
-    ReferenceAttention,
     all_gather_kv_attention,
     ring_attention,
     shard_positions,
     ulysses_attention,
-    ulysses_kv_heads,
 )
+from overlap_runtime.context_parallel.ulysses import ulysses_kv_heads
+from overlap_runtime.layers import ReferenceAttention
 from overlap_runtime.testing import rel_l2, run_ranks
 
 TOL = 1e-5

@@ -6,14 +6,16 @@ import pytest
 import torch
 
 from overlap_runtime.context_parallel import (
-    check_sequence_length,
-    reorder_to_sequence,
-    reorder_to_shards,
-    sequence_permutation,
     shard_batch,
     shard_positions,
     shard_sequence,
     unshard_sequence,
+)
+from overlap_runtime.context_parallel.sharding import (
+    check_sequence_length,
+    reorder_to_sequence,
+    reorder_to_shards,
+    sequence_permutation,
 )
 
 

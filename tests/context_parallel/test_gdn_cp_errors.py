@@ -6,7 +6,7 @@ import pytest
 import torch
 from _gdn_cp_util import errors_worker, make_module
 
-from overlap_runtime.context_parallel.linear_attention import LinearAttentionContextParallel
+from overlap_runtime.context_parallel import LinearAttentionContextParallel
 from overlap_runtime.testing import run_ranks
 
 

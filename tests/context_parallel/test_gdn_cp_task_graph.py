@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from overlap_runtime.context_parallel.gdn_cp_task_graph import (
+from overlap_runtime.context_parallel.gdn.task_graph import (
     GDN_P2P_NODE_KINDS,
     gdn_p2p_cost_model,
     gdn_p2p_task_graph,
@@ -64,7 +64,7 @@ FUSED_COSTS = {"layer_fwd": 3.0, "gdn_fwd_pre": 2.0, "gdn_fwd_chain": 0.125, "gd
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 8, 32])
 def test_fused_chain_makespan_is_one_device_plus_a_hop_per_rank(cp: int) -> None:
-    from overlap_runtime.context_parallel.gdn_cp_task_graph import gdn_p2p_fused_task_graph
+    from overlap_runtime.context_parallel.gdn.task_graph import gdn_p2p_fused_task_graph
 
     lat = 0.0625
     costs = gdn_p2p_cost_model(FUSED_COSTS, comm_latency=lat)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from overlap_runtime.context_parallel import CoreAttention
+from overlap_runtime.layers import CoreAttention, LocalGDNMixer
 from overlap_runtime.models import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
@@ -54,7 +54,7 @@ def cp_forward_backward_worker(rank: int, world: int, gdn_mode: str, attn_mode: 
                                    full_attention_cp_mode=attn_mode)
     core = model.layers[3].self_attn.core_attention
     kinds = (type(core).__name__, core.mode, core.load_balance,
-             model.layers[0].linear_attn._gdn_context_parallel_plan.mode)
+             model.layers[0].linear_attn.sequence_mixer.mode)
     local = SEQ // world
     ids = _ids()[:, rank * local:(rank + 1) * local]
     logits = model(ids)  # default position ids: this rank's contiguous shard
@@ -82,7 +82,7 @@ def cp1_and_errors_worker(rank: int, world: int) -> dict[str, Any]:
     out["cp1_core_untouched"] = all(
         type(l.self_attn.core_attention) is CoreAttention for l in model.layers if l.self_attn)
     out["cp1_gdn_untouched"] = all(
-        not hasattr(l.linear_attn, "_gdn_context_parallel_plan") for l in model.layers
+        type(l.linear_attn.sequence_mixer) is LocalGDNMixer for l in model.layers
         if l.linear_attn is not None)
     out["cp1_forward_untouched"] = model.forward == forward_before
     out["cp1_state_equal"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -104,7 +104,9 @@ def cp1_and_errors_worker(rank: int, world: int) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - the test inspects type and message
             errors[name] = (type(exc).__name__, str(exc))
         errors[name + "_untouched"] = all(
-            type(l.self_attn.core_attention) is CoreAttention for l in fresh.layers if l.self_attn)
+            type(l.self_attn.core_attention) is CoreAttention for l in fresh.layers if l.self_attn
+        ) and all(type(l.linear_attn.sequence_mixer) is LocalGDNMixer for l in fresh.layers
+                  if l.linear_attn is not None)
     try:
         parallelize_qwen3_5_cp(_model(), init_device_mesh("cpu", (1, world)))
         errors["mesh_2d"] = ("no error", "")

@@ -15,13 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from overlap_runtime.models import (
-    GatedDeltaNet,
-    Qwen3_5Attention,
-    Qwen3_5Config,
-    Qwen3_5ForCausalLM,
-    parameter_count,
-)
+from overlap_runtime.layers import GatedDeltaNet, Qwen3_5Attention
+from overlap_runtime.models import Qwen3_5Config, Qwen3_5ForCausalLM, parameter_count
 from overlap_runtime.ops.gdn import recurrent_gated_delta_rule
 from overlap_runtime.testing import rel_l2
 
@@ -209,8 +204,8 @@ def test_moe_mlp_is_pluggable_or_refused_by_name(monkeypatch: pytest.MonkeyPatch
 
 
 def test_import_order_has_no_cycle() -> None:
-    # context_parallel.linear_attention imports models.gated_deltanet; models imports
-    # context_parallel: either order must work in a fresh interpreter.
+    # models imports context_parallel and layers; context_parallel imports layers: any order
+    # must work in a fresh interpreter (the floors themselves: tests/layers/test_layer_floors.py).
     code = ("import overlap_runtime.context_parallel as cp, overlap_runtime.models as m; "
             "print(cp.LinearAttentionContextParallel.__name__, m.parallelize_qwen3_5_cp.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

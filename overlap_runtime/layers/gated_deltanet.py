@@ -16,13 +16,17 @@
 ``j // (HV // H)``; Qwen3.5 uses H=16, HV=32, K=V=128). The conv's channels are laid out
 ``[q heads | k heads | v heads]``, each head's ``K`` (or ``V``) channels contiguous.
 
-The forward is a sequence of stateless pieces - :meth:`GatedDeltaNet.project`,
-:meth:`~GatedDeltaNet.causal_conv`, :meth:`~GatedDeltaNet.split_qkv`,
-:meth:`~GatedDeltaNet.gates`, :meth:`~GatedDeltaNet.core`, :meth:`~GatedDeltaNet.finish` - so
-that a context-parallel layer (``overlap_runtime.context_parallel.linear_attention``) can put
-communication between them and run them on slices (a halo of earlier tokens for the conv, a
-subset of the heads). Everything a call needs is passed in; the module holds only parameters
-and configuration.
+The forward reads ``mask -> project -> sequence mixer -> finish``. Everything token-wise (the
+input mask, the four projections, the gated norm and the out projection) is the layer's; the
+causal conv and the GDN recurrence - the only steps that read other tokens - are one swappable
+strategy, ``self.sequence_mixer`` (protocol, shapes and dtypes in ``layers.sequence_mixer``):
+:class:`~overlap_runtime.layers.sequence_mixer.LocalGDNMixer` by default, a context-parallel
+mixer after ``context_parallel.LinearAttentionContextParallel(...).apply(layer, cp_mesh)``. The
+mixers drive the layer's stateless pieces - :meth:`~GatedDeltaNet.causal_conv`,
+:meth:`~GatedDeltaNet.split_qkv`, :meth:`~GatedDeltaNet.gates`, :meth:`~GatedDeltaNet.core`,
+:meth:`~GatedDeltaNet.conv_channels` - on slices (a halo of earlier tokens for the conv, a subset
+of the heads). Everything a call needs is passed in; the layer and its mixer hold only
+parameters and configuration.
 
 Padding: ``attention_mask`` ``[B, T]`` (1 = real token, 0 = padding) turns padded positions into
 exact no-ops: their hidden input is zeroed (so they add nothing to later tokens' conv windows,
@@ -40,9 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overlap_runtime.layers.norm import RMSNormGated
+from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, LocalGDNMixer
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
-__all__ = ["GatedDeltaNet", "GDNProjections", "RMSNormGated"]
+__all__ = ["GatedDeltaNet", "GDNProjections"]
 
 
 @dataclass(frozen=True)
@@ -62,26 +68,6 @@ class GDNProjections:
     a: torch.Tensor
 
 
-class RMSNormGated(nn.Module):
-    """``weight * rmsnorm(x) * silu(gate)`` over the last dim, computed in fp32 (or float64).
-
-    x, gate: ``[..., D]`` any float dtype; returns x's dtype.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        compute = torch.promote_types(dtype, torch.float32)  # fp32, float64 stays float64
-        xc = x.to(compute)
-        xc = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        out = self.weight.to(compute) * xc * F.silu(gate.to(compute))
-        return out.to(dtype)
-
-
 class GatedDeltaNet(nn.Module):
     """Qwen3.5-style Gated DeltaNet layer (see the module docstring).
 
@@ -93,7 +79,12 @@ class GatedDeltaNet(nn.Module):
         conv_kernel_size: causal depthwise conv width (4).
         norm_eps: epsilon of the gated RMSNorm.
         chunk_size: GDN chunk length (64).
-        backend: GDN backend of the single-device forward (``"eager"`` or ``"triton"``).
+        backend: GDN backend of the single-device mixer (``"eager"`` or ``"triton"``; a
+            context-parallel mixer carries its own).
+
+    Attributes:
+        sequence_mixer: the conv + GDN strategy (``layers.sequence_mixer``), default
+            :class:`~overlap_runtime.layers.sequence_mixer.LocalGDNMixer`.
     """
 
     def __init__(
@@ -140,6 +131,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_value_heads).uniform_(1.0, 16.0).log())
         self.norm = RMSNormGated(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.sequence_mixer: GDNSequenceMixer = LocalGDNMixer()
 
     # -- geometry --------------------------------------------------------------------------
     @property
@@ -282,28 +274,28 @@ class GatedDeltaNet(nn.Module):
             return hidden_states
         return hidden_states * mask[..., None].to(hidden_states.dtype)
 
-    # -- single device -----------------------------------------------------------------------
+    # -- the layer --------------------------------------------------------------------------
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[B, T, hidden] -> [B, T, hidden]`` (input dtype).
+        """``[B, T, hidden] -> [B, T, hidden]`` (input dtype): mask -> project -> mixer -> finish.
 
         Args:
-            hidden_states: ``[B, T, hidden]``.
+            hidden_states: ``[B, T, hidden]``: the whole sequence, or under context parallelism
+                this rank's contiguous shard (a tensor, or a DTensor the CP mixer accepts).
             attention_mask: ``[B, T]`` 1 = real token, 0 = padding (see the module docstring).
             cu_seqlens: packed variable-length input; not supported (NotImplementedError).
         """
+        mixer = self.sequence_mixer
         if cu_seqlens is not None:
             raise NotImplementedError(
-                "GatedDeltaNet: packed/varlen input (cu_seqlens) is not supported; pad the "
-                "sequences and pass attention_mask instead"
+                f"GatedDeltaNet ({mixer!r}): packed/varlen input (cu_seqlens) is not supported; "
+                "pad the sequences and pass attention_mask instead"
             )
-        hidden_states = self.mask_input(hidden_states, attention_mask)
-        proj = self.project(hidden_states)
-        q, k, v = self.split_qkv(self.causal_conv(proj.mixed_qkv))
-        g, beta = self.gates(proj.a, proj.b, mask=attention_mask)
-        o = self.core(q, k, v, g, beta)
-        return self.finish(o, proj.z, attention_mask)
+        hidden, mask, restore = mixer.prepare_inputs(self, hidden_states, attention_mask)
+        proj = self.project(self.mask_input(hidden, mask))
+        o = mixer(self, proj, mask)  # [B, T, HV, V]
+        return restore(self.finish(o, proj.z, mask))

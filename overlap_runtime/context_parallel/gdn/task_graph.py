@@ -4,7 +4,7 @@ Two graphs: :func:`gdn_p2p_task_graph` for the eager chain (``GDNStateChain``, b
 :func:`gdn_p2p_fused_task_graph` for the Triton chain (``TritonStateChain``: the op's own
 segment summaries continue across ranks; its docstring has the nodes).
 
-One node per step of ``gdn_cp_p2p.GDNStateChain`` on every rank, so the validator proves the
+One node per step of ``p2p.GDNStateChain`` on every rank, so the validator proves the
 chain cannot deadlock and the simulator predicts CP16/32/64 timelines from measured node costs
 (``benchmarks/gdn_cp_predict.py``).
 
@@ -144,7 +144,7 @@ def gdn_p2p_task_graph(cp_size: int, state_bytes: float | None = None) -> TaskGr
 
 
 def gdn_p2p_fused_task_graph(cp_size: int, state_bytes: float | None = None) -> TaskGraph:
-    """The chain of ``backend="triton"`` (``gdn_cp_p2p.TritonStateChain``), forward + backward,
+    """The chain of ``backend="triton"`` (``p2p.TritonStateChain``), forward + backward,
     for ``cp_size`` ranks, with the layer around the GDN core.
 
     Nodes of rank ``r`` of ``P`` (kind in :data:`GDN_P2P_FUSED_NODE_KINDS`, or send/recv)::

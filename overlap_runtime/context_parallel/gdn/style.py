@@ -20,54 +20,52 @@ rule. With ``backend="triton"`` the local sequence must be a multiple of the chu
 Triton capability rules (device, dtypes, head dims) must hold; both are checked at the first
 forward, before any communication, on every rank at the same point.
 
-After ``apply``, ``module(hidden_states, attention_mask=None, cu_seqlens=None)`` takes this
-rank's contiguous sequence shard ``[B, S/P, hidden]`` (a tensor, or a DTensor on ``cp_mesh``
-placed ``Shard(1)``) and returns the shard of the output in the same form. Every rank must call
+``apply`` installs the mode's sequence mixer as ``module.sequence_mixer`` (the strategy protocol
+of ``overlap_runtime.layers.sequence_mixer``: :class:`~.ulysses.UlyssesGDNMixer`,
+:class:`~.p2p.P2PGDNMixer`, :class:`~.all_gather.AllGatherGDNMixer`); the layer's own forward -
+mask, projections, mixer, gated norm and out projection - is unchanged. After ``apply``,
+``module(hidden_states, attention_mask=None, cu_seqlens=None)`` takes this rank's contiguous
+sequence shard ``[B, S/P, hidden]`` (a tensor, or a DTensor on ``cp_mesh`` placed ``Shard(1)``)
+and returns the shard of the output in the same form. Every rank must call
 it with the same shapes and the same optional arguments. Parameter gradients are this rank's
 share; sum them over the CP group (FSDP / DDP over the data x cp mesh does) to get the
 single-process gradient.
 
 Padding: ``attention_mask`` ``[B, S/P]`` (1 = real token, 0 = padding) is this rank's slice of
 the global mask; padded positions are identity steps of the GDN and give exact zeros (see
-``overlap_runtime.models.gated_deltanet``). Pad the global sequence to a multiple of ``P`` (e.g.
+``overlap_runtime.layers.gated_deltanet``). Pad the global sequence to a multiple of ``P`` (e.g.
 to ``P * ceil(S / P)``); a partial last chunk needs no padding.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.layers.sequence_mixer import LocalGDNMixer
 from overlap_runtime.ops.gdn import SUPPORTED_BACKENDS
 
-from .gdn_cp_all_gather import all_gather_forward
-from .gdn_cp_common import GDNCPPlan, check_backend_before_comm
-from .gdn_cp_p2p import p2p_forward
-from .gdn_cp_ulysses import ulysses_forward, ulysses_head_layout
+from .all_gather import AllGatherGDNMixer
+from .common import ContextParallelGDNMixer, GDNCPPlan
+from .p2p import P2PGDNMixer
+from .ulysses import UlyssesGDNMixer, ulysses_head_layout
 
 __all__ = ["LinearAttentionContextParallel", "LINEAR_ATTENTION_CP_MODES"]
 
 LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = ("ulysses", "p2p", "all_gather")
 
-_MODE_FORWARD: dict[str, Callable[..., torch.Tensor]] = {
-    "ulysses": ulysses_forward,
-    "p2p": p2p_forward,
-    "all_gather": all_gather_forward,
+_MODE_MIXER: dict[str, type[ContextParallelGDNMixer]] = {
+    "ulysses": UlyssesGDNMixer,
+    "p2p": P2PGDNMixer,
+    "all_gather": AllGatherGDNMixer,
 }
 
-#: What the CP layer replaces or reads on the module (GatedDeltaNet's pieces).
+#: What the CP mixers read on the layer (``layers.GatedDeltaNet``'s parameters and pieces) and
+#: the strategy slot ``apply`` fills.
 REQUIRED_MEMBERS: tuple[str, ...] = (
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
-    "out_proj", "project", "causal_conv", "split_qkv", "gates", "core", "finish", "mask_input",
-    "conv_channels",
+    "in_proj_qkv", "conv1d", "A_log", "dt_bias", "causal_conv", "split_qkv", "gates", "core",
+    "conv_channels", "conv_halo", "sequence_mixer",
 )
-
-_APPLIED_ATTR = "_gdn_context_parallel_plan"
 
 
 class LinearAttentionContextParallel:
@@ -134,20 +132,26 @@ class LinearAttentionContextParallel:
     def apply(self, module: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         """Make ``module`` run context-parallel over the 1-D ``cp_mesh``; returns ``module``.
 
-        The parameters stay where they are (no copies); the module's ``forward`` is replaced by
-        the CP forward of ``self.mode``. Applying twice raises.
+        The parameters stay where they are (no copies); ``module.sequence_mixer`` becomes the
+        CP mixer of ``self.mode`` bound to ``cp_mesh``'s group. Applying twice raises.
         """
         missing = [name for name in REQUIRED_MEMBERS if not hasattr(module, name)]
         if missing:
             raise TypeError(
                 f"LinearAttentionContextParallel.apply: {type(module).__name__} lacks {missing}; "
-                "it needs GatedDeltaNet's submodules and pieces (overlap_runtime.models."
-                "GatedDeltaNet)"
+                "it needs GatedDeltaNet's parameters, pieces and sequence_mixer slot "
+                "(overlap_runtime.layers.GatedDeltaNet)"
             )
-        if getattr(module, _APPLIED_ATTR, None) is not None:
+        mixer = module.sequence_mixer
+        if isinstance(mixer, ContextParallelGDNMixer):
             raise RuntimeError(
                 f"LinearAttentionContextParallel.apply: this {type(module).__name__} already runs "
-                f"context-parallel ({getattr(module, _APPLIED_ATTR).mode!r}); apply once"
+                f"context-parallel ({mixer.mode!r}); apply once"
+            )
+        if not isinstance(mixer, LocalGDNMixer):
+            raise TypeError(
+                f"LinearAttentionContextParallel.apply: {type(module).__name__}.sequence_mixer is "
+                f"{type(mixer).__name__}; apply replaces the single-device LocalGDNMixer only"
             )
         if not isinstance(cp_mesh, DeviceMesh):
             raise TypeError(f"cp_mesh must be a DeviceMesh, got {type(cp_mesh).__name__}")
@@ -163,68 +167,5 @@ class LinearAttentionContextParallel:
             mode=self.mode, backend=self.backend, group=cp_mesh.get_group(), cp_size=cp_size,
             mesh=cp_mesh, timeout_s=self.timeout_s,
         )
-        setattr(module, _APPLIED_ATTR, plan)
-        module.forward = functools.partial(context_parallel_forward, module, plan)  # type: ignore[method-assign]
+        module.sequence_mixer = _MODE_MIXER[self.mode](plan)
         return module
-
-
-def _to_local(x: torch.Tensor, plan: GDNCPPlan, name: str) -> tuple[torch.Tensor, bool]:
-    """A DTensor on the CP mesh placed ``Shard(1)`` -> its local shard; tensors pass through."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(x, DTensor):
-        return x, False
-    placements = tuple(x.placements)
-    if placements != (Shard(1),):
-        raise ValueError(
-            f"{name} is a DTensor placed {placements}; GDN context parallelism needs the "
-            "sequence dim sharded, placements (Shard(1),)"
-        )
-    if x.device_mesh != plan.mesh:
-        raise ValueError(f"{name} lives on mesh {x.device_mesh}, not the CP mesh {plan.mesh}")
-    return x.to_local(), True
-
-
-def context_parallel_forward(
-    module: GatedDeltaNet,
-    plan: GDNCPPlan,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """CP forward bound by :meth:`LinearAttentionContextParallel.apply`.
-
-    Args:
-        hidden_states: ``[B, S/P, hidden]`` this rank's shard (tensor or DTensor ``Shard(1)``).
-        attention_mask: ``[B, S/P]`` 1 = real token, 0 = padding, or None.
-        cu_seqlens: packed/varlen input: NotImplementedError.
-
-    Returns:
-        ``[B, S/P, hidden]`` in hidden_states' dtype (a DTensor ``Shard(1)`` if the input was).
-    """
-    if cu_seqlens is not None:
-        raise NotImplementedError(
-            f"packed/varlen input (cu_seqlens) is not supported by GDN context parallelism "
-            f"(mode={plan.mode!r}); pad the sequences and pass attention_mask"
-        )
-    local, was_dtensor = _to_local(hidden_states, plan, "hidden_states")
-    if local.dim() != 3 or local.shape[-1] != module.hidden_size:
-        raise ValueError(
-            f"hidden_states must be [B, S/P, hidden={module.hidden_size}], got "
-            f"{list(local.shape)}"
-        )
-    mask = None
-    if attention_mask is not None:
-        mask, _ = _to_local(attention_mask, plan, "attention_mask")
-        if tuple(mask.shape) != tuple(local.shape[:2]):
-            raise ValueError(
-                f"attention_mask must be [B, S/P] = {list(local.shape[:2])} (this rank's slice), "
-                f"got {list(mask.shape)}"
-            )
-    check_backend_before_comm(module, local, plan)
-    out = _MODE_FORWARD[plan.mode](module, plan, local, mask)
-    if was_dtensor:
-        from torch.distributed.tensor import DTensor, Shard
-
-        return DTensor.from_local(out, plan.mesh, [Shard(1)], run_check=False)
-    return out

@@ -1,6 +1,6 @@
 """Summary-AllGather GDN context parallelism (eager comparison mode).
 
-::
+:class:`AllGatherGDNMixer` is the layer's sequence mixer in this mode::
 
     all ranks: halo conv -> prepare -> local summary (M_r, S_r)       parallel, differentiable
       -> pack [M_r | S_r]  [B, HV, K, K + V] fp32
@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.gdn import state_summary, tree_compose
 
-from .gdn_cp_common import GDNCPPlan, local_gdn_inputs
+from .common import ContextParallelGDNMixer, GDNCPPlan, local_core_inputs
 
-__all__ = ["gathered_initial_state", "all_gather_forward"]
+__all__ = ["gathered_initial_state", "AllGatherGDNMixer"]
 
 
 def gathered_initial_state(
@@ -54,14 +54,17 @@ def gathered_initial_state(
     return h_in, gathered
 
 
-def all_gather_forward(
-    module: GatedDeltaNet, plan: GDNCPPlan, hidden: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """The whole layer on a local shard ``[B, S/P, hidden] -> [B, S/P, hidden]``."""
-    (q, k, v, g, beta), z = local_gdn_inputs(module, plan, hidden, mask)
-    m, s = state_summary(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=module.chunk_size)
-    h_in, gathered = gathered_initial_state(m, s, plan)
-    o = module.core(q, k, v, g, beta, initial_state=h_in, backend=plan.backend)
-    if h_in is None:
-        o = comm.attach(o, gathered)  # rank 0 reads no summary; keep the collective in its graph
-    return module.finish(o, z, mask)
+class AllGatherGDNMixer(ContextParallelGDNMixer):
+    """Sequence mixer of ``mode="all_gather"`` (see the module docstring)."""
+
+    def forward(self, layer: GatedDeltaNet, proj: GDNProjections,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """This rank's shard ``proj`` (``[B, S/P, ...]``) -> ``o [B, S/P, HV, V]``."""
+        plan = self.plan
+        q, k, v, g, beta = local_core_inputs(layer, plan, proj, mask)
+        m, s = state_summary(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=layer.chunk_size)
+        h_in, gathered = gathered_initial_state(m, s, plan)
+        o = layer.core(q, k, v, g, beta, initial_state=h_in, backend=plan.backend)
+        if h_in is None:  # rank 0 reads no summary; keep the collective in its graph
+            o = comm.attach(o, gathered)
+        return o

@@ -1,4 +1,5 @@
-"""GatedDeltaNet (the module the GDN CP layer parallelises) against an independent composition.
+"""GatedDeltaNet (the layer GDN CP parallelises) against an independent composition, and its
+sequence-mixer strategy slot.
 
 The reference below uses nn.Conv1d's own causal padding, the token-by-token recurrence and
 written-out gate / norm formulas, in float64, so a wrong piece of the module (channel layout,
@@ -7,10 +8,16 @@ gate sign, norm, grouping) shows up as a mismatch.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from overlap_runtime.models import GatedDeltaNet
+from overlap_runtime.layers import (
+    GatedDeltaNet,
+    GDNProjections,
+    GDNSequenceMixer,
+    LocalGDNMixer,
+)
 from overlap_runtime.ops.gdn import recurrent_gated_delta_rule
 from overlap_runtime.testing import rel_l2
 
@@ -58,3 +65,51 @@ def test_left_padding_equals_unpadded_run() -> None:
     y = m(x, attention_mask=mask)
     assert torch.count_nonzero(y[:, :25]) == 0
     assert rel_l2(y[:, 25:], m(x[:, 25:])) <= 1e-6
+
+
+class _FixedMixer(GDNSequenceMixer):
+    """A strategy that checks what the layer hands it and returns a fixed ``o``."""
+
+    def __init__(self, o: torch.Tensor) -> None:
+        super().__init__()
+        self.o = o
+
+    def forward(self, layer: GatedDeltaNet, proj: GDNProjections,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, t = proj.mixed_qkv.shape[:2]
+        assert proj.mixed_qkv.shape == (b, t, layer.conv_dim)
+        assert proj.a.shape == proj.b.shape == (b, t, layer.num_value_heads)
+        assert mask is not None and mask.shape == (b, t)
+        return self.o
+
+
+def test_forward_is_mask_project_mixer_finish() -> None:
+    torch.manual_seed(2)
+    m = GatedDeltaNet(32, 2, 4, 8, 8)
+    assert isinstance(m.sequence_mixer, LocalGDNMixer)
+    x = torch.randn(2, 20, 32)
+    mask = torch.ones(2, 20)
+    mask[1, :6] = 0
+    o = torch.randn(2, 20, 4, 8)
+    m.sequence_mixer = _FixedMixer(o)
+    z = m.project(m.mask_input(x, mask)).z
+    assert torch.equal(m(x, attention_mask=mask), m.finish(o, z, mask))
+
+
+def test_mixer_adds_no_state() -> None:
+    m = GatedDeltaNet(32, 2, 4, 8, 8)
+    names = {n for n, _ in m.named_parameters()}
+    assert set(m.state_dict()) == names  # swapping the strategy never changes a checkpoint
+    assert not list(m.sequence_mixer.parameters()) and not list(m.sequence_mixer.buffers())
+
+
+def test_mixer_protocol_and_shape_errors() -> None:
+    m = GatedDeltaNet(32, 2, 4, 8, 8)
+    m.sequence_mixer = GDNSequenceMixer()
+    with pytest.raises(NotImplementedError, match=r"GDNSequenceMixer must implement forward"):
+        m(torch.randn(1, 8, 32))
+    m.sequence_mixer = LocalGDNMixer()
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, T\] = \[1, 8\], got \[1, 7\]"):
+        m(torch.randn(1, 8, 32), attention_mask=torch.ones(1, 7))
+    with pytest.raises(ValueError, match=r"hidden_states must be \[B, T, hidden=32\], got \[1, 8, 16\]"):
+        m(torch.randn(1, 8, 16))

@@ -3,7 +3,8 @@
 Only the first ``rotary_dim`` channels of each head are rotated, in the rotate-half form (the
 pairs are channel ``i`` and ``i + rotary_dim / 2``, frequency ``theta ** (-2i / rotary_dim)``);
 the remaining channels pass through. Angles are computed in fp32 (float64 for a float64 input, so
-a float64 reference check is exact to float64 rounding).
+a float64 reference check is exact to float64 rounding). :func:`apply_rotary` is the full-width
+form (every channel, angles always fp32) of the minimal ``ReferenceAttention``.
 
 RoPE is a function of each token's *absolute* position, so under context parallelism a rank must
 be handed the position ids of the tokens it holds, split by the same rule as the tokens (see
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotary_dim_for", "apply_partial_rotary"]
+__all__ = ["rotary_dim_for", "apply_partial_rotary", "apply_rotary"]
 
 
 def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
@@ -63,3 +64,27 @@ def apply_partial_rotary(
     x1, x2, rest = xc[..., :half], xc[..., half:rotary_dim], xc[..., rotary_dim:]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
     return out.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of every channel at the given absolute positions.
+
+    Args:
+        x: ``[B, S, H, D]`` (D even); position_ids: ``[S]`` or ``[B, S]`` integer positions.
+
+    Returns:
+        x's shape and dtype; the angles are computed in float32.
+    """
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"apply_rotary: head dim {d} must be even")
+    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    pos = position_ids.to(device=x.device, dtype=torch.float32)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    ang = pos.unsqueeze(-1) * inv_freq                                  # [B|1, S, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(2)            # [B|1, S, 1, D]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(2)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)

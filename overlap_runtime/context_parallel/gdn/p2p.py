@@ -1,6 +1,6 @@
 """State-P2P GDN context parallelism: conv halo, affine summaries, a short state chain.
 
-Every rank keeps all heads and its contiguous sequence shard. Only two things cross ranks: the
+:class:`P2PGDNMixer` is the layer's sequence mixer in this mode. Every rank keeps all heads and its contiguous sequence shard. Only two things cross ranks: the
 conv halo (``(kernel - 1) * dilation`` positions, to the next rank) and the fp32 GDN state
 ``[B, HV, K, V]`` (forward ``H`` to the next rank, backward ``dH`` to the previous one).
 
@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops.gdn.state_link import StateLink
 from overlap_runtime.ops.gdn import (
     apply_summary,
@@ -74,9 +74,15 @@ from overlap_runtime.ops.gdn import (
     validate_inputs,
 )
 
-from .gdn_cp_common import GDNCPPlan, local_gdn_inputs, post_recv, post_send
+from .common import (
+    ContextParallelGDNMixer,
+    GDNCPPlan,
+    local_core_inputs,
+    post_recv,
+    post_send,
+)
 
-__all__ = ["GDNStateChain", "TritonStateChain", "gdn_state_chain", "p2p_forward"]
+__all__ = ["GDNStateChain", "TritonStateChain", "gdn_state_chain", "P2PGDNMixer"]
 
 
 class GDNStateChain(torch.autograd.Function):
@@ -306,10 +312,11 @@ def gdn_state_chain(
     return GDNStateChain.apply(q, k, v, g, beta, plan, scale, chunk_size)
 
 
-def p2p_forward(
-    module: GatedDeltaNet, plan: GDNCPPlan, hidden: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """The whole layer on a local shard ``[B, T_local, hidden] -> [B, T_local, hidden]``."""
-    (q, k, v, g, beta), z = local_gdn_inputs(module, plan, hidden, mask)
-    o = gdn_state_chain(q, k, v, g, beta, plan, module.chunk_size)
-    return module.finish(o, z, mask)
+class P2PGDNMixer(ContextParallelGDNMixer):
+    """Sequence mixer of ``mode="p2p"`` (see the module docstring)."""
+
+    def forward(self, layer: GatedDeltaNet, proj: GDNProjections,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """This rank's shard ``proj`` (``[B, T_local, ...]``) -> ``o [B, T_local, HV, V]``."""
+        q, k, v, g, beta = local_core_inputs(layer, self.plan, proj, mask)
+        return gdn_state_chain(q, k, v, g, beta, self.plan, layer.chunk_size)

@@ -1,4 +1,6 @@
-"""Full (softmax) attention of the Qwen3.5-style decoder: GQA, q/k RMSNorm, partial RoPE, gate.
+"""Full (softmax) attention layers: the Qwen3.5-style one and a minimal reference.
+
+:class:`Qwen3_5Attention`: GQA, q/k RMSNorm, partial RoPE, output gate.
 
 ::
 
@@ -10,10 +12,15 @@
       o = o * sigmoid(gate)          (attn_output_gate, as Qwen3.5's full-attention layers)
       out = o_proj(o.reshape(B, S, H*D))                              [B, S, hidden]
 
-The module follows the ``context_parallel`` protocol: every step except ``core_attention`` is
-token-wise, and ``core_attention`` is a :class:`~overlap_runtime.context_parallel.api.CoreAttention`
-that ``ContextParallel(...).apply(module, cp_mesh)`` swaps for the distributed version. Under CP
-``x`` and ``position_ids`` are this rank's shard (split by one rule) and so is the output.
+:class:`ReferenceAttention`: the smallest layer that follows the protocol (q/k/v/o projections,
+GQA, full RoPE), used to test context parallelism on its own.
+
+Both follow the attention-core protocol (``layers.core_attention``): every step except
+``core_attention`` is token-wise, and ``core_attention`` is a
+:class:`~overlap_runtime.layers.core_attention.CoreAttention` that
+``context_parallel.ContextParallel(...).apply(module, cp_mesh)`` swaps for the distributed
+version. Under CP ``x`` and ``position_ids`` are this rank's shard (split by one rule) and so is
+the output.
 """
 
 from __future__ import annotations
@@ -21,13 +28,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from overlap_runtime.context_parallel.api import CoreAttention
-from overlap_runtime.ops.comm_stats import CommStats
-from overlap_runtime.models.norm import RMSNorm
-from overlap_runtime.models.rope import apply_partial_rotary, rotary_dim_for
+from overlap_runtime.layers.core_attention import CoreAttention
+from overlap_runtime.layers.norm import RMSNorm
+from overlap_runtime.layers.rope import apply_partial_rotary, apply_rotary, rotary_dim_for
 from overlap_runtime.ops.attention import Backend
+from overlap_runtime.ops.comm_stats import CommStats
 
-__all__ = ["Qwen3_5Attention"]
+__all__ = ["Qwen3_5Attention", "ReferenceAttention"]
 
 
 class Qwen3_5Attention(nn.Module):
@@ -100,3 +107,38 @@ class Qwen3_5Attention(nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(b, s, h * d))
+
+
+class ReferenceAttention(nn.Module):
+    """Minimal attention layer following the protocol: projections, RoPE, ``core_attention``.
+
+    ``forward(x [B, S, hidden], position_ids [S] or [B, S]) -> [B, S, hidden]``. Under context
+    parallelism ``x`` and ``position_ids`` are this rank's shards (same rule) and so is the result.
+    """
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, rope_base: float = 10000.0) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim or hidden // num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"ReferenceAttention: num_heads {num_heads} must be a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+        self.rope_base = rope_base
+        self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden, bias=False)
+        self.core_attention: nn.Module = CoreAttention()
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, causal: bool = True,
+                stats: CommStats | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, position_ids, self.rope_base)
+        k = apply_rotary(k, position_ids, self.rope_base)
+        out = self.core_attention(q, k, v, causal=causal, stats=stats)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))

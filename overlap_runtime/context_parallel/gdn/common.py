@@ -1,8 +1,11 @@
-"""Shared pieces of GDN context parallelism: the plan, point-to-point helpers, the halo conv.
+"""Shared pieces of GDN context parallelism: the plan, the CP mixers' base, point-to-point
+helpers, the halo conv.
 
 :class:`GDNCPPlan` is the immutable configuration one ``LinearAttentionContextParallel.apply``
-binds to a module (mode, backend, process group, timeouts). Nothing per call is stored on it or on
-the module: ranks are read from the group at each call, tensors travel as arguments.
+binds to a layer (mode, backend, process group, timeouts); the sequence mixer ``apply`` installs
+on the layer holds it (:class:`ContextParallelGDNMixer`, one subclass per mode, each an
+implementation of the strategy protocol of ``overlap_runtime.layers.sequence_mixer``). Nothing per call is stored on the plan, the mixer or
+the layer: ranks are read from the group at each call, tensors travel as arguments.
 
 Sequence layout: contiguous. Rank ``r`` of ``P`` holds tokens ``[r*S/P, (r+1)*S/P)`` (the GDN
 recurrence and the causal conv run left to right, so rank ``r``'s tokens directly follow rank
@@ -20,15 +23,17 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
-from overlap_runtime.models.gated_deltanet import GatedDeltaNet
+from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
+from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, MixerInputs, check_layer_inputs
 from overlap_runtime.ops import comm
 
 __all__ = [
     "GDNCPPlan",
+    "ContextParallelGDNMixer",
     "post_recv",
     "post_send",
     "halo_conv_qkv",
-    "local_gdn_inputs",
+    "local_core_inputs",
     "check_halo",
     "check_backend_before_comm",
     "TRITON_CHUNK",
@@ -40,7 +45,7 @@ TRITON_CHUNK = 64
 
 @dataclass(frozen=True)
 class GDNCPPlan:
-    """What ``LinearAttentionContextParallel.apply`` binds to a module (never per-call data).
+    """What ``LinearAttentionContextParallel.apply`` binds to a layer (never per-call data).
 
     Attributes:
         mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"``.
@@ -65,6 +70,68 @@ class GDNCPPlan:
 
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
+
+
+class ContextParallelGDNMixer(GDNSequenceMixer):
+    """Base of the CP sequence mixers: the CP boundary and the checks before any communication.
+
+    :meth:`prepare_inputs` takes this rank's contiguous shard ``[B, S/P, hidden]`` (a tensor, or
+    a DTensor on the CP mesh placed ``Shard(1)``) and its mask slice ``[B, S/P]``, checks the
+    shapes and the backend's rules (:func:`check_backend_before_comm`) on every rank at the same
+    point, and returns plain local tensors; ``restore`` gives the output the input's form. Each
+    mode implements ``forward(layer, proj, mask) -> o [B, S/P, HV, V]``.
+
+    Args:
+        plan: the configuration ``LinearAttentionContextParallel.apply`` binds.
+    """
+
+    def __init__(self, plan: GDNCPPlan) -> None:
+        super().__init__()
+        self.plan = plan
+
+    @property
+    def mode(self) -> str:
+        """The CP mode (``"ulysses"``, ``"p2p"`` or ``"all_gather"``)."""
+        return self.plan.mode
+
+    def extra_repr(self) -> str:
+        return f"mode={self.plan.mode!r}, backend={self.plan.backend!r}, cp={self.plan.cp_size}"
+
+    def prepare_inputs(self, layer: GatedDeltaNet, hidden_states: torch.Tensor,
+                       attention_mask: torch.Tensor | None) -> MixerInputs:
+        local, was_dtensor = _to_local(hidden_states, self.plan, "hidden_states")
+        mask = None
+        if attention_mask is not None:
+            mask, _ = _to_local(attention_mask, self.plan, "attention_mask")
+        check_layer_inputs(layer, local, mask, seq="S/P", where=" (this rank's slice)")
+        check_backend_before_comm(layer, local, self.plan)
+        return MixerInputs(local, mask, self._as_dtensor if was_dtensor else _same_form)
+
+    def _as_dtensor(self, out: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(out, self.plan.mesh, [Shard(1)], run_check=False)
+
+
+def _same_form(out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def _to_local(x: torch.Tensor, plan: GDNCPPlan, name: str) -> tuple[torch.Tensor, bool]:
+    """A DTensor on the CP mesh placed ``Shard(1)`` -> its local shard; tensors pass through."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(x, DTensor):
+        return x, False
+    placements = tuple(x.placements)
+    if placements != (Shard(1),):
+        raise ValueError(
+            f"{name} is a DTensor placed {placements}; GDN context parallelism needs the "
+            "sequence dim sharded, placements (Shard(1),)"
+        )
+    if x.device_mesh != plan.mesh:
+        raise ValueError(f"{name} lives on mesh {x.device_mesh}, not the CP mesh {plan.mesh}")
+    return x.to_local(), True
 
 
 def post_recv(buf: torch.Tensor, src: int, plan: GDNCPPlan, what: str) -> comm.AsyncHandle:
@@ -92,18 +159,18 @@ def post_send(x: torch.Tensor, dst: int, plan: GDNCPPlan, what: str) -> comm.Asy
     return handle
 
 
-def check_halo(module: GatedDeltaNet, local_len: int, plan: GDNCPPlan) -> None:
+def check_halo(layer: GatedDeltaNet, local_len: int, plan: GDNCPPlan) -> None:
     """Every rank's shard must hold the conv halo: ``local_len >= (kernel - 1) * dilation``."""
-    halo = module.conv_halo
+    halo = layer.conv_halo
     if local_len < halo:
         raise ValueError(
             f"local sequence {local_len} is shorter than the conv halo {halo} "
-            f"((kernel {module.conv_kernel_size} - 1) * dilation {module.conv1d.dilation[0]}; "
+            f"((kernel {layer.conv_kernel_size} - 1) * dilation {layer.conv1d.dilation[0]}; "
             f"mode={plan.mode!r}, cp={plan.cp_size}): each rank must hold at least the halo"
         )
 
 
-def check_backend_before_comm(module: GatedDeltaNet, hidden: torch.Tensor, plan: GDNCPPlan) -> None:
+def check_backend_before_comm(layer: GatedDeltaNet, hidden: torch.Tensor, plan: GDNCPPlan) -> None:
     """The local GDN backend's rules, checked before any communication (same shapes on every
     rank, so every rank raises at the same point and no peer is left waiting).
 
@@ -131,15 +198,15 @@ def check_backend_before_comm(module: GatedDeltaNet, hidden: torch.Tensor, plan:
 
     dtype, device = hidden.dtype, hidden.device
     gate_dtype = torch.promote_types(dtype, torch.float32)
-    qk = torch.empty(1, 1, 1, module.head_k_dim, dtype=dtype, device=device)
-    v = torch.empty(1, 1, 1, module.head_v_dim, dtype=dtype, device=device)
+    qk = torch.empty(1, 1, 1, layer.head_k_dim, dtype=dtype, device=device)
+    v = torch.empty(1, 1, 1, layer.head_v_dim, dtype=dtype, device=device)
     gb = torch.empty(1, 1, 1, dtype=gate_dtype, device=device)
     beta = torch.empty(1, 1, 1, dtype=dtype, device=device)
     state = None
     if plan.mode == "p2p":  # the chain hands the state in fp32
-        state = torch.empty(1, 1, module.head_k_dim, module.head_v_dim, dtype=gate_dtype,
+        state = torch.empty(1, 1, layer.head_k_dim, layer.head_v_dim, dtype=gate_dtype,
                             device=device)
-    check_triton_inputs(qk, qk, v, gb, beta, state, module.chunk_size)
+    check_triton_inputs(qk, qk, v, gb, beta, state, layer.chunk_size)
 
 
 class _HaloCausalConv(torch.autograd.Function):
@@ -207,7 +274,7 @@ class _HaloCausalConv(torch.autograd.Function):
 
 
 def halo_conv_qkv(
-    module: GatedDeltaNet, mixed_qkv: torch.Tensor, plan: GDNCPPlan
+    layer: GatedDeltaNet, mixed_qkv: torch.Tensor, plan: GDNCPPlan
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal conv of a sequence shard with the previous rank's halo, then split into q, k, v.
 
@@ -221,30 +288,30 @@ def halo_conv_qkv(
     Returns:
         q, k ``[B, T_local, H, K]``, v ``[B, T_local, HV, V]`` in mixed_qkv's dtype.
     """
-    check_halo(module, mixed_qkv.shape[1], plan)
-    halo = module.conv_halo
+    check_halo(layer, mixed_qkv.shape[1], plan)
+    halo = layer.conv_halo
     if halo == 0 or plan.cp_size == 1:
-        return module.split_qkv(module.causal_conv(mixed_qkv))
-    pre = _HaloCausalConv.apply(mixed_qkv, module.conv1d.weight, module.conv1d.dilation[0],
+        return layer.split_qkv(layer.causal_conv(mixed_qkv))
+    pre = _HaloCausalConv.apply(mixed_qkv, layer.conv1d.weight, layer.conv1d.dilation[0],
                                 halo, plan)
-    return module.split_qkv(F.silu(pre).transpose(1, 2))
+    return layer.split_qkv(F.silu(pre).transpose(1, 2))
 
 
-def local_gdn_inputs(
-    module: GatedDeltaNet, plan: GDNCPPlan, hidden: torch.Tensor, mask: torch.Tensor | None
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """The layer up to the GDN core on a contiguous shard (the p2p and all_gather modes):
-    padding mask, projections, halo conv, gates.
+def local_core_inputs(
+    layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GDN core's inputs on a contiguous shard (the p2p and all_gather modes): halo conv,
+    split, gates.
 
     Args:
-        hidden: ``[B, T_local, hidden]``; mask: ``[B, T_local]`` (1 real, 0 pad) or None.
+        proj: the layer's projections of this rank's masked shard (``mixed_qkv``
+            ``[B, T_local, conv_dim]``, ``a``, ``b`` ``[B, T_local, HV]``).
+        mask: ``[B, T_local]`` (1 real, 0 pad) or None.
 
     Returns:
-        ``((q, k [B, T_local, H, K], v [B, T_local, HV, V], g fp32, beta [B, T_local, HV]),
-        z)``, z the gate projection ``module.finish`` takes.
+        ``(q, k [B, T_local, H, K], v [B, T_local, HV, V], g [B, T_local, HV] fp32,
+        beta [B, T_local, HV])``.
     """
-    hidden = module.mask_input(hidden, mask)
-    proj = module.project(hidden)
-    q, k, v = halo_conv_qkv(module, proj.mixed_qkv, plan)
-    g, beta = module.gates(proj.a, proj.b, mask=mask)
-    return (q, k, v, g, beta), proj.z
+    q, k, v = halo_conv_qkv(layer, proj.mixed_qkv, plan)
+    g, beta = layer.gates(proj.a, proj.b, mask=mask)
+    return q, k, v, g, beta

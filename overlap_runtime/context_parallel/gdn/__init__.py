@@ -1,0 +1,38 @@
+"""Gated DeltaNet context parallelism: ``LinearAttentionContextParallel`` and its three modes.
+
+``LinearAttentionContextParallel(mode, backend).apply(gdn_layer, cp_mesh)`` swaps the layer's
+sequence mixer (the strategy protocol of ``overlap_runtime.layers.sequence_mixer``) for the
+mode's CP mixer; the layer's token-wise work stays the layer's. One algorithm per module:
+``common`` (``GDNCPPlan``, the CP mixers' base and boundary checks, bounded p2p helpers, the
+halo conv), ``ulysses`` (head all-to-all), ``p2p`` (the state chain, eager and Triton),
+``all_gather`` (summary all-gather + prefix compose), ``task_graph`` (the p2p chain as a
+``TaskGraph`` for the validator and simulator), ``style`` (the public style). See
+docs/gdn_context_parallel.md.
+
+May import ``torch``, ``overlap_runtime.ops``, ``overlap_runtime.graph`` and
+``overlap_runtime.layers``; never the ``models`` package.
+"""
+
+from overlap_runtime.context_parallel.gdn.style import (
+    LINEAR_ATTENTION_CP_MODES,
+    LinearAttentionContextParallel,
+)
+from overlap_runtime.context_parallel.gdn.task_graph import (
+    GDN_P2P_FUSED_NODE_KINDS,
+    GDN_P2P_NODE_KINDS,
+    gdn_p2p_cost_model,
+    gdn_p2p_fused_task_graph,
+    gdn_p2p_task_graph,
+    simulate_gdn_p2p,
+)
+
+__all__ = [
+    "GDN_P2P_FUSED_NODE_KINDS",
+    "GDN_P2P_NODE_KINDS",
+    "LINEAR_ATTENTION_CP_MODES",
+    "LinearAttentionContextParallel",
+    "gdn_p2p_cost_model",
+    "gdn_p2p_fused_task_graph",
+    "gdn_p2p_task_graph",
+    "simulate_gdn_p2p",
+]
