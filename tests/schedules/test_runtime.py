@@ -9,12 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from overlap_runtime.pipeline import (ExecutionTrace, PipelineSchedule, PipelineStage,
+                                      Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                      gather_traces, measured_bubble, write_execution_trace)
 from overlap_runtime.schedules import ActionKind, ScheduleSpec
-from overlap_runtime.schedules.exec_trace import (ExecutionTrace, gather_traces, measured_bubble,
-                                                  write_execution_trace)
-from overlap_runtime.schedules.runtime import (PipelineSchedule, Schedule1F1B, ScheduleGPipe,
-                                               ScheduleInterleaved1F1B)
-from overlap_runtime.schedules.stage import PipelineStage
 from overlap_runtime.testing import RankFailedError, rel_l2, run_ranks
 
 TOL = 1e-6
