@@ -31,6 +31,9 @@ backward on its device thread); two captures at once raise.
 
 Gradient hooks (DDP/FSDP reducers) fire for deferred parameters only when their W task runs:
 the task accumulates into ``param.grad`` directly, so reduce after the step (or after the W).
+
+Who runs the tasks: the program's W actions, :class:`~overlap_runtime.pipeline.flush.
+FlushWhileWaiting` in communication windows, and ``PipelineSchedule.step``'s drain at the end.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ def test_every_supported_dtype_round_trips(dtype: torch.dtype, shape: tuple[int,
 
 
 def test_unknown_dtype_and_bad_headers_are_named_errors() -> None:
-    with pytest.raises(ValueError, match=r"activation dtype torch.quint8 has no code in DTYPE_CODES"):
+    with pytest.raises(ValueError,
+                       match=r"activation dtype torch.quint8 has no code in DTYPE_CODES"):
         encode_meta(TensorMeta((2,), torch.quint8))
     with pytest.raises(ValueError, match=r"has 9 dims; a stage boundary carries at most 8"):
         encode_meta(TensorMeta((1,) * 9, torch.float32))

@@ -59,9 +59,10 @@ def _lazy_targets(tree: ast.Module) -> list[str]:
     for node in tree.body:
         targets = (node.targets if isinstance(node, ast.Assign)
                    else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        value = getattr(node, "value", None)
         for t in targets:
-            if isinstance(t, ast.Name) and isinstance(node.value, ast.Dict):  # type: ignore[union-attr]
-                dicts[t.id] = node.value  # type: ignore[union-attr,assignment]
+            if isinstance(t, ast.Name) and isinstance(value, ast.Dict):
+                dicts[t.id] = value
     out: list[str] = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports"
