@@ -31,9 +31,8 @@ class NoOp(nn.Module):
 
 def _rank(rank: int, world: int, kind: str, m: int, steps: int, virtual: int, overlap: bool) -> dict:
     from overlap_runtime.ops.comm import all_gather
+    from overlap_runtime.pipeline import PipelineSchedule, PipelineStage
     from overlap_runtime.schedules import ScheduleSpec
-    from overlap_runtime.schedules.runtime import PipelineSchedule
-    from overlap_runtime.schedules.stage import PipelineStage
 
     spec = ScheduleSpec(kind=kind, pp_size=world, num_microbatches=m, virtual_stages=virtual,
                         overlap_p2p=overlap)

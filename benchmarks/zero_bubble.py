@@ -30,7 +30,7 @@ KINDS = ("1f1b", "zero_bubble", "dualpipev")
 class MLPBlock(nn.Module):
     def __init__(self, hidden: int, queue) -> None:  # noqa: ANN001
         super().__init__()
-        from overlap_runtime.schedules.deferred_w import DeferredLinear
+        from overlap_runtime.pipeline import DeferredLinear
 
         self.up = DeferredLinear(hidden, 4 * hidden, queue=queue)
         self.down = DeferredLinear(4 * hidden, hidden, queue=queue)
@@ -54,7 +54,7 @@ def _stage_module(layers: int, hidden: int, queue) -> nn.Sequential:  # noqa: AN
 
 def measure_costs(hidden: int, tokens: int, layers_per_stage: int, repeats: int = 7) -> dict:
     """F, I, W, B (seconds, min over repeats) of one stage of ``layers_per_stage`` blocks."""
-    from overlap_runtime.schedules.deferred_w import DeferredWQueue
+    from overlap_runtime.pipeline import DeferredWQueue
 
     torch.manual_seed(0)
     q = DeferredWQueue()
@@ -88,12 +88,10 @@ def measure_costs(hidden: int, tokens: int, layers_per_stage: int, repeats: int 
 def _rank(rank: int, world: int, kind: str, m: int, steps: int, hidden: int, tokens: int,
           layers: int) -> dict:
     from overlap_runtime.ops.comm import all_gather
+    from overlap_runtime.pipeline import (DeferredWQueue, ExecutionTrace, PipelineSchedule,
+                                          PipelineStage, SavedTensorMeter, gather_traces,
+                                          measured_bubble)
     from overlap_runtime.schedules import ActionKind
-    from overlap_runtime.schedules.deferred_w import DeferredWQueue
-    from overlap_runtime.schedules.exec_trace import ExecutionTrace, gather_traces, measured_bubble
-    from overlap_runtime.schedules.runtime import PipelineSchedule
-    from overlap_runtime.schedules.saved_memory import SavedTensorMeter
-    from overlap_runtime.schedules.stage import PipelineStage
 
     torch.set_num_threads(1)
     spec = _spec(kind, world, m)
@@ -138,7 +136,7 @@ def _rank(rank: int, world: int, kind: str, m: int, steps: int, hidden: int, tok
 def simulate_step(kind: str, pp: int, m: int, costs: dict) -> tuple[float, float]:
     """(makespan, bubble ratio) of the lowered schedule with per-stage costs ``costs``."""
     from overlap_runtime.graph.simulate import CostModel
-    from overlap_runtime.schedules.compile import compile_spec
+    from overlap_runtime.schedules import compile_spec
 
     div = 2 if kind == "dualpipev" else 1  # half-size stages, two per rank
     cm = CostModel(F=costs["F"] / div, B=costs["B"] / div, I=costs["I"] / div,

@@ -108,10 +108,9 @@ def pp_ep_main(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
     from overlap_runtime.moe import OverlapExpertParallel, make_overlap_b_f_callback
     from overlap_runtime.moe.task_nodes import (measured_a2a_overlap, moe_overlap_pair_task_graph,
                                                 node_costs_from_trace, predicted_a2a_overlap)
+    from overlap_runtime.pipeline import (ExecutionTrace, PipelineStage, ScheduleInterleaved1F1B,
+                                          TensorMeta, gather_traces)
     from overlap_runtime.schedules import ActionKind
-    from overlap_runtime.schedules.exec_trace import ExecutionTrace, gather_traces
-    from overlap_runtime.schedules.runtime import ScheduleInterleaved1F1B
-    from overlap_runtime.schedules.stage import PipelineStage, TensorMeta
     from overlap_runtime.testing import rel_l2
 
     if cfg.pp * cfg.ep != world:
@@ -220,7 +219,7 @@ def write_merged_trace(events: list[Any], predicted: dict[str, Any], path: str) 
     """Measured execution trace (a process per rank, a track per thread) plus the simulated
     OVERLAP_B_F pairing (``graph.chrome_trace`` dict; a process per EP rank, pid 100+) in one
     Chrome trace file."""
-    from overlap_runtime.schedules.exec_trace import chrome_trace_events
+    from overlap_runtime.pipeline.exec_trace import chrome_trace_events
 
     measured = chrome_trace_events(events)
     for ev in predicted["traceEvents"]:
@@ -235,8 +234,7 @@ def write_merged_trace(events: list[Any], predicted: dict[str, Any], path: str) 
 
 def run(args: argparse.Namespace) -> int:
     from overlap_runtime.launch import spawn
-    from overlap_runtime.schedules import ScheduleSpec
-    from overlap_runtime.schedules.compile import compile_spec
+    from overlap_runtime.schedules import ScheduleSpec, compile_spec
 
     cfg = DemoConfig(pp=args.pp, ep=args.ep, chunks=args.chunks, layers=args.layers,
                      microbatches=args.microbatches, tokens=args.tokens, hidden=args.hidden,

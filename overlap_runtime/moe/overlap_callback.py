@@ -26,7 +26,7 @@ import torch
 
 from overlap_runtime.coordinator import CommComputeOverlap
 from overlap_runtime.platform import resolve_device
-from overlap_runtime.schedules.context import ActionContext, ActionFn
+from overlap_runtime.pipeline.context import ActionContext, ActionFn
 from overlap_runtime.schedules.ir import Action, ActionKind
 
 __all__ = ["make_overlap_b_f_callback"]

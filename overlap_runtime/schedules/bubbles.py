@@ -2,7 +2,8 @@
 "Zero bubble and DualPipeV").
 
 ``analytic_idle(kind, pp, costs)`` is the idle time per rank of one step, with free
-communication and enough microbatches (``m >= pp``; ``m >= 2 pp`` for DualPipeV):
+communication and enough microbatches (``m >= pp``; ``m >= 2 pp`` for DualPipeV). Each formula
+lives in its kind's file (``ScheduleKind.idle_per_rank``):
 
 - ``1f1b`` / ``gpipe``: ``(pp - 1)(F + B)``, B = I + W (Narayanan et al. 2021);
 - ``zero_bubble`` (ZB-H1): ``(pp - 1)(F + I - W)`` = ``(pp - 1)(F + B - 2W)`` (Qi et al. 2023,
@@ -23,9 +24,10 @@ from typing import Any
 
 from ..graph.simulate import CostModel, SimulationResult, simulate
 from ..graph.task_graph import TaskGraph
-from .builders import build_schedule
+from .build import build_schedule
 from .compile import compile_schedule
 from .ir import Schedule
+from .registry import get_schedule_kind, schedule_kinds
 from .spec import ScheduleSpec
 
 __all__ = ["analytic_idle", "analytic_bubble_ratio", "couple_overlapped_steps",
@@ -34,16 +36,12 @@ __all__ = ["analytic_idle", "analytic_bubble_ratio", "couple_overlapped_steps",
 
 def analytic_idle(kind: str, pp: int, costs: CostModel) -> float:
     """Published idle time per rank for one step (see the module doc)."""
-    f, i, w = costs.F, costs.I, costs.W
-    b = i + w
-    if kind in ("1f1b", "gpipe"):
-        return (pp - 1) * (f + b)
-    if kind == "zero_bubble":
-        return (pp - 1) * (f + b - 2 * w)
-    if kind == "dualpipev":
-        return (pp - 1) * ((f + b) + b - 3 * w)
-    raise ValueError(f"no published bubble formula for kind {kind!r}; known: 1f1b, gpipe, "
-                     "zero_bubble, dualpipev")
+    formula = get_schedule_kind(kind).idle_per_rank
+    if formula is None:
+        known = sorted(k for k, info in schedule_kinds().items() if info.idle_per_rank is not None)
+        raise ValueError(f"no published bubble formula for kind {kind!r}; known: "
+                         f"{', '.join(known)}")
+    return formula(pp, costs)
 
 
 def analytic_bubble_ratio(spec: ScheduleSpec, costs: CostModel) -> float:

@@ -18,10 +18,12 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of the ``schedule`` subcommand (keep imports light: nothing heavy here)."""
+    """Flags of the ``schedule`` subcommand (keep imports light: nothing heavy here; the
+    registry is plain Python)."""
+    from .registry import schedule_kinds
+
     parser.add_argument("--kind", default="1f1b",
-                        help="schedule kind: gpipe, 1f1b, interleaved_1f1b, zero_bubble, dualpipev "
-                             "(default 1f1b)")
+                        help=f"schedule kind: {', '.join(schedule_kinds())} (default 1f1b)")
     parser.add_argument("--placement", choices=["loop", "v"], default=None,
                         help="stage placement (default: loop; dualpipev needs v)")
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
@@ -58,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from ..graph import CostModel, format_grid, format_timeline, write_chrome_trace
     from .compile import compile_spec
     from .ir import dump_csv
+    from .registry import get_schedule_kind
     from .spec import ScheduleSpec
 
     try:
@@ -99,13 +102,15 @@ def run(args: argparse.Namespace) -> int:
         # 1 - v*m / (v*max(m, p) + min(m, p) - 1); equal F and B costs, free communication
         analytic = 1 - v * m / (v * max(m, p) + min(m, p) - 1)
         note = f"analytic {analytic:.4f} for equal stage costs, free comm"
-    else:
+    elif get_schedule_kind(spec.kind).idle_per_rank is not None:
         # docs/schedules.md section 9: the zero-bubble / DualPipe papers' idle-time formulas
         from .bubbles import analytic_bubble_ratio
 
         equal = CostModel(F=1.0, B=2.0, I=1.0, W=1.0)
         note = (f"published formula {analytic_bubble_ratio(spec, equal):.4f} for "
                 f"F = I = W, B = F + I, free comm")
+    else:
+        note = f"no published formula for kind {spec.kind!r}"
     print(f"makespan {result.makespan:g}  bubble {result.bubble_ratio:.4f}  ({note})  "
           f"exposed comm {result.exposed_comm:g}")
     if args.trace:

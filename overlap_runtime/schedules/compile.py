@@ -13,7 +13,12 @@ steps among themselves; a compound step forks to both threads and joins before t
 producer->SEND and RECV->consumer; ``match`` for SEND->RECV. Task ids are the action texts
 (``1F3``, ``0SEND_F1``), unique within a schedule.
 
-:func:`compile_spec` runs the whole pipeline: build, lower, validate, compile, validate graph.
+:func:`compile_spec` runs the whole pipeline: build, lower, check the pipeline rules, compile,
+prove deadlock freedom. :func:`validate_schedule` checks a schedule someone else built: the
+pipeline rules (:mod:`~overlap_runtime.schedules.rules`) and, for a lowered schedule, the same
+deadlock proof. That proof lives in one place, :func:`_prove_deadlock_free`: the task-graph
+validator with blocking semantics (a RECV blocks its lane; :func:`overlap_runtime.graph.
+validate_graph`), which also matches every send to its receive.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from ..graph._gc import gc_paused
 from ..graph.simulate import CostModel, SimulationResult, simulate
 from ..graph.task_graph import CommInfo, Task, TaskGraph
 from ..graph.validate import CommMatching, validate_graph
-from .builders import build_schedule
+from .build import build_schedule
 from .ir import ActionKind, Schedule
 from .lowering import lower
+from .rules import check_pipeline_rules, infer_stage_to_rank
 from .spec import ScheduleSpec
-from .validate import infer_stage_to_rank, validate_schedule
 
-__all__ = ["CompiledSchedule", "compile_schedule", "compile_spec", "COMM_LANE"]
+__all__ = ["CompiledSchedule", "compile_schedule", "compile_spec", "validate_schedule",
+           "COMM_LANE"]
 
 COMM_LANE = "comm:pp"
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
@@ -55,6 +61,7 @@ def compile_schedule(
     In a compute-only schedule, outputs cross ranks through plain data edges (free,
     instantaneous communication). ``message_bytes`` sets ``CommInfo.nbytes`` of every SEND.
     Edges to actions absent from the schedule are skipped (``validate_schedule`` reports them).
+    The graph is not checked here (see :func:`validate_schedule`, ``graph.validate()``).
     """
     if stage_to_rank is None:
         stage_to_rank = infer_stage_to_rank(schedule)
@@ -169,6 +176,41 @@ def compile_schedule(
     return graph
 
 
+def _prove_deadlock_free(graph: TaskGraph) -> CommMatching:
+    """The deadlock check of the schedules package (the only caller of the graph validator).
+
+    Raises :class:`overlap_runtime.graph.DeadlockError` with the cycle when the program order
+    plus blocking sends and receives can wait in a circle, and
+    :class:`overlap_runtime.graph.UnmatchedCommError` for a send without its receive.
+    """
+    return validate_graph(graph)
+
+
+@gc_paused
+def validate_schedule(
+    schedule: Schedule,
+    *,
+    num_microbatches: int | None = None,
+    num_stages: int | None = None,
+    stage_to_rank: Mapping[int, int] | None = None,
+    check_deadlock: bool = True,
+) -> None:
+    """Raise unless ``schedule`` follows the pipeline rules and, if lowered, cannot deadlock.
+
+    The rules (:func:`~overlap_runtime.schedules.rules.check_pipeline_rules`) raise
+    :class:`~overlap_runtime.schedules.rules.ScheduleValidationError`. With ``check_deadlock``
+    and SEND/RECV present, the schedule is compiled and :func:`_prove_deadlock_free` runs
+    (``DeadlockError`` / ``UnmatchedCommError``). ``num_microbatches`` / ``num_stages`` default
+    to the largest index seen + 1; ``stage_to_rank`` to the placement seen.
+    """
+    mapping, n_stages, lowered = check_pipeline_rules(
+        schedule, num_microbatches=num_microbatches, num_stages=num_stages,
+        stage_to_rank=stage_to_rank)
+    if check_deadlock and lowered:
+        _prove_deadlock_free(compile_schedule(schedule, stage_to_rank=mapping,
+                                              num_stages=n_stages))
+
+
 @dataclass
 class CompiledSchedule:
     """Everything :func:`compile_spec` produced for one spec."""
@@ -190,15 +232,15 @@ class CompiledSchedule:
 
 @gc_paused
 def compile_spec(spec: ScheduleSpec, *, message_bytes: float | None = None) -> CompiledSchedule:
-    """Build, lower, validate, compile and validate the task graph for ``spec``."""
+    """Build, lower, check the rules, compile and prove deadlock-free the schedule of ``spec``."""
     compute = build_schedule(spec)
     mapping = spec.stage_mapping()
     lowered = lower(compute, mapping, num_stages=spec.num_stages)
-    validate_schedule(lowered, num_microbatches=spec.num_microbatches,
-                      num_stages=spec.num_stages, stage_to_rank=mapping, check_deadlock=False)
+    check_pipeline_rules(lowered, num_microbatches=spec.num_microbatches,
+                         num_stages=spec.num_stages, stage_to_rank=mapping)
     graph = compile_schedule(lowered, stage_to_rank=mapping, num_stages=spec.num_stages,
                              overlap_p2p=spec.overlap_p2p, message_bytes=message_bytes,
                              name=f"{spec.kind} pp={spec.pp_size} m={spec.num_microbatches} "
                                   f"v={spec.virtual_stages}")
-    matching = validate_graph(graph)
+    matching = _prove_deadlock_free(graph)
     return CompiledSchedule(spec, compute, lowered, graph, matching)

@@ -34,7 +34,7 @@ from typing import Mapping, NamedTuple
 from ..graph._gc import gc_paused
 from ..graph.grid import format_grid
 from .ir import Action, ActionKind, Schedule
-from .validate import ScheduleValidationError, infer_stage_to_rank
+from .rules import ScheduleValidationError, infer_stage_to_rank
 
 __all__ = ["LoweringError", "lower", "comm_for"]
 

@@ -1,92 +1,24 @@
 """``ScheduleSpec``: the validated description of a pipeline schedule.
 
 Invalid combinations fail at construction with a ``pydantic.ValidationError`` that names the
-field values and the rule they break. The set of kinds is open: a later schedule (zero bubble,
-DualPipeV) calls :func:`register_schedule_kind` with its constraints and
-:func:`overlap_runtime.schedules.builders.register_builder` with its builder.
+field values and the rule they break. The rules that hold for every kind live here; a kind's
+own rules live in its file under :mod:`overlap_runtime.schedules.kinds` (``ScheduleKind.check``),
+looked up by name in :mod:`overlap_runtime.schedules.registry`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = [
-    "ScheduleKindInfo",
-    "ScheduleSpec",
-    "register_schedule_kind",
-    "schedule_kinds",
-    "stage_to_rank",
-]
+from .registry import get_schedule_kind
+
+__all__ = ["ScheduleSpec", "stage_to_rank"]
 
 Placement = Literal["loop", "v"]
-
-
-@dataclass(frozen=True)
-class ScheduleKindInfo:
-    """Constraints that a schedule kind puts on a spec.
-
-    ``min_virtual`` / ``max_virtual`` bound ``virtual_stages`` (``None``: unbounded);
-    ``placements`` lists the stage placements the builder handles; ``overlap_b_f`` says whether
-    the kind has a 1F1B steady state where backward i and forward i+1 can be paired.
-    ``check(spec)``, if given, enforces the kind's own rules (raise ``ValueError`` naming the
-    values and the rule); it runs after the virtual-stage and placement rules.
-    """
-
-    name: str
-    min_virtual: int = 1
-    max_virtual: int | None = None
-    placements: tuple[str, ...] = ("loop",)
-    overlap_b_f: bool = True
-    split_backward: bool = True
-    description: str = ""
-    check: Callable[["ScheduleSpec"], None] | None = None
-
-
-_KINDS: dict[str, ScheduleKindInfo] = {}
-
-
-def register_schedule_kind(info: ScheduleKindInfo) -> ScheduleKindInfo:
-    """Make ``info.name`` a valid ``ScheduleSpec.kind`` (re-registering replaces)."""
-    _KINDS[info.name] = info
-    return info
-
-
-def schedule_kinds() -> dict[str, ScheduleKindInfo]:
-    """The registered kinds, by name (the built-in ones included)."""
-    _load_builtin_kinds()
-    return dict(_KINDS)
-
-
-def _load_builtin_kinds() -> None:
-    """Import the builder modules, which register the kinds defined outside this file
-    (``zero_bubble``, ``dualpipev``). Lazy so that importing the spec stays light; importing
-    ``builders`` imports them at its end."""
-    from . import builders  # noqa: F401
-
-
-register_schedule_kind(
-    ScheduleKindInfo(
-        "gpipe", max_virtual=1, overlap_b_f=False,
-        description="all forwards, then all backwards (Huang et al. 2019)",
-    )
-)
-register_schedule_kind(
-    ScheduleKindInfo(
-        "1f1b", max_virtual=1,
-        description="one forward one backward (PipeDream-Flush; Narayanan et al. 2021)",
-    )
-)
-register_schedule_kind(
-    ScheduleKindInfo(
-        "interleaved_1f1b", min_virtual=1,
-        description="1F1B over v model chunks per rank, depth first (Narayanan et al. 2021)",
-    )
-)
 
 
 def stage_to_rank(stage: int, pp_size: int, placement: str = "loop") -> int:
@@ -107,13 +39,18 @@ def stage_to_rank(stage: int, pp_size: int, placement: str = "loop") -> int:
 class ScheduleSpec(BaseModel):
     """What to build: kind, sizes and flags.
 
-    - ``kind``: a registered kind (``gpipe``, ``1f1b``, ``interleaved_1f1b``; more later).
+    - ``kind``: a registered kind: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``,
+      ``dualpipev`` (:func:`~overlap_runtime.schedules.registry.schedule_kinds`), or one added
+      with :func:`~overlap_runtime.schedules.registry.register_schedule_kind`.
     - ``pp_size``: pipeline ranks; ``virtual_stages``: model chunks (stages) per rank, so the
       model has ``pp_size * virtual_stages`` stages.
     - ``num_microbatches``: microbatches per step.
     - ``overlap_b_f``: pair steady-state backward i with the next forward into one
       ``OVERLAP_B_F`` step that runs on two threads (seed 001 section 2.2).
-    - ``overlap_p2p``: run SEND/RECV on a comm lane beside compute (else they block compute).
+    - ``overlap_p2p`` (default True, as in every ``Schedule*`` constructor of
+      :mod:`overlap_runtime.pipeline`): SEND/RECV on a comm lane beside compute; the runtime
+      posts receives early and waits them just before their consumer. False: they block
+      compute where the program lists them.
     - ``split_backward``: replace each B by I (input grad) then W (weight grad).
     - ``placement``: ``loop`` or ``v`` (see :func:`stage_to_rank`).
     """
@@ -132,18 +69,12 @@ class ScheduleSpec(BaseModel):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, kind: str) -> str:
-        if kind not in _KINDS:
-            _load_builtin_kinds()
-        if kind not in _KINDS:
-            raise ValueError(
-                f"kind {kind!r} is not a registered schedule kind; known: {sorted(_KINDS)} "
-                "(register new kinds with register_schedule_kind)"
-            )
+        get_schedule_kind(kind)  # raises naming the known kinds
         return kind
 
     @model_validator(mode="after")
     def _rules(self) -> "ScheduleSpec":
-        info = _KINDS[self.kind]
+        info = get_schedule_kind(self.kind)
         v = self.virtual_stages
         if v < info.min_virtual or (info.max_virtual is not None and v > info.max_virtual):
             hi = "inf" if info.max_virtual is None else info.max_virtual
@@ -175,14 +106,6 @@ class ScheduleSpec(BaseModel):
                 "overlap_b_f=True and split_backward=True cannot be combined yet: rule "
                 "OVERLAP_B_F pairs a full backward B with a forward F"
             )
-        if self.kind == "interleaved_1f1b":
-            rounds = max(1, self.num_microbatches // self.pp_size)
-            if self.num_microbatches % rounds != 0:
-                raise ValueError(
-                    f"num_microbatches={self.num_microbatches} must be a multiple of the number "
-                    f"of rounds max(1, num_microbatches // pp_size)={rounds} for "
-                    f"kind='interleaved_1f1b' (pp_size={self.pp_size})"
-                )
         return self
 
     # -- derived -------------------------------------------------------------------------

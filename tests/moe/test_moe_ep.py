@@ -19,7 +19,7 @@ from overlap_runtime.coordinator import HookCoordinator
 from overlap_runtime.moe import (CombinePartialResult, DispatchMetadata, ExpertParallel,
                                  OverlapExpertParallel, infer_last_layer_flags)
 from overlap_runtime.ops import comm
-from overlap_runtime.schedules.exec_trace import ExecutionTrace
+from overlap_runtime.pipeline import ExecutionTrace
 from overlap_runtime.testing import rel_l2, run_ranks
 
 pytestmark = pytest.mark.timeout(120)

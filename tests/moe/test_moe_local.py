@@ -16,7 +16,7 @@ from overlap_runtime.moe import (GroupedExperts, MoENodeCosts, OverlapExpertPara
                                  predicted_a2a_overlap)
 from overlap_runtime.moe.task_nodes import pair_order
 from overlap_runtime.schedules import ActionKind
-from overlap_runtime.schedules.exec_trace import TraceEvent
+from overlap_runtime.pipeline.exec_trace import TraceEvent
 from overlap_runtime.schedules.ir import Action, parse_action
 from overlap_runtime.testing import rel_l2
 

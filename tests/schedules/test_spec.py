@@ -1,17 +1,18 @@
-"""ScheduleSpec rules, file loading and the open kind registry."""
+"""ScheduleSpec rules, file loading and the one registry of schedule kinds."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from pydantic import ValidationError
 
 from overlap_runtime.schedules import (
-    ScheduleKindInfo,
+    ScheduleKind,
     ScheduleSpec,
     build_schedule,
-    register_builder,
+    get_schedule_kind,
     register_schedule_kind,
     schedule_kinds,
 )
@@ -82,17 +83,16 @@ def test_load_yaml_and_json(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_kind_registry_is_open() -> None:
-    """A later issue adds a kind and its builder without touching the spec class."""
+    """A later issue adds a kind (rules and builder in one object) without touching the spec."""
     name = "test_only_reverse_gpipe"
-    register_schedule_kind(ScheduleKindInfo(name, max_virtual=1, overlap_b_f=False))
 
-    @register_builder(name)
     def _build(spec: ScheduleSpec) -> dict:
         m = spec.num_microbatches
         return {r: [Action(r, ActionKind.F, i) for i in range(m)]
                 + [Action(r, ActionKind.B, i) for i in reversed(range(m))]
                 for r in range(spec.pp_size)}
 
+    register_schedule_kind(ScheduleKind(name, _build, max_virtual=1, overlap_b_f=False))
     try:
         spec = ScheduleSpec(kind=name, pp_size=2, num_microbatches=3)
         assert [str(a) for a in build_schedule(spec)[1]] == ["1F0", "1F1", "1F2", "1B2", "1B1",
@@ -100,8 +100,32 @@ def test_kind_registry_is_open() -> None:
         with pytest.raises(ValidationError, match="needs a 1F1B steady state"):
             ScheduleSpec(kind=name, pp_size=2, num_microbatches=3, overlap_b_f=True)
     finally:
-        from overlap_runtime.schedules import builders, spec as spec_mod
+        from overlap_runtime.schedules import registry
 
-        spec_mod._KINDS.pop(name, None)
-        builders._BUILDERS.pop(name, None)
+        registry._KINDS.pop(name, None)
     assert name not in schedule_kinds()
+
+
+def test_one_registry_by_name() -> None:
+    """Every built-in kind is one ScheduleKind holding its builder; names are unique."""
+    kinds = schedule_kinds()
+    assert list(kinds) == ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev"]
+    for name, kind in kinds.items():
+        assert kind.name == name and get_schedule_kind(name) is kind
+        # one file per kind: the module that defines the builder holds the kind (its rules)
+        module = sys.modules[kind.build.__module__]
+        assert module.__name__.startswith("overlap_runtime.schedules.kinds.") and module.KIND is kind
+    with pytest.raises(ValueError, match="'nope' is not a registered schedule kind; known: "):
+        get_schedule_kind("nope")
+    with pytest.raises(ValueError, match="'1f1b' is already registered; pass replace=True"):
+        register_schedule_kind(ScheduleKind("1f1b", kinds["gpipe"].build))
+    assert get_schedule_kind("1f1b") is kinds["1f1b"]
+    with pytest.raises(TypeError, match="takes a ScheduleKind"):
+        register_schedule_kind("1f1b")  # type: ignore[arg-type]
+
+
+def test_spec_docstring_lists_every_kind() -> None:
+    doc = ScheduleSpec.__doc__ or ""
+    assert "more later" not in doc
+    for name in schedule_kinds():
+        assert f"``{name}``" in doc, name

@@ -12,15 +12,12 @@ from pydantic import ValidationError
 from torch import nn
 
 from overlap_runtime.graph.simulate import CostModel, simulate
-from overlap_runtime.schedules import ActionKind, ScheduleSpec, build_schedule
+from overlap_runtime.pipeline import (DeferredLinear, DeferredWQueue, FlushWhileWaiting,
+                                      PipelineSchedule, PipelineStage, SavedTensorMeter)
+from overlap_runtime.schedules import ActionKind, ScheduleSpec, build_schedule, compile_spec
 from overlap_runtime.schedules.bubbles import (analytic_idle, couple_overlapped_steps,
                                                simulate_compute_only)
-from overlap_runtime.schedules.compile import compile_spec
 from overlap_runtime.schedules.ir import parse_action
-from overlap_runtime.schedules.deferred_w import DeferredLinear, DeferredWQueue, FlushWhileWaiting
-from overlap_runtime.schedules.runtime import PipelineSchedule
-from overlap_runtime.schedules.saved_memory import SavedTensorMeter
-from overlap_runtime.schedules.stage import PipelineStage
 from overlap_runtime.testing import rel_l2, run_ranks
 
 from _schedule_helpers import torch_pipelining

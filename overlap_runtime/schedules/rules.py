@@ -1,4 +1,4 @@
-"""Pipeline-level checks of a schedule (compute-only or lowered).
+"""The pipeline rules a schedule (compute-only or lowered) must follow.
 
 Rules, each named in the error it raises:
 
@@ -11,9 +11,12 @@ Rules, each named in the error it raises:
    the producer's rank after the producer, its receive on the consumer's rank before the
    consumer, and there are no other SEND/RECV actions.
 
-Deadlock freedom under blocking communication is proven on the task graph
-(:func:`overlap_runtime.graph.validate_graph`), which :func:`validate_schedule` runs too.
 Errors print the steps x ranks grid with the offending cells marked ``*...*``.
+
+Deadlock freedom is not checked here: it is a property of the compiled task graph, proven in
+one place, :mod:`overlap_runtime.schedules.compile` (``validate_schedule`` = these rules + that
+proof; ``compile_spec`` runs both). This module imports only the IR and the grid printer, so
+lowering and compilation can use its errors and :func:`infer_stage_to_rank`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..graph._gc import gc_paused
 from ..graph.grid import format_grid
 from .ir import COMM_KINDS, ActionKind, Schedule
 
-__all__ = ["ScheduleValidationError", "infer_stage_to_rank", "validate_schedule"]
+__all__ = ["ScheduleValidationError", "infer_stage_to_rank", "check_pipeline_rules"]
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _BACKWARD = (_B, _I)
@@ -68,20 +71,18 @@ def infer_stage_to_rank(schedule: Schedule) -> dict[int, int]:
 
 
 @gc_paused
-def validate_schedule(
+def check_pipeline_rules(
     schedule: Schedule,
     *,
     num_microbatches: int | None = None,
     num_stages: int | None = None,
     stage_to_rank: Mapping[int, int] | None = None,
-    check_deadlock: bool = True,
-) -> None:
-    """Raise :class:`ScheduleValidationError` unless ``schedule`` follows the rules above.
+) -> tuple[Mapping[int, int], int, bool]:
+    """Raise :class:`ScheduleValidationError` unless ``schedule`` follows rules 1-5 above.
 
     ``num_microbatches`` / ``num_stages`` default to the largest index seen + 1;
-    ``stage_to_rank`` to the placement seen. With ``check_deadlock`` (and SEND/RECV present)
-    the schedule is compiled and checked for deadlock too (raises
-    :class:`overlap_runtime.graph.DeadlockError`).
+    ``stage_to_rank`` to the placement seen. Returns ``(stage_to_rank, num_stages, lowered)``
+    as checked (``lowered``: the schedule holds SEND/RECV actions).
     """
     inferred = infer_stage_to_rank(schedule)
     if stage_to_rank is None:
@@ -193,11 +194,7 @@ def validate_schedule(
 
     if comms:
         _check_comm(schedule, leaves, comms, stage_to_rank, n_stages)
-        if check_deadlock:
-            from .compile import compile_schedule
-
-            compile_schedule(schedule, stage_to_rank=stage_to_rank,
-                             num_stages=n_stages).validate()
+    return stage_to_rank, n_stages, bool(comms)
 
 
 def _check_comm(  # type: ignore[no-untyped-def]

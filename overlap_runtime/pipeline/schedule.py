@@ -8,7 +8,8 @@ Point-to-point, two modes (``spec.overlap_p2p``):
 
 * off: each SEND/RECV runs at its place in the program and is waited there (blocking semantics,
   which the lowering proves deadlock-free);
-* on: receives are posted as early as the program allows and waited just before their consumer;
+* on (the default everywhere): receives are posted as early as the program allows and waited
+  just before their consumer;
   sends are waited at the end of the step (their buffers are never reused within a step). "As
   early as allowed" keeps each peer's operations in program order (NCCL matches point-to-point
   by order per peer; posting a receive ahead of an earlier send to the same peer can deadlock):
@@ -19,7 +20,9 @@ step index, action and peer, with the rank x step grid.
 
 Custom functions: ``register_custom_function(kind, fn)`` for F, B, I, W, OVERLAP_B_F and
 OVERLAP_F_B; ``fn(action, ctx)`` with ``ctx`` an :class:`ActionContext`. Without one, a compound
-step runs its sub-actions in order.
+step runs its sub-actions in order. The executor below drives the step through the same public
+``ActionContext`` methods a callback uses (``peer``, ``post_recv``, ``wait_recv``, ``send``,
+``run``, ``wait_sends``).
 """
 
 from __future__ import annotations
@@ -31,22 +34,22 @@ import torch.distributed as dist
 
 from overlap_runtime.graph.grid import format_grid
 from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S, AsyncHandle, CommTimeoutError
+from overlap_runtime.schedules.compile import compile_spec
+from overlap_runtime.schedules.ir import Action, ActionKind
+from overlap_runtime.schedules.spec import ScheduleSpec
 
-from .compile import compile_spec
 from .context import META_TAG, ActionContext, ActionFn, PipelineTimeout
 from .exec_trace import ExecutionTrace
-from .ir import Action, ActionKind
-from .spec import ScheduleSpec
-from .stage import PipelineStage, TensorMeta
+from .stage import PipelineStage
+from .tensor_meta import HEADER_LEN, TensorMeta, decode_meta, encode_meta
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "PipelineTimeout", "CUSTOM_FUNCTION_KINDS"]
+           "CUSTOM_FUNCTION_KINDS"]
 
 CUSTOM_FUNCTION_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W,
                                    ActionKind.OVERLAP_B_F, ActionKind.OVERLAP_F_B})
-_HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.bool, torch.uint8, torch.int8, torch.int16]
+_RECV = (ActionKind.RECV_F, ActionKind.RECV_B)
+_SEND = (ActionKind.SEND_F, ActionKind.SEND_B)
 
 
 class PipelineSchedule:
@@ -180,7 +183,7 @@ class PipelineSchedule:
         if overlap:
             for i, a in enumerate(program):
                 if a.is_comm:
-                    per_peer.setdefault(ctx._peer(a), []).append(i)
+                    per_peer.setdefault(ctx.peer(a), []).append(i)
         cursor = {p: 0 for p in per_peer}
         posted: set[int] = set()
         for i, action in enumerate(program):
@@ -192,7 +195,7 @@ class PipelineSchedule:
                     while c < len(idxs):
                         j = idxs[c]
                         a = program[j]
-                        if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                        if a.kind in _RECV:
                             if j not in posted:
                                 ctx.post_recv(a)
                                 posted.add(j)
@@ -201,15 +204,12 @@ class PipelineSchedule:
                         c += 1
                     cursor[peer] = c
             kind = action.kind
-            if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                handle = ctx.post_send(action)
-                if not overlap:
-                    ctx._sends.pop()
-                    ctx._wait(handle, action, ctx._peer(action))
-            elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            if kind in _SEND:
+                ctx.send(action, wait=not overlap)
+            elif kind in _RECV:
                 if not overlap:
                     ctx.post_recv(action)
-                    ctx.wait_recv(kind, action.stage, action.microbatch)
+                    ctx.wait_recv(kind, action.stage, action.microbatch)  # type: ignore[arg-type]
             else:
                 ctx.run(action)
 
@@ -228,9 +228,9 @@ class PipelineSchedule:
         for s in range(spec.num_stages):
             here = spec.stage_to_rank(s)
             if s > 0 and spec.stage_to_rank(s - 1) != here and here == self.rank:
-                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=device)
+                header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
                 self._p2p("recv", header, spec.stage_to_rank(s - 1), f"metadata for stage {s}")
-                meta = _decode(header.cpu())
+                meta = decode_meta(header.cpu())
                 st = self.stages[s]
                 if st.input_meta is not None and st.input_meta != meta:
                     raise ValueError(f"stage {s} was given input_meta {st.input_meta} but stage "
@@ -252,7 +252,7 @@ class PipelineSchedule:
             example = out
             nxt = spec.stage_to_rank(s + 1)
             if nxt != self.rank:
-                self._p2p("send", _encode(st.output_meta).to(device), nxt, f"metadata of stage {s}")
+                self._p2p("send", encode_meta(st.output_meta).to(device), nxt, f"metadata of stage {s}")
             else:
                 self.stages[s + 1].input_meta = st.output_meta
 
@@ -266,23 +266,6 @@ class PipelineSchedule:
         except CommTimeoutError as exc:
             raise PipelineTimeout(f"pipeline timeout on rank {self.rank}: {what} ({op} with rank "
                                   f"{peer}): {exc}", self.rank, -1, what, peer) from exc
-
-
-def _encode(meta: TensorMeta) -> torch.Tensor:
-    if len(meta.shape) > _HEADER_LEN - 2:
-        raise ValueError(f"activations of rank {len(meta.shape)} > {_HEADER_LEN - 2} are not supported")
-    if meta.dtype not in _DTYPES:
-        raise ValueError(f"activation dtype {meta.dtype} is not supported across stages")
-    h = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    h[0] = _DTYPES.index(meta.dtype)
-    h[1] = len(meta.shape)
-    h[2:2 + len(meta.shape)] = torch.tensor(meta.shape, dtype=torch.int64)
-    return h
-
-
-def _decode(h: torch.Tensor) -> TensorMeta:
-    n = int(h[1])
-    return TensorMeta(tuple(int(v) for v in h[2:2 + n]), _DTYPES[int(h[0])])
 
 
 def _split_inputs(inputs: Sequence[torch.Tensor], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:
@@ -302,11 +285,12 @@ def _split_target(target: Any, m: int) -> list[Any]:
     raise TypeError(f"target must be a tensor split on dim 0, got {type(target).__name__}")
 
 
-def _spec(kind: str, stages: Sequence[PipelineStage], num_microbatches: int, **flags: Any) -> ScheduleSpec:
+def _spec(kind: str, stages: Sequence[PipelineStage], num_microbatches: int,
+          group: dist.ProcessGroup | None, **flags: Any) -> ScheduleSpec:
     if not stages:
         raise ValueError("no stages given")
     num_stages = stages[0].num_stages
-    pp = dist.get_world_size(flags.pop("group", None))
+    pp = dist.get_world_size(group)
     virtual = max(1, num_stages // pp)
     if virtual * pp != num_stages:
         raise ValueError(f"{num_stages} stages cannot be placed on {pp} ranks evenly")
@@ -314,35 +298,42 @@ def _spec(kind: str, stages: Sequence[PipelineStage], num_microbatches: int, **f
                         virtual_stages=virtual, **flags)
 
 
-def ScheduleGPipe(stages: Sequence[PipelineStage] | PipelineStage, num_microbatches: int,
-                  loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = False,
-                  group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
-                  scale_grads: bool = True) -> PipelineSchedule:
-    """GPipe (all forwards, then all backwards) over ``spec`` built from the stages."""
-    st = [stages] if isinstance(stages, PipelineStage) else list(stages)
-    spec = _spec("gpipe", st, num_microbatches, overlap_p2p=overlap_p2p, group=group)
-    return PipelineSchedule(spec, st, loss_fn, group, timeout_s, scale_grads)
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe (all forwards, then all backwards), one stage per rank; the spec is built from the
+    stages and the pipeline group. ``overlap_p2p`` defaults to True, as in ``ScheduleSpec``."""
+
+    def __init__(self, stages: Sequence[PipelineStage] | PipelineStage, num_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = True,
+                 group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
+                 scale_grads: bool = True) -> None:
+        st = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        spec = _spec("gpipe", st, num_microbatches, group, overlap_p2p=overlap_p2p)
+        super().__init__(spec, st, loss_fn, group, timeout_s, scale_grads)
 
 
-def Schedule1F1B(stages: Sequence[PipelineStage] | PipelineStage, num_microbatches: int,
-                 loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = False,
+class Schedule1F1B(PipelineSchedule):
+    """1F1B with one stage per rank (``overlap_b_f``: pair steady-state B and F into
+    OVERLAP_B_F steps). ``overlap_p2p`` defaults to True, as in ``ScheduleSpec``."""
+
+    def __init__(self, stages: Sequence[PipelineStage] | PipelineStage, num_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = True,
                  overlap_b_f: bool = False, group: dist.ProcessGroup | None = None,
-                 timeout_s: float | None = None, scale_grads: bool = True) -> PipelineSchedule:
-    """1F1B with one stage per rank."""
-    st = [stages] if isinstance(stages, PipelineStage) else list(stages)
-    spec = _spec("1f1b", st, num_microbatches, overlap_p2p=overlap_p2p, overlap_b_f=overlap_b_f,
-                 group=group)
-    return PipelineSchedule(spec, st, loss_fn, group, timeout_s, scale_grads)
+                 timeout_s: float | None = None, scale_grads: bool = True) -> None:
+        st = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        spec = _spec("1f1b", st, num_microbatches, group, overlap_p2p=overlap_p2p,
+                     overlap_b_f=overlap_b_f)
+        super().__init__(spec, st, loss_fn, group, timeout_s, scale_grads)
 
 
-def ScheduleInterleaved1F1B(stages: Sequence[PipelineStage], num_microbatches: int,
-                            loss_fn: Callable[..., torch.Tensor] | None = None,
-                            overlap_p2p: bool = False, overlap_b_f: bool = False,
-                            group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
-                            scale_grads: bool = True) -> PipelineSchedule:
-    """Interleaved 1F1B: several virtual stages (model chunks) per rank, loop placement."""
-    st = list(stages)
-    spec = _spec("interleaved_1f1b", st, num_microbatches, overlap_p2p=overlap_p2p,
-                 overlap_b_f=overlap_b_f, group=group)
-    return PipelineSchedule(spec, st, loss_fn, group, timeout_s, scale_grads)
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B: several virtual stages (model chunks) per rank, loop placement.
+    ``overlap_p2p`` defaults to True, as in ``ScheduleSpec``."""
 
+    def __init__(self, stages: Sequence[PipelineStage], num_microbatches: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = True,
+                 overlap_b_f: bool = False, group: dist.ProcessGroup | None = None,
+                 timeout_s: float | None = None, scale_grads: bool = True) -> None:
+        st = list(stages)
+        spec = _spec("interleaved_1f1b", st, num_microbatches, group, overlap_p2p=overlap_p2p,
+                     overlap_b_f=overlap_b_f)
+        super().__init__(spec, st, loss_fn, group, timeout_s, scale_grads)

@@ -9,12 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from overlap_runtime.pipeline import (ExecutionTrace, PipelineSchedule, PipelineStage,
+                                      Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                      gather_traces, measured_bubble, write_execution_trace)
 from overlap_runtime.schedules import ActionKind, ScheduleSpec
-from overlap_runtime.schedules.exec_trace import (ExecutionTrace, gather_traces, measured_bubble,
-                                                  write_execution_trace)
-from overlap_runtime.schedules.runtime import (PipelineSchedule, Schedule1F1B, ScheduleGPipe,
-                                               ScheduleInterleaved1F1B)
-from overlap_runtime.schedules.stage import PipelineStage
 from overlap_runtime.testing import RankFailedError, rel_l2, run_ranks
 
 TOL = 1e-6
@@ -249,3 +247,15 @@ def test_execution_trace_merged_across_ranks(tmp_path) -> None:
     data = json.loads(path.read_text())
     names = {e["name"] for e in data["traceEvents"] if e.get("ph") == "X"}
     assert "0F0" in names and "1B7" in names
+
+
+def test_overlap_p2p_has_one_default_everywhere() -> None:
+    """ScheduleSpec and every Schedule* constructor default to overlap_p2p=True, so a schedule
+    runs the way its spec was simulated unless asked otherwise."""
+    import inspect
+
+    default = ScheduleSpec.model_fields["overlap_p2p"].default
+    assert default is True
+    for cls in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B):
+        assert issubclass(cls, PipelineSchedule)
+        assert inspect.signature(cls).parameters["overlap_p2p"].default is default, cls

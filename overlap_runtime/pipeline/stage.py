@@ -16,7 +16,7 @@ Split backward (``I`` then ``W``) uses only public autograd: ``I`` is
 second time (it recomputes activation gradients on the way to the weights: correct, and more
 arithmetic than a fused ``B``).
 
-Deferred W (:mod:`overlap_runtime.schedules.deferred_w`): a stage whose module holds
+Deferred W (:mod:`overlap_runtime.pipeline.deferred_w`): a stage whose module holds
 ``DeferredLinear`` layers (or that is given ``deferred_w=queue``) runs ``I`` as *one* backward
 walk inside ``queue.capture((stage, microbatch))``: the deferred layers push their weight
 gradients to the queue, every other parameter gets its gradient at once, and the autograd graph
@@ -26,7 +26,7 @@ communication window leave it nothing to do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,36 +34,28 @@ import torch.distributed as dist
 from torch import nn
 
 from .deferred_w import DeferredWQueue, find_deferred_w_queue
+from .tensor_meta import TensorMeta
 
-__all__ = ["PipelineStage", "MicrobatchState", "TensorMeta"]
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of an activation crossing a stage boundary."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @staticmethod
-    def of(t: torch.Tensor) -> "TensorMeta":
-        return TensorMeta(tuple(t.shape), t.dtype)
-
-    def __str__(self) -> str:
-        return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')}"
+__all__ = ["PipelineStage", "MicrobatchState"]
 
 
 @dataclass
 class MicrobatchState:
-    """What one microbatch keeps on one stage between its forward and its backward."""
+    """What one microbatch keeps on one stage between its forward and its backward.
+
+    ``inputs``: the stage's inputs (a received activation is a leaf requiring grad);
+    ``output``: the stage's output; ``loss``: the last stage's unscaled loss (a 0-dim tensor);
+    ``loss_scale``: what the backward multiplies the loss by (``1 / num_microbatches`` when the
+    schedule scales gradients); ``grad_output``: the output gradient kept between I and W;
+    ``input_grad_done``: I ran.
+    """
 
     inputs: tuple[torch.Tensor, ...]
     output: torch.Tensor
     loss: torch.Tensor | None = None
-    input_grad: torch.Tensor | None = None
+    loss_scale: float = 1.0
     grad_output: torch.Tensor | None = None
     input_grad_done: bool = False
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class PipelineStage:
@@ -160,7 +152,7 @@ class PipelineStage:
         if self.is_last and loss_fn is not None:
             loss = loss_fn(out, target)
             state.loss = loss
-            state.extras["loss_scale"] = loss_scale
+            state.loss_scale = loss_scale
         self.microbatches[microbatch] = state
         return out.detach()
 
@@ -178,8 +170,7 @@ class PipelineStage:
             if st.loss is None:
                 raise RuntimeError(f"stage {self.stage_index}: last stage has no loss for "
                                    f"microbatch {microbatch} (pass loss_fn to the schedule)")
-            scale = st.extras.get("loss_scale", 1.0)
-            return st.loss * scale, None
+            return st.loss * st.loss_scale, None
         if grad_output is None:
             raise RuntimeError(f"stage {self.stage_index}: backward of microbatch {microbatch} "
                                f"needs the output gradient from stage {self.stage_index + 1}")

@@ -32,17 +32,21 @@ threads share the device so ``F&B = F + B``). The per-rank order equals torch's
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
-from .builders import _stages_of_rank, register_builder
-from .ir import Action, ActionKind, Schedule
-from .spec import ScheduleKindInfo, ScheduleSpec, register_schedule_kind
+from ..ir import Action, ActionKind, Schedule
+from ..kind import ScheduleKind, stages_of_rank
 
-__all__ = ["build_dualpipev"]
+if TYPE_CHECKING:
+    from ...graph.simulate import CostModel
+    from ..spec import ScheduleSpec
+
+__all__ = ["KIND", "build_dualpipev"]
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 
-def _check(spec: ScheduleSpec) -> None:
+def _check(spec: "ScheduleSpec") -> None:
     if spec.num_microbatches < 2 * spec.pp_size:
         raise ValueError(
             f"num_microbatches={spec.num_microbatches} is too small for kind='dualpipev' with "
@@ -54,16 +58,6 @@ def _check(spec: ScheduleSpec) -> None:
             "overlap_b_f=True does not apply to kind='dualpipev': its steady state is already "
             "made of (F;B)OVERLAP_F_B steps (rule: overlap_b_f only for 1F1B-style kinds)"
         )
-
-
-register_schedule_kind(
-    ScheduleKindInfo(
-        "dualpipev", min_virtual=2, max_virtual=2, placements=("v",), overlap_b_f=False,
-        split_backward=False, check=_check,
-        description="DualPipeV: two chunks per rank in a V, overlapped F/B steady state "
-                    "(DeepSeek-V3, 2024)",
-    )
-)
 
 
 class _RankProgram:
@@ -104,13 +98,12 @@ class _RankProgram:
             self.steps.append(self._pending_w.popleft())
 
 
-@register_builder("dualpipev")
-def build_dualpipev(spec: ScheduleSpec) -> Schedule:
+def build_dualpipev(spec: "ScheduleSpec") -> Schedule:
     """DualPipeV's eight phases per rank (see the module doc)."""
     m, p = spec.num_microbatches, spec.pp_size
     out: Schedule = {}
     for r in range(p):
-        d, u = _stages_of_rank(spec, r)  # chunk 0 (down) = stage r, chunk 1 (up) = 2p-1-r
+        d, u = stages_of_rank(spec, r)  # chunk 0 (down) = stage r, chunk 1 (up) = 2p-1-r
         prog = _RankProgram()
         for _ in range(2 * (p - 1 - r)):
             prog.emit(prog.forward(d))
@@ -145,3 +138,17 @@ def build_dualpipev(spec: ScheduleSpec) -> Schedule:
             raise AssertionError(f"rank {r}: weight passes left pending: {list(prog._pending_w)}")
         out[r] = prog.steps
     return out
+
+
+def _idle(pp: int, costs: "CostModel") -> float:
+    """``(pp - 1)(F&B + B - 3 W)`` with ``F&B = F + B`` (one overlapped step), B = I + W."""
+    b = costs.I + costs.W
+    return (pp - 1) * ((costs.F + b) + b - 3 * costs.W)
+
+
+KIND = ScheduleKind(
+    "dualpipev", build_dualpipev, min_virtual=2, max_virtual=2, placements=("v",),
+    overlap_b_f=False, split_backward=False, check=_check, idle_per_rank=_idle,
+    description="DualPipeV: two chunks per rank in a V, overlapped F/B steady state "
+                "(DeepSeek-V3, 2024)",
+)

@@ -23,17 +23,21 @@ with one stage per rank (tested); the peak number of microbatches in flight per 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
-from .builders import _stages_of_rank, register_builder
-from .ir import Action, ActionKind, Schedule
-from .spec import ScheduleKindInfo, ScheduleSpec, register_schedule_kind
+from ..ir import Action, ActionKind, Schedule
+from ..kind import ScheduleKind, stages_of_rank
 
-__all__ = ["build_zero_bubble"]
+if TYPE_CHECKING:
+    from ...graph.simulate import CostModel
+    from ..spec import ScheduleSpec
+
+__all__ = ["KIND", "build_zero_bubble"]
 
 _F, _I, _W = ActionKind.F, ActionKind.I, ActionKind.W
 
 
-def _check(spec: ScheduleSpec) -> None:
+def _check(spec: "ScheduleSpec") -> None:
     if spec.overlap_b_f:
         raise ValueError(
             "overlap_b_f=True does not apply to kind='zero_bubble': OVERLAP_B_F pairs a full "
@@ -42,17 +46,7 @@ def _check(spec: ScheduleSpec) -> None:
         )
 
 
-register_schedule_kind(
-    ScheduleKindInfo(
-        "zero_bubble", max_virtual=1, overlap_b_f=False, split_backward=True,
-        description="ZB-H1: 1F1B with I/W split, W held back to fill the tail (Qi et al. 2023)",
-        check=_check,
-    )
-)
-
-
-@register_builder("zero_bubble")
-def build_zero_bubble(spec: ScheduleSpec) -> Schedule:
+def build_zero_bubble(spec: "ScheduleSpec") -> Schedule:
     """ZB-H1: ``pp-1-rank`` warm-up forwards, F/I pairs, rank r holds back up to r ``W`` passes.
 
     ``split_backward`` makes no difference (every backward is already split).
@@ -60,7 +54,7 @@ def build_zero_bubble(spec: ScheduleSpec) -> Schedule:
     m, p = spec.num_microbatches, spec.pp_size
     out: Schedule = {}
     for rank in range(p):
-        stage = _stages_of_rank(spec, rank)[0]
+        stage = stages_of_rank(spec, rank)[0]
         warmup = min(p - 1 - rank, m)
         order: list[Action | None] = [Action(stage, _F, i) for i in range(warmup)]
         held: deque[Action] = deque()
@@ -74,3 +68,16 @@ def build_zero_bubble(spec: ScheduleSpec) -> Schedule:
         order.extend(held)
         out[rank] = order
     return out
+
+
+def _idle(pp: int, costs: "CostModel") -> float:
+    """``(pp - 1)(F + I - W)`` = ``(pp - 1)(F + B - 2 W)`` with B = I + W."""
+    b = costs.I + costs.W
+    return (pp - 1) * (costs.F + b - 2 * costs.W)
+
+
+KIND = ScheduleKind(
+    "zero_bubble", build_zero_bubble, max_virtual=1, overlap_b_f=False, split_backward=True,
+    check=_check, idle_per_rank=_idle,
+    description="ZB-H1: 1F1B with I/W split, W held back to fill the tail (Qi et al. 2023)",
+)

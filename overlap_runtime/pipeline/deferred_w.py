@@ -17,7 +17,7 @@ Outside a capture the layer behaves like ``nn.Linear`` (dW computed at once), so
 runs under B, under plain autograd and in a single process.
 
 Why a custom Function and not torch's own split (``torch.autograd.grad(..., inputs=x)`` then a
-second walk for the weights, what :class:`~overlap_runtime.schedules.stage.PipelineStage` does
+second walk for the weights, what :class:`~overlap_runtime.pipeline.stage.PipelineStage` does
 for modules without deferred layers): the second walk recomputes every activation gradient on
 the way to the weights and keeps the whole autograd graph alive (``retain_graph``) between I and
 W. With the queue, I walks the graph once and frees it; a pending W holds exactly its GEMM's
@@ -31,6 +31,9 @@ backward on its device thread); two captures at once raise.
 
 Gradient hooks (DDP/FSDP reducers) fire for deferred parameters only when their W task runs:
 the task accumulates into ``param.grad`` directly, so reduce after the step (or after the W).
+
+Who runs the tasks: the program's W actions, :class:`~overlap_runtime.pipeline.flush.
+FlushWhileWaiting` in communication windows, and ``PipelineSchedule.step``'s drain at the end.
 """
 
 from __future__ import annotations
@@ -40,17 +43,12 @@ import threading
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, NamedTuple
+from typing import Any, Callable, Hashable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .context import ActionContext
-    from .ir import Action
-
-__all__ = ["DeferredWQueue", "DeferredWTask", "WRun", "DeferredLinear", "FlushWhileWaiting",
-           "find_deferred_w_queue"]
+__all__ = ["DeferredWQueue", "DeferredWTask", "WRun", "DeferredLinear", "find_deferred_w_queue"]
 
 
 @dataclass
@@ -306,85 +304,3 @@ def find_deferred_w_queue(module: nn.Module) -> DeferredWQueue | None:
         raise ValueError(f"the deferred layers of {type(module).__name__} use {len(queues)} "
                          "different DeferredWQueue objects; a stage needs exactly one")
     return next(iter(queues.values()), None)
-
-
-# ---------------------------------------------------------------------- flushing in windows
-
-
-class FlushWhileWaiting:
-    """Custom function that runs pending W tasks in communication windows.
-
-    Register it for ``OVERLAP_F_B`` / ``OVERLAP_B_F`` (and optionally ``F``, ``I``, ``B``)::
-
-        flush = FlushWhileWaiting(queue, defer_backward=True)
-        schedule.register_custom_function(ActionKind.OVERLAP_F_B, flush)
-
-    Before each (sub-)action whose input arrives from another rank, while that receive is still
-    in flight, it runs the queue's oldest tasks (``queue.flush(until=receive completed)``), then
-    runs the action (``inner(sub, ctx)`` if given, else the standard way). With
-    ``defer_backward=True`` the full backwards (``B``) of compound steps also defer their weight
-    gradients to the queue, to be flushed in later windows; whatever is left runs at the
-    program's W actions or in the drain at the end of the step (``PipelineSchedule.step`` drains
-    every stage's queue). Needs ``overlap_p2p=True`` (otherwise receives are waited where the
-    program lists them and no window is open when compute starts).
-    """
-
-    def __init__(self, queue: DeferredWQueue, *, defer_backward: bool = False,
-                 inner: Callable[["Action", "ActionContext"], None] | None = None) -> None:
-        self.queue = queue
-        self.defer_backward = defer_backward
-        self.inner = inner
-
-    def __call__(self, action: "Action", ctx: "ActionContext") -> None:
-        if not action.is_compound:
-            self._window(action, ctx)
-            self._run(action, ctx, compound=False)
-            return
-        with ctx.span(str(action), "compound"):
-            for sub in action.sub_actions:
-                self._window(sub, ctx)
-                self._run(sub, ctx, compound=True)
-
-    def _run(self, sub: "Action", ctx: "ActionContext", compound: bool) -> None:
-        from .ir import ActionKind
-
-        if self.inner is not None:
-            self.inner(sub, ctx)
-        elif (self.defer_backward and sub.kind is ActionKind.B
-              and ctx.stages[sub.stage].deferred_w is self.queue):
-            with ctx.span(str(sub), "compute"):
-                ctx._backward(sub.stage, sub.microbatch, split=False, defer_w=True)
-        elif compound:
-            ctx.run(sub)
-        else:
-            ctx.run_default(sub)
-
-    def _window(self, sub: "Action", ctx: "ActionContext") -> None:
-        recv = input_receive(sub, ctx)
-        if recv is None or not self.queue.pending():
-            return
-        kind, stage, mb = recv
-        if ctx.recv_completed(kind, stage, mb) is not False:  # done, or not posted yet
-            return
-        with ctx.span(f"W flush before {sub}", "compute"):
-            self.queue.flush(lambda: bool(ctx.recv_completed(kind, stage, mb)),
-                             reason="window", during=str(ctx.current_action),
-                             step=ctx.step_index)
-
-
-def input_receive(sub: "Action", ctx: "ActionContext") -> tuple[Any, int, int] | None:
-    """``(RECV_F|RECV_B, stage, microbatch)`` that ``sub`` consumes, or None (first/last
-    stage, local hand-off, W)."""
-    from .ir import ActionKind
-
-    s, m = sub.stage, sub.microbatch
-    stage = ctx.stages[s]
-    if sub.kind is ActionKind.F:
-        if stage.is_first or (s - 1) in ctx.stages:
-            return None
-        return ActionKind.RECV_F, s, m
-    if sub.kind in (ActionKind.B, ActionKind.I):
-        if stage.is_last or (s + 1) in ctx.stages:
-            return None
-        return ActionKind.RECV_B, s, m
-    return None

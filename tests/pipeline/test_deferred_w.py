@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from overlap_runtime.schedules.deferred_w import (DeferredLinear, DeferredWQueue,
+from overlap_runtime.pipeline.deferred_w import (DeferredLinear, DeferredWQueue,
                                                   find_deferred_w_queue)
-from overlap_runtime.schedules.stage import PipelineStage
+from overlap_runtime.pipeline import PipelineStage
 from overlap_runtime.testing import rel_l2
 
 

@@ -1,0 +1,56 @@
+"""The torch runtime of pipeline schedules: ``PipelineStage`` (a model chunk's forward, backward
+and split backward), ``PipelineSchedule.step`` (executes this rank's lowered program over
+torch.distributed), the public ``ActionContext`` that the built-in executor and user callbacks
+(``register_custom_function``) share, the deferred-W queue, the execution trace and the
+saved-activation meter.
+
+May import: torch (``torch.distributed`` included), ``overlap_runtime.schedules`` (the pure IR,
+spec and compiler whose output it runs), ``overlap_runtime.graph`` and ``overlap_runtime.ops``.
+Never ``coordinator``, ``moe``, ``models`` or ``trainer`` (they sit above and import this).
+
+Names are re-exported lazily (PEP 562): importing the package does not import torch.distributed
+until a name is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+_EXPORTS = {
+    "PipelineStage": "stage",
+    "TensorMeta": "tensor_meta",
+    "PipelineSchedule": "schedule",
+    "ScheduleGPipe": "schedule",
+    "Schedule1F1B": "schedule",
+    "ScheduleInterleaved1F1B": "schedule",
+    "ActionContext": "context",
+    "ActionFn": "context",
+    "PipelineTimeout": "context",
+    "DeferredLinear": "deferred_w",
+    "DeferredWQueue": "deferred_w",
+    "FlushWhileWaiting": "flush",
+    "SavedTensorMeter": "saved_memory",
+    "ExecutionTrace": "exec_trace",
+    "gather_traces": "exec_trace",
+    "measured_bubble": "exec_trace",
+    "write_execution_trace": "exec_trace",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .context import ActionContext, ActionFn, PipelineTimeout
+    from .deferred_w import DeferredLinear, DeferredWQueue
+    from .exec_trace import ExecutionTrace, gather_traces, measured_bubble, write_execution_trace
+    from .flush import FlushWhileWaiting
+    from .saved_memory import SavedTensorMeter
+    from .schedule import (PipelineSchedule, Schedule1F1B, ScheduleGPipe,
+                           ScheduleInterleaved1F1B)
+    from .stage import PipelineStage
+    from .tensor_meta import TensorMeta

@@ -1,0 +1,377 @@
+"""ActionContext: the per-step state of one rank and the one API that runs actions, shared by
+the built-in executor (``PipelineSchedule.step``) and user callbacks.
+
+A function registered with ``PipelineSchedule.register_custom_function(kind, fn)`` is called as
+``fn(action, ctx)``; the executor itself drives the step through the same public methods, so a
+callback can do anything the built-in path does:
+
+compute (each waits its input: a received buffer, a local hand-off, or the user's batch)
+    ``ctx.run(action)``          F/B/I/W or a compound step, through its registered function
+    ``ctx.run_default(action)``  the same, ignoring registered functions
+    ``ctx.forward(action)``      F
+    ``ctx.backward(action, defer_w=False)``  B or I; ``defer_w=True`` (B only) leaves the
+                                 weight gradients of deferred layers in the stage's W queue
+    ``ctx.backward_weight(action)``  W
+point-to-point (bounded by the schedule's timeout; a stall raises :class:`PipelineTimeout`)
+    ``ctx.peer(action)``         group rank at the other end of a SEND/RECV
+    ``ctx.post_recv(action)``    post a RECV_F/RECV_B (not waited)
+    ``ctx.wait_recv(kind, stage, mb)``  its buffer, waited
+    ``ctx.recv_completed(kind, stage, mb)``  poll: True / False (in flight) / None (not posted)
+    ``ctx.input_recv(action)``   the receive a compute action consumes, or None
+    ``ctx.send(action, wait=False)``  send SEND_F/SEND_B's tensor; ``wait_sends()`` waits all
+tracing and position
+    ``ctx.span(name, cat)``, ``ctx.step_index``, ``ctx.current_action``
+
+Data: ``ctx.stages`` (this rank's stages by index), ``ctx.inputs[m]`` / ``ctx.targets[m]``
+(microbatch inputs and targets), ``ctx.losses`` / ``ctx.outputs`` (last stage, by microbatch).
+
+Per-step state (received buffers, pending sends, local hand-offs) lives here, created fresh for
+every step; nothing per call is kept on the schedule or the stages beyond each stage's
+per-microbatch autograd state. ``ctx.run`` may be called from a second thread (a compound
+step's other side); the bookkeeping dicts are guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from overlap_runtime.ops.comm import AsyncHandle, CommTimeoutError
+from overlap_runtime.schedules.ir import Action, ActionKind
+
+from .exec_trace import ExecutionTrace
+from .stage import PipelineStage
+from .tensor_meta import TensorMeta
+
+if TYPE_CHECKING:
+    from .schedule import PipelineSchedule
+
+__all__ = ["ActionContext", "ActionFn", "PipelineTimeout", "message_tag", "META_TAG"]
+
+_F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+_RECV = (ActionKind.RECV_F, ActionKind.RECV_B)
+_SEND = (ActionKind.SEND_F, ActionKind.SEND_B)
+
+
+class PipelineTimeout(TimeoutError):
+    """A pipeline wait passed its timeout; names rank, step, action and peer, with the grid."""
+
+    def __init__(self, message: str, rank: int, step_index: int, action: str, peer: int | None):
+        super().__init__(message)
+        self.rank, self.step_index, self.action, self.peer = rank, step_index, action, peer
+
+
+META_TAG = 2**30 - 1  # the one-time metadata headers
+
+
+def message_tag(kind: ActionKind, stage: int, microbatch: int, num_stages: int,
+                num_microbatches: int) -> int:
+    """A tag unique per message of a step, the same on both ends: keyed by the direction and
+    the *sending* stage (RECV_F at stage s receives from s-1, RECV_B from s+1)."""
+    direction = 0 if kind in (ActionKind.SEND_F, ActionKind.RECV_F) else 1
+    sender = stage - 1 if kind is ActionKind.RECV_F else stage + 1 if kind is ActionKind.RECV_B else stage
+    return 1 + (direction * num_stages + sender) * num_microbatches + microbatch
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    handle: AsyncHandle
+    peer: int
+    action: Action
+
+
+@dataclass
+class ActionContext:
+    """Per-step state and the action API (see the module doc for the method list).
+
+    Built by ``PipelineSchedule.step``; a callback never constructs one.
+    """
+
+    schedule: "PipelineSchedule"
+    rank: int
+    stages: dict[int, PipelineStage]
+    inputs: list[tuple[torch.Tensor, ...]]
+    targets: list[Any]
+    losses: dict[int, torch.Tensor]
+    trace: ExecutionTrace | None
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # last-stage outputs by mb
+    step_index: int = -1
+    current_action: Action | None = None
+    _acts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict, repr=False)
+    _slots: dict[tuple[ActionKind, int, int], _Slot] = field(default_factory=dict, repr=False)
+    _sends: list[tuple[AsyncHandle, Action, int]] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # ------------------------------------------------------------------ tracing
+    def span(self, name: "str | Action", cat: str) -> Any:
+        """``with ctx.span(name, cat):`` records the block as an interval of the step's
+        execution trace (``name``: a string, or an action formatted only when tracing; ``cat``:
+        ``compute``, ``compound`` or ``comm``). A no-op without a trace."""
+        if self.trace is None:
+            return _NULL_SPAN
+        return self.trace.span(str(name), cat)
+
+    # ------------------------------------------------------------------ compute
+    def run(self, action: Action) -> None:
+        """Run a compute action (F/B/I/W, or a compound step) through the function registered
+        for its kind, else the standard way (:meth:`run_default`). Thread-safe."""
+        fn = self.schedule.custom_functions.get(action.kind)
+        if fn is not None:
+            fn(action, self)
+        else:
+            self.run_default(action)
+
+    def run_default(self, action: Action) -> None:
+        """The built-in behaviour, ignoring registered functions: a compound step runs its
+        sub-actions in order (each through :meth:`run`), F/B/I/W run inside a ``compute``
+        span."""
+        if action.is_compound:
+            with self.span(action, "compound"):
+                for sub in action.sub_actions:
+                    self.run(sub)
+            return
+        with self.span(action, "compute"):
+            kind = action.kind
+            if kind is _F:
+                self.forward(action)
+            elif kind is _B or kind is _I:
+                self.backward(action)
+            elif kind is _W:
+                self.backward_weight(action)
+            else:
+                raise ValueError(f"rank {self.rank}: run_default({action}): not a compute "
+                                 "action (F, B, I, W or a compound step)")
+
+    def forward(self, action: Action) -> None:
+        """F of ``action.stage`` on ``action.microbatch``: takes the user's microbatch (first
+        stage), the previous stage's output (same rank) or the received activation (waited),
+        runs the stage and keeps the output for the next stage or its SEND_F. On the last
+        stage the output goes to ``ctx.outputs`` and the detached loss to ``ctx.losses``."""
+        s, m = self._compute_key(action, (_F,))
+        stage = self.stages[s]
+        if stage.is_first:
+            ins: tuple[torch.Tensor, ...] = self.inputs[m]
+        elif (s - 1) in self.stages:  # local hand-off
+            ins = (self._take(self._acts, (s - 1, m), action, "the previous stage's output"),)
+        else:
+            ins = (self.wait_recv(ActionKind.RECV_F, s, m),)
+        out = stage.forward(m, ins, self.schedule.loss_fn,
+                            self.targets[m] if self.targets else None, self.schedule.loss_scale)
+        if stage.is_last:
+            self.outputs[m] = out
+            loss = stage.microbatches[m].loss
+            if loss is not None:
+                self.losses[m] = loss.detach()
+        else:
+            with self._lock:
+                self._acts[(s, m)] = out
+
+    def backward(self, action: Action, *, defer_w: bool = False) -> None:
+        """B (full backward) or I (input gradient) of ``action``: takes the output gradient
+        (none on the last stage; the next stage's on this rank; else the received one, waited),
+        runs the stage's backward and keeps the input gradient for the previous stage or its
+        SEND_B.
+
+        ``defer_w=True`` (B only): the stage's deferred layers push their weight gradients to
+        the stage's :class:`~overlap_runtime.pipeline.deferred_w.DeferredWQueue` instead of
+        computing them; they run in a later flush, at the end of the step at the latest. An I
+        already leaves them in the queue when the stage has one, so ``defer_w`` with an I
+        raises, as does ``defer_w`` on a stage without a queue.
+        """
+        s, m = self._compute_key(action, (_B, _I))
+        if defer_w and action.kind is _I:
+            raise ValueError(f"rank {self.rank}: backward({action}, defer_w=True): defer_w is for "
+                             "a full backward B; an I defers through its stage's queue already")
+        stage = self.stages[s]
+        if defer_w and stage.deferred_w is None:
+            raise ValueError(f"rank {self.rank}: backward({action}, defer_w=True): stage {s} has "
+                             "no DeferredWQueue (give its module DeferredLinear layers or pass "
+                             "PipelineStage(deferred_w=queue))")
+        if stage.is_last:
+            grad = None
+        elif (s + 1) in self.stages:
+            grad = self._take(self._grads, (s + 1, m), action, "the next stage's input gradient")
+        else:
+            grad = self.wait_recv(ActionKind.RECV_B, s, m)
+        if action.kind is _I:
+            g = stage.backward_input(m, grad)
+        else:
+            g = stage.backward(m, grad, defer_w=defer_w)
+        if not stage.is_first:
+            with self._lock:
+                self._grads[(s, m)] = g
+
+    def backward_weight(self, action: Action) -> None:
+        """W of ``action``: the weight gradients of a microbatch whose I ran (its queued tasks,
+        or a second autograd walk without a queue)."""
+        s, m = self._compute_key(action, (_W,))
+        self.stages[s].backward_weight(m)
+
+    # ------------------------------------------------------------------ point-to-point
+    def peer(self, action: Action) -> int:
+        """Pipeline-group rank at the other end of a SEND_F/SEND_B/RECV_F/RECV_B."""
+        k, s = action.kind, action.stage
+        if k not in _SEND and k not in _RECV:
+            raise ValueError(f"rank {self.rank}: peer({action}): not a SEND/RECV action")
+        other = s + 1 if k in (ActionKind.SEND_F, ActionKind.RECV_B) else s - 1
+        return self.schedule.spec.stage_to_rank(other)
+
+    def input_recv(self, action: Action) -> tuple[ActionKind, int, int] | None:
+        """``(RECV_F|RECV_B, stage, microbatch)`` that compute ``action`` consumes, or None when
+        its input is not received (first/last stage, a local hand-off, a W)."""
+        s, m = action.stage, action.microbatch
+        if action.kind is _F:
+            if self.stages[s].is_first or (s - 1) in self.stages:
+                return None
+            return ActionKind.RECV_F, s, m  # type: ignore[return-value]
+        if action.kind is _B or action.kind is _I:
+            if self.stages[s].is_last or (s + 1) in self.stages:
+                return None
+            return ActionKind.RECV_B, s, m  # type: ignore[return-value]
+        return None
+
+    def post_recv(self, action: Action) -> None:
+        """Allocate the buffer of a RECV_F/RECV_B (shape from the stage's metadata) and post
+        the receive, not waited. Posting one twice raises."""
+        if action.kind not in _RECV:
+            raise ValueError(f"rank {self.rank}: post_recv({action}): not a RECV_F/RECV_B")
+        s, m = action.stage, action.microbatch
+        key = (action.kind, s, m)
+        stage = self.stages[s]
+        meta = stage.input_meta if action.kind is ActionKind.RECV_F else stage.output_meta
+        if meta is None:
+            raise RuntimeError(f"rank {self.rank}: no shape known for {action} "
+                               f"(metadata exchange did not run)")
+        buf = torch.empty(meta.shape, dtype=meta.dtype, device=stage.device)
+        peer = self.peer(action)
+        with self._lock:
+            if key in self._slots:
+                raise RuntimeError(f"rank {self.rank}: {action} was posted twice in one step")
+        work = dist.irecv(buf, self._global(peer), group=self.schedule.group, tag=self._tag(action))
+        handle = AsyncHandle([work], f"{action} from rank {peer}", self.schedule.timeout_s,
+                             device=buf.device)
+        with self._lock:
+            self._slots[key] = _Slot(buf, handle, peer, action)
+
+    def recv_completed(self, kind: ActionKind, stage: int, microbatch: int) -> bool | None:
+        """Poll the receive ``{stage}{kind}{microbatch}`` without waiting: True when its data
+        is here, False while in flight, None when it was not posted (yet). Used to fill a
+        communication window with other work (deferred W tasks)."""
+        with self._lock:
+            slot = self._slots.get((ActionKind(kind), stage, microbatch))
+        if slot is None:
+            return None
+        return slot.handle.is_completed()
+
+    def wait_recv(self, kind: ActionKind, stage: int, microbatch: int) -> torch.Tensor:
+        """The buffer of the posted receive ``{stage}{kind}{microbatch}``, waited (bounded by
+        the schedule's timeout; the wait is recorded in the trace)."""
+        key = (ActionKind(kind), stage, microbatch)
+        with self._lock:
+            slot = self._slots.get(key)
+        if slot is None:
+            raise RuntimeError(f"rank {self.rank}: {stage}{key[0].value}{microbatch} was never "
+                               f"posted (the lowered schedule has no such receive before its use)")
+        t0 = time.time_ns()
+        self._wait(slot.handle, slot.action, slot.peer)
+        if self.trace is not None:
+            self.trace.record(f"wait {slot.action}", "comm", t0, time.time_ns())
+        return slot.buffer
+
+    def send(self, action: Action, *, wait: bool = False) -> AsyncHandle:
+        """Send the activation (SEND_F) or input gradient (SEND_B) named by ``action`` to its
+        peer. ``wait=False``: the send stays pending until :meth:`wait_sends` (its buffer is
+        kept alive); ``wait=True``: waited here (bounded). Returns the handle."""
+        if action.kind not in _SEND:
+            raise ValueError(f"rank {self.rank}: send({action}): not a SEND_F/SEND_B")
+        s, m = action.stage, action.microbatch
+        if action.kind is ActionKind.SEND_F:
+            tensor = self._take(self._acts, (s, m), action, f"the output of {s}F{m}")
+            expect = self.stages[s].output_meta
+        else:
+            tensor = self._take(self._grads, (s, m), action, f"the input gradient of stage {s}")
+            expect = self.stages[s].input_meta
+            if tensor is None:
+                raise RuntimeError(f"rank {self.rank}: {action}: stage {s} produced no input gradient")
+        if expect is not None and TensorMeta.of(tensor) != expect:
+            raise ValueError(f"rank {self.rank}: {action} would send {TensorMeta.of(tensor)} but "
+                             f"the receiver expects {expect}")
+        peer = self.peer(action)
+        payload = tensor.detach().contiguous()
+        work = dist.isend(payload, self._global(peer), group=self.schedule.group,
+                          tag=self._tag(action))
+        handle = AsyncHandle([work], f"{action} to rank {peer}", self.schedule.timeout_s,
+                             device=payload.device)
+        handle.payload = payload  # type: ignore[attr-defined]  # alive until waited
+        if wait:
+            self._wait(handle, action, peer)
+        else:
+            with self._lock:
+                self._sends.append((handle, action, peer))
+        return handle
+
+    def wait_sends(self) -> None:
+        """Wait every pending send of the step (bounded; each wait is traced)."""
+        with self._lock:
+            sends, self._sends = self._sends, []
+        for handle, action, peer in sends:
+            t0 = time.time_ns()
+            self._wait(handle, action, peer)
+            if self.trace is not None:
+                self.trace.record(f"wait {action}", "comm", t0, time.time_ns())
+
+    # ------------------------------------------------------------------ internals
+    def _compute_key(self, action: Action, kinds: tuple[ActionKind, ...]) -> tuple[int, int]:
+        if action.kind not in kinds:
+            raise ValueError(f"rank {self.rank}: {action} is not a "
+                             f"{'/'.join(k.value for k in kinds)} action")
+        if action.stage not in self.stages:
+            raise ValueError(f"rank {self.rank}: {action}: stage {action.stage} is not on this "
+                             f"rank (stages here: {sorted(self.stages)})")
+        return action.stage, action.microbatch  # type: ignore[return-value]
+
+    def _take(self, store: dict[tuple[int, int], Any], key: tuple[int, int], action: Action,
+              what: str) -> Any:
+        with self._lock:
+            if key not in store:
+                raise RuntimeError(f"rank {self.rank}: {action} needs {what}, which is not here "
+                                   "(its producer has not run on this rank, or it was taken)")
+            return store.pop(key)
+
+    def _tag(self, action: Action) -> int:
+        spec = self.schedule.spec
+        return message_tag(action.kind, action.stage, action.microbatch,  # type: ignore[arg-type]
+                           spec.num_stages, spec.num_microbatches)
+
+    def _global(self, group_rank: int) -> int:
+        group = self.schedule.group
+        if group is None or group is dist.GroupMember.WORLD:
+            return group_rank
+        return dist.get_global_rank(group, group_rank)
+
+    def _wait(self, handle: AsyncHandle, action: Action, peer: int | None) -> None:
+        try:
+            handle.wait()
+        except CommTimeoutError as exc:
+            raise self.schedule.timeout_error(self.rank, self.step_index, action, peer, exc) from exc
+
+
+class _NullSpan:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NULL_SPAN = _NullSpan()
+
+ActionFn = Callable[[Action, ActionContext], None]
+"""``fn(action, ctx)``: a custom function for ``PipelineSchedule.register_custom_function``."""

@@ -1,0 +1,72 @@
+"""``ScheduleKind``: what one schedule kind is (its rules on a spec, its builder, its published
+bubble), and the helpers builders share.
+
+Every kind is one file in :mod:`overlap_runtime.schedules.kinds` that defines ``KIND =
+ScheduleKind(...)``; :mod:`overlap_runtime.schedules.registry` lists those files and looks kinds
+up by name. This module imports only the IR (the spec and the cost model are type hints only),
+so a kind file can import it without reaching the spec that validates against the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from .ir import Action, Schedule
+
+if TYPE_CHECKING:
+    from ..graph.simulate import CostModel
+    from .spec import ScheduleSpec
+
+__all__ = ["ScheduleKind", "Builder", "IdleFormula", "stages_of_rank", "interleave_1f1b"]
+
+Builder = Callable[["ScheduleSpec"], Schedule]
+"""``build(spec) -> Schedule``: the compute actions of every rank (no SEND/RECV)."""
+
+IdleFormula = Callable[[int, "CostModel"], float]
+"""``idle(pp, costs) -> float``: the published idle time per rank of one step (free comm)."""
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One schedule kind: the constraints it puts on a :class:`ScheduleSpec` and its builder.
+
+    - ``name``: the ``ScheduleSpec.kind`` string.
+    - ``build(spec)``: the compute schedule (``split_backward`` / ``overlap_b_f`` are applied
+      afterwards by :func:`~overlap_runtime.schedules.build.build_schedule`).
+    - ``min_virtual`` / ``max_virtual``: bounds of ``virtual_stages`` (``None``: unbounded).
+    - ``placements``: the stage placements the builder handles.
+    - ``overlap_b_f``: the kind has a 1F1B steady state whose backward i and forward i+1 can be
+      paired; ``split_backward``: the kind accepts ``split_backward=True``.
+    - ``check(spec)``: the kind's own rules (raise ``ValueError`` naming the values and the
+      rule); runs after the virtual-stage and placement rules, before the flag rules.
+    - ``idle_per_rank(pp, costs)``: the published bubble formula, if there is one
+      (:mod:`overlap_runtime.schedules.bubbles`).
+    """
+
+    name: str
+    build: Builder
+    description: str = ""
+    min_virtual: int = 1
+    max_virtual: int | None = None
+    placements: tuple[str, ...] = ("loop",)
+    overlap_b_f: bool = True
+    split_backward: bool = True
+    check: Callable[["ScheduleSpec"], None] | None = None
+    idle_per_rank: IdleFormula | None = None
+
+
+def stages_of_rank(spec: "ScheduleSpec", rank: int) -> list[int]:
+    """Global stages of ``rank`` ordered by chunk (chunk 0 first)."""
+    return [s for s in range(spec.num_stages) if spec.stage_to_rank(s) == rank]
+
+
+def interleave_1f1b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action | None]:
+    """``warmup`` forwards, then F/B pairs, then the remaining backwards."""
+    n = len(fwd)
+    order: list[Action | None] = list(fwd[:warmup])
+    for i in range(n - warmup):
+        order.append(fwd[warmup + i])
+        order.append(bwd[i])
+    order.extend(bwd[n - warmup:])
+    return order

@@ -1,0 +1,187 @@
+"""Import layering, read from the source with ``ast`` (no module is imported).
+
+- The import graph among ``overlap_runtime`` modules has no cycle through ``schedules/`` or
+  ``pipeline/``. Every import counts (module level and inside functions: both run), except those
+  under ``if TYPE_CHECKING:``; a package ``__init__`` that re-exports lazily
+  (``lazy_exports(__name__, _EXPORTS)``) imports the submodules its ``_EXPORTS`` names.
+- ``schedules/`` is pure: no module it reaches imports ``torch.distributed``, and it never
+  reaches ``pipeline/`` (the runtime sits above it).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+import overlap_runtime
+
+ROOT = Path(overlap_runtime.__file__).parent
+PURE = "overlap_runtime.schedules"
+RUNTIME = "overlap_runtime.pipeline"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement outside ``if TYPE_CHECKING:`` bodies."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _lazy_targets(tree: ast.Module) -> list[str]:
+    """Submodules named by ``X`` in a module-level ``lazy_exports(__name__, X)``."""
+    dicts: dict[str, ast.Dict] = {}
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        value = getattr(node, "value", None)
+        for t in targets:
+            if isinstance(t, ast.Name) and isinstance(value, ast.Dict):
+                dicts[t.id] = value
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports"
+                and len(node.args) == 2 and isinstance(node.args[1], ast.Name)):
+            mapping = dicts.get(node.args[1].id)
+            assert mapping is not None, f"lazy_exports({node.args[1].id}) needs a dict literal"
+            out += [v.value for v in mapping.values if isinstance(v, ast.Constant)]
+    return out
+
+
+def _parse_package() -> tuple[dict[str, ast.Module], dict[str, bool]]:
+    trees, is_pkg = {}, {}
+    for path in sorted(ROOT.rglob("*.py")):
+        name = _module_name(path)
+        trees[name] = ast.parse(path.read_text(), str(path))
+        is_pkg[name] = path.name == "__init__.py"
+    return trees, is_pkg
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    """The module ``name`` denotes (a longest known prefix: ``pkg.mod.attr`` -> ``pkg.mod``)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def import_graph() -> tuple[nx.DiGraph, dict[str, set[str]]]:
+    """Edges between ``overlap_runtime`` modules, and every module's external imports."""
+    trees, is_pkg = _parse_package()
+    modules = set(trees)
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    external: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, tree in trees.items():
+        package = mod if is_pkg[mod] else mod.rpartition(".")[0]
+        targets: list[str] = [f"{package}.{sub}" for sub in _lazy_targets(tree)]
+        for node in _import_nodes(tree):
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+                continue
+            if node.level:
+                base_parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                # ``from pkg import sub`` imports the submodule ``pkg.sub`` when there is one
+                full = f"{base}.{alias.name}"
+                targets.append(full if full in modules or not base.startswith("overlap_runtime")
+                               else base)
+        for target in targets:
+            if target.split(".")[0] == "overlap_runtime":
+                resolved = _resolve(target, modules)
+                assert resolved is not None, f"{mod} imports {target}, which does not exist"
+                if resolved != mod:
+                    graph.add_edge(mod, resolved)
+            else:
+                external[mod].add(target)
+    return graph, external
+
+
+def _in(mod: str, package: str) -> bool:
+    return mod == package or mod.startswith(package + ".")
+
+
+def _cycles(graph: nx.DiGraph) -> list[set[str]]:
+    return [c for c in nx.strongly_connected_components(graph) if len(c) > 1]
+
+
+def test_no_import_cycle_through_schedules_or_pipeline() -> None:
+    ours = [c for c in _cycles(import_graph()[0])
+            if any(_in(m, PURE) or _in(m, RUNTIME) for m in c)]
+    assert not ours, f"import cycles: {[sorted(c) for c in ours]}"
+
+
+# Cycles outside schedules/ and pipeline/ that exist today (graph/: TaskGraph's methods import
+# the validator and the simulator, which import TaskGraph). A new cycle anywhere fails.
+KNOWN_CYCLES = [
+    {"overlap_runtime.graph.simulate", "overlap_runtime.graph.task_graph",
+     "overlap_runtime.graph.validate"},
+]
+
+
+def test_no_import_cycle_elsewhere_beyond_the_known_ones() -> None:
+    new = [sorted(c) for c in _cycles(import_graph()[0]) if not any(c <= k for k in KNOWN_CYCLES)]
+    assert not new, f"new import cycles: {new}"
+
+
+def test_schedules_reach_no_torch_distributed_and_not_the_runtime() -> None:
+    graph, external = import_graph()
+    start = [m for m in graph if _in(m, PURE)]
+    reached = set(start).union(*(nx.descendants(graph, m) for m in start))
+    assert not [m for m in reached if _in(m, RUNTIME)], sorted(m for m in reached
+                                                               if _in(m, RUNTIME))
+    offenders = {m: sorted(x for x in external[m]
+                           if x == "torch.distributed" or x.startswith("torch.distributed."))
+                 for m in reached}
+    assert not {m: x for m, x in offenders.items() if x}, offenders
+    assert "overlap_runtime.graph.task_graph" in reached  # the walk does follow imports
+
+
+@pytest.mark.parametrize("source, cyclic, reaches_dist", [
+    ("from . import b\n", True, False),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n", False, False),
+    ("def f():\n    from .b import x\n", True, False),
+    ("def f():\n    import torch.distributed as dist\n", False, True),
+])
+def test_the_checker_sees_what_it_must(tmp_path, monkeypatch, source, cyclic, reaches_dist
+                                       ) -> None:  # type: ignore[no-untyped-def]
+    """The walk on a tiny package: a function-level import counts, a TYPE_CHECKING one not."""
+    pkg = tmp_path / "overlap_runtime"
+    (pkg / "schedules").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "schedules" / "__init__.py").write_text("")
+    (pkg / "schedules" / "a.py").write_text(source)
+    (pkg / "schedules" / "b.py").write_text("from .a import y\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    graph, external = import_graph()
+    assert bool(_cycles(graph)) is cyclic
+    assert ("torch.distributed" in external["overlap_runtime.schedules.a"]) is reaches_dist
