@@ -8,8 +8,9 @@ One table decides everything device-specific in the runtime::
     cuda         cuda:<i>       nccl                     -
     npu          npu:<i>        hccl                     torch_npu (lazily, only when asked for)
 
-Streams and events are real on cuda/npu and no-ops on the CPU, so the same overlap code runs in
-CI (gloo, CPU ranks) and on accelerators. The current device is per thread in torch: every worker
+Streams, events, synchronisation and memory statistics are real on cuda/npu and no-ops (or None)
+on the CPU, so the same overlap and training code runs in CI (gloo, CPU ranks) and on
+accelerators. The current device is per thread in torch: every worker
 thread that launches kernels must call :func:`set_device` itself.
 """
 
@@ -237,6 +238,22 @@ def synchronize(device: str | torch.device) -> None:
     mod = _accel_module(kind)
     if mod is not None:
         mod.synchronize(torch.device(device))
+
+
+def reset_peak_memory_stats(device: str | torch.device) -> None:
+    """Start a new peak of allocated device memory on ``device``; a no-op on the CPU."""
+    mod = _accel_module(device_kind(device))
+    if mod is not None:
+        mod.reset_peak_memory_stats(torch.device(device))
+
+
+def max_memory_allocated(device: str | torch.device) -> int | None:
+    """Peak bytes allocated by tensors on ``device`` since the last reset (the caching
+    allocator's figure on cuda/npu); None on the CPU, which keeps no such statistic."""
+    mod = _accel_module(device_kind(device))
+    if mod is None:
+        return None
+    return int(mod.max_memory_allocated(torch.device(device)))
 
 
 @dataclass(frozen=True)

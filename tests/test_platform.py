@@ -78,3 +78,37 @@ def test_set_device_per_thread_on_cpu() -> None:
 def test_platform_info_lists_cpu() -> None:
     info = platform.platform_info()
     assert "cpu" in info.kinds and info.backends["cpu"] == "gloo" and info.counts["cpu"] == 1
+
+
+def test_cpu_memory_statistics_and_synchronize() -> None:
+    platform.reset_peak_memory_stats("cpu")
+    platform.synchronize(torch.device("cpu"))
+    assert platform.max_memory_allocated("cpu") is None  # the CPU keeps no such statistic
+    with pytest.raises(ValueError, match="unknown device kind 'tpu'"):
+        platform.max_memory_allocated("tpu:0")
+
+
+def test_accelerator_memory_statistics_go_to_the_kind_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda and npu share one path (the kind's torch module): a fake module records the calls."""
+    calls: list[tuple[str, torch.device]] = []
+
+    class FakeAccel:
+        @staticmethod
+        def reset_peak_memory_stats(dev: torch.device) -> None:
+            calls.append(("reset", dev))
+
+        @staticmethod
+        def max_memory_allocated(dev: torch.device) -> int:
+            calls.append(("max", dev))
+            return 1234
+
+        @staticmethod
+        def synchronize(dev: torch.device) -> None:
+            calls.append(("sync", dev))
+
+    monkeypatch.setattr(platform, "_accel_module", lambda kind: FakeAccel if kind == "cuda" else None)
+    platform.reset_peak_memory_stats("cuda:1")
+    assert platform.max_memory_allocated(torch.device("cuda", 1)) == 1234
+    platform.synchronize("cuda:1")
+    assert calls == [("reset", torch.device("cuda:1")), ("max", torch.device("cuda:1")),
+                     ("sync", torch.device("cuda:1"))]

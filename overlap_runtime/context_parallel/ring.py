@@ -77,14 +77,8 @@ from overlap_runtime.ops.attention import (
     default_scale,
 )
 from overlap_runtime.context_parallel.ring_accumulate import _GradSum, _OutputMerger, _span
-from overlap_runtime.ops.comm import (
-    AsyncHandle,
-    _check_device_backend,
-    _p2p,
-    _timeout,
-    group_rank,
-    group_size,
-)
+from overlap_runtime.ops import comm
+from overlap_runtime.ops.comm import group_rank, group_size
 
 __all__ = ["ring_attention", "ring_step_block", "kv_hop_is_half", "dkv_hop_is_half"]
 
@@ -113,28 +107,20 @@ def ring_step_block(src: int, me: int, local_len: int, causal: bool,
 
 
 class _RingShift:
-    """One ring hop in flight: ``send`` goes to ``me + 1``, ``recv`` is filled from ``me - 1``.
+    """One ring hop in flight (``comm.ring_shift``: send to ``me + 1``, receive from ``me - 1``).
 
-    Keeps the send buffer alive until :meth:`wait`. Even ranks post send-then-receive, odd ranks
-    receive-then-send: with P == 2 both peers are the same rank, and backends that serialise
-    point-to-point per peer pair (NCCL's per-pair stream, or the main stream under eager init)
-    would deadlock if both sides sent first. The same posting order on both sides of every pair
-    also keeps the K/V and dK/dV messages matched in order (neither carries a tag); their sizes
-    (whole or first half, see :func:`kv_hop_is_half` and :func:`dkv_hop_is_half`) are computed
-    by sender and receiver from the same rule.
+    ``comm.ring_shift`` keeps both buffers alive until :meth:`wait` and fixes the posting order
+    that keeps two ranks from deadlocking and the untagged K/V and dK/dV messages matched in
+    order; their sizes (whole or first half, see :func:`kv_hop_is_half` and
+    :func:`dkv_hop_is_half`) are computed by sender and receiver from the same rule. Records the
+    hop's bytes in ``stats``.
     """
 
     def __init__(self, send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None,
                  timeout_s: float, stats: CommStats | None, phase: Phase, what: str) -> None:
-        me, world = group_rank(group), group_size(group)
-        nxt, prv = (me + 1) % world, (me - 1) % world
-        self.send, self.recv = send, recv
-        ops = [("send", send, nxt), ("recv", recv, prv)]
-        if me % 2:
-            ops.reverse()
-        works = _p2p(ops, group)
-        self.handle = AsyncHandle(works, f"ring attention {what} ({phase}, rank {me}: send to "
-                                  f"{nxt}, receive from {prv})", timeout_s, device=recv.device)
+        self.recv = recv
+        self.handle = comm.ring_shift(send, recv, group, timeout_s=timeout_s,
+                                      what=f"ring attention {what} ({phase})")
         if stats is not None:
             stats.record(phase, "send", send.numel() * send.element_size())
             stats.record(phase, "recv", recv.numel() * recv.element_size())
@@ -417,7 +403,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"ring_attention: local length {q.shape[1]} must be even under zigzag "
                          f"(two chunks per rank; the full length must be a multiple of 2 * cp)")
     if group_size(group) > 1:
-        _check_device_backend(q, group, "ring_attention")
+        comm.check_device_backend(q, group, "ring_attention")
     sc = default_scale(q.shape[-1]) if scale is None else float(scale)
     return _RingAttention.apply(q, k.contiguous(), v.contiguous(), group, bool(causal),
-                                load_balance, sc, _timeout(timeout_s), stats, backend)
+                                load_balance, sc, comm.resolve_timeout(timeout_s), stats, backend)

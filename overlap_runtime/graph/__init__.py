@@ -1,4 +1,12 @@
-"""Task DAG: compute and communication tasks, validation, cost-model simulation, traces."""
+"""Task DAG: compute and communication tasks, validation, cost-model simulation, traces.
+
+Used today to validate (no deadlock, every send matched, one collective order) and simulate
+(cost model) graphs before anything runs; nothing here executes a graph. ``intervals`` is the
+one home of interval arithmetic (union, measure, overlap, difference) for timelines and traces.
+
+May import: the standard library and networkx (lazily, for the ``TaskGraph.nx`` view); never
+torch or another part of ``overlap_runtime``.
+"""
 
 from .grid import format_grid, format_timeline
 from .simulate import CostModel, SimulationResult, TimelineEntry, simulate

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
 from ._gc import gc_paused
+from .intervals import measure_minus, total_length, union
 from .task_graph import Task, TaskGraph, is_comm_lane
 from .validate import CommMatching, blocking_adjacency, match_comm, validate_graph
 
@@ -254,9 +255,9 @@ def simulate(
     busy: dict[int, float] = {}
     exposed: dict[int, float] = {}
     for rank in sorted(set(comp) | set(comm)):
-        cu = _union(comp.get(rank, []))
-        busy[rank] = sum(b - a for a, b in cu)
-        exposed[rank] = _measure_minus(_union(comm.get(rank, [])), cu)
+        cu = union(comp.get(rank, []))
+        busy[rank] = total_length(cu)
+        exposed[rank] = measure_minus(union(comm.get(rank, [])), cu)
 
     # critical path: walk back from the last task through whatever delayed each start
     path: list[Hashable] = []
@@ -279,30 +280,3 @@ def simulate(
             i = best
         path.reverse()
     return SimulationResult(tasks, start, end, makespan, busy, exposed, path)
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _measure_minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of union ``a`` minus union ``b`` (both sorted, disjoint)."""
-    total = 0.0
-    j = 0
-    for s, e in a:
-        length = e - s
-        while j < len(b) and b[j][1] <= s:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < e:
-            length -= min(e, b[k][1]) - max(s, b[k][0])
-            k += 1
-        total += length
-    return total

@@ -72,7 +72,8 @@ class Task(NamedTuple):
 
     ``id``: unique and hashable (pipeline tasks use their action text, ``1F3``). ``kind``: what
     the task is (``F``, ``SEND_F``, ``dispatch``...) and the cost-model key. ``cost``: a cost
-    hint in seconds that overrides the cost model. ``fn``: what ``execute`` will call.
+    hint in seconds that overrides the cost model. ``fn``: an optional callable carried with
+    the task; nothing in ``graph`` calls it (there is no ``execute`` pass yet).
     ``step``: position in the rank's program, for the rank x step grid in error messages.
     ``label``: display text (default ``str(id)``); ``meta``: free-form facts (stage, microbatch).
     Immutable (a named tuple, cheap to create by the hundred thousand).

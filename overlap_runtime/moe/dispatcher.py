@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -123,7 +123,10 @@ class CombinePartialResult:
 
     ``received`` (``[N*k, H]``) is the all-to-all's output buffer: not readable before the
     handle is waited. Holds no reference to the dispatcher. ``consumed`` turns True in
-    ``combine_wait``; a second ``combine_wait`` raises.
+    ``combine_wait``; a second ``combine_wait`` raises. ``bwd_span_box``: when the dispatcher
+    traces, the list in which the combine's backward span start (``time.time_ns()``) travels
+    from ``_BackwardSpanOpen`` (set in ``combine_wait``) to ``_BackwardSpanClose`` (set in
+    ``combine_start``); None when nothing is traced or there is no EP group.
     """
 
     received: torch.Tensor
@@ -131,7 +134,7 @@ class CombinePartialResult:
     handle: CommHandle
     started_ns: int
     consumed: bool = False
-    extras: dict[str, Any] = field(default_factory=dict)
+    bwd_span_box: list[int] | None = None
 
 
 class _CompletedHandle:
@@ -370,15 +373,14 @@ class AllToAllTokenDispatcher:
             return handle, CombinePartialResult(y, metadata, handle, time.time_ns())
         y = self._hook(y, "C")
         t0 = time.time_ns()
-        box: list[int] = []
+        box: list[int] | None = None
         if self.trace is not None and y.requires_grad:
+            box = []
             y = _BackwardSpanClose.apply(y, box, self.trace, f"{self.tag}.combine bwd")
         handle, out = self._all_to_all(y, list(metadata.input_splits),
                                        list(metadata.output_splits), f"{self.tag}.combine",
                                        async_op=True)
-        partial = CombinePartialResult(out, metadata, handle, t0)
-        partial.extras["bwd_box"] = box
-        return handle, partial
+        return handle, CombinePartialResult(out, metadata, handle, t0, bwd_span_box=box)
 
     def combine_wait(self, handle: CommHandle, partial: CombinePartialResult) -> torch.Tensor:
         """Wait the combine (bounded), then unpermute and weight: returns ``[..., H]`` shaped
@@ -398,7 +400,7 @@ class AllToAllTokenDispatcher:
         out = partial.received
         if self.group is not None:
             self._span(f"{self.tag}.combine fwd", partial.started_ns)
-            box = partial.extras.get("bwd_box")
+            box = partial.bwd_span_box
             if self.trace is not None and out.requires_grad and box is not None:
                 out = _BackwardSpanOpen.apply(out, box)
             out = self._hook(out, self.hooks.combine_letter if self.hooks else "D")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from overlap_runtime.graph import CommInfo, SimulationResult, Task, TaskGraph
+from overlap_runtime.graph.intervals import minus, overlap, union
 
 __all__ = ["MoENodeCosts", "moe_layer_task_graph", "moe_overlap_pair_task_graph",
            "predicted_a2a_overlap", "measured_a2a_overlap", "node_costs_from_trace",
@@ -204,35 +205,6 @@ def predicted_a2a_overlap(result: SimulationResult) -> float:
 # ----------------------------------------------------------------------------- measurement
 
 
-def _union(iv: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
-
-
-def _minus(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s, e in a:
-        cur = s
-        for bs, be in b:
-            if be <= cur or bs >= e:
-                continue
-            if bs > cur:
-                out.append((cur, bs))
-            cur = max(cur, be)
-        if cur < e:
-            out.append((cur, e))
-    return out
-
-
-def _overlap_len(s: int, e: int, iv: list[tuple[int, int]]) -> int:
-    return sum(max(0, min(e, b) - max(s, a)) for a, b in iv)
-
-
 def measured_a2a_overlap(events: Iterable[Any], paired_only: bool = True) -> dict[str, float]:
     """Share of all-to-all time covered by the other thread's compute, from trace events.
 
@@ -250,20 +222,20 @@ def measured_a2a_overlap(events: Iterable[Any], paired_only: bool = True) -> dic
         threads = sorted({e.thread for e in mine})
         busy: dict[str, list[tuple[int, int]]] = {}
         for t in threads:
-            act = _union((e.start_ns, e.end_ns) for e in mine
-                         if e.thread == t and e.cat == "compute")
-            idle = _union((e.start_ns, e.end_ns) for e in mine
-                          if e.thread == t and e.cat in ("a2a", "hook", "comm"))
-            busy[t] = _minus(act, idle)
-        windows = _union((e.start_ns, e.end_ns) for e in mine if e.cat == "compound")
+            act = union((e.start_ns, e.end_ns) for e in mine
+                        if e.thread == t and e.cat == "compute")
+            idle = union((e.start_ns, e.end_ns) for e in mine
+                         if e.thread == t and e.cat in ("a2a", "hook", "comm"))
+            busy[t] = minus(act, idle)
+        windows = union((e.start_ns, e.end_ns) for e in mine if e.cat == "compound")
         for e in mine:
             if e.cat != "a2a" or e.end_ns <= e.start_ns:
                 continue
-            if paired_only and _overlap_len(e.start_ns, e.end_ns, windows) < (e.end_ns - e.start_ns):
+            if paired_only and overlap(e.start_ns, e.end_ns, windows) < (e.end_ns - e.start_ns):
                 continue
-            others = _union(iv for t in threads if t != e.thread for iv in busy[t])
+            others = union(iv for t in threads if t != e.thread for iv in busy[t])
             total += e.end_ns - e.start_ns
-            hidden += _overlap_len(e.start_ns, e.end_ns, others)
+            hidden += overlap(e.start_ns, e.end_ns, others)
             count += 1
     return {"share": hidden / total if total else 0.0, "a2a_s": total / 1e9,
             "hidden_s": hidden / 1e9, "count": float(count)}

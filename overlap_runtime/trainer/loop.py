@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from overlap_runtime import platform
 from overlap_runtime.models.parallelize import (
     apply_fsdp,
     build_dp_cp_mesh,
@@ -133,11 +134,6 @@ def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _to_float(x: torch.Tensor) -> float:
     full = getattr(x, "full_tensor", None)
     return float(full() if full is not None else x)
@@ -197,8 +193,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
     optimizer, scheduler = _optimizer(model, config)
     data = TextDataset(config.data.seq_len, config.data.batch_size, dp, config.train.seed,
                        config.data.corpus)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    platform.reset_peak_memory_stats(device)
 
     def step_fn(batch: Batch) -> torch.Tensor:
         logits = model(batch.input_ids.to(device), batch.position_ids.to(device))
@@ -209,9 +204,9 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
     steps = _run(config, model, optimizer, scheduler, device,
                  lambda s: data.rank_batch(s, dp_rank, cp_rank, acc.cp), step_fn,
                  distributed=True, log=(log or print) if rank == 0 else None)
-    peak = None
-    if device.type == "cuda":
-        peak_t = torch.tensor(float(torch.cuda.max_memory_allocated(device)), device=device)
+    peak = platform.max_memory_allocated(device)
+    if peak is not None:  # cuda/npu: the largest peak of any rank
+        peak_t = torch.tensor(float(peak), device=device)
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
         peak = int(peak_t.item())
     mode = (f"fsdp{world}+cp{acc.cp}:{acc.linear_attention_cp_mode}/"
@@ -237,8 +232,7 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
         compute = copy.deepcopy(model).to(torch.bfloat16)
     master_params = list(model.parameters())
     compute_params = list(compute.parameters())
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    platform.reset_peak_memory_stats(device)
 
     def full_batch(step: int) -> Batch:
         inputs, labels = data.global_batch(step)
@@ -260,7 +254,7 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
 
     steps = _run(config, model, optimizer, scheduler, device, full_batch, step_fn,
                  distributed=False, log=log)
-    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    peak = platform.max_memory_allocated(device)
     return TrainResult(steps, 1, 1, 1, "single", parameter_count(model), peak)
 
 
@@ -274,7 +268,7 @@ def _run(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     out: list[StepMetrics] = []
     for step in range(total):
         batch = batch_for(step)
-        _sync(device)
+        platform.synchronize(device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         ce_sum = step_fn(batch)
@@ -286,7 +280,7 @@ def _run(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer
         ce_total = ce_sum.float().reshape(1).clone()
         if distributed:
             dist.all_reduce(ce_total)
-        _sync(device)
+        platform.synchronize(device)
         elapsed = time.perf_counter() - t0
         if distributed:
             t = torch.tensor(elapsed, device=device)

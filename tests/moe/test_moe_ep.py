@@ -103,7 +103,8 @@ def _shared_expert_during_combine(rank: int, world: int) -> dict:
         outs.append((out.detach(), x.grad.clone(), _grads(moe)))
         spans = {e.name: (e.start_ns, e.end_ns) for e in sink.events}
         res["overlap" if overlap else "serial"] = {
-            "combine": spans["L0.combine fwd"], "shared": spans["L0.shared_expert"]}
+            "combine": spans["L0.combine fwd"], "shared": spans["L0.shared_expert"],
+            "bwd_spans": sorted(n for n in spans if n.endswith(" bwd"))}
     (o1, dx1, g1), (o2, dx2, g2) = outs
     res["errs"] = [rel_l2(o1, o2), rel_l2(dx1, dx2)] + [rel_l2(a, b) for a, b in zip(g1, g2)]
     return res
@@ -252,6 +253,8 @@ def test_ov04_shared_expert_runs_while_combine_in_flight(ep2: list[dict]) -> Non
     assert ss0 >= sc1  # the serial path runs it after the combine completed
     for r in ep2:
         assert max(r["ov04"]["errs"]) <= TOL, r["ov04"]["errs"]
+        for mode in ("overlap", "serial"):  # the backward all-to-alls are traced too
+            assert r["ov04"][mode]["bwd_spans"] == ["L0.combine bwd", "L0.dispatch bwd"], r["ov04"]
 
 
 def test_ovb02_microbatches_in_flight_do_not_share_state(ep2: list[dict]) -> None:

@@ -118,11 +118,12 @@ def _bad_input_worker(rank: int, world: int) -> list[str]:
         lambda: comm.all_to_all_single(x, [5], [5]),  # wrong count
         lambda: comm.all_to_all_single(x, [3, 2], None),  # one of two
         lambda: comm.all_to_all_single(torch.zeros(4, 2, device="meta"), [2, 2], [2, 2]),  # device
-        lambda: comm.halo_exchange(x.view(1, 5, 2), 6, dim=1),  # wider than the shard
-        lambda: comm.halo_exchange(x.view(1, 5, 2), -1, dim=1),
+        lambda: comm.isend(x, 2),  # not a rank of a group of 2
+        lambda: comm.irecv(x.t(), 1 - rank),  # a receive cannot write through a copy
         lambda: comm.all_gather(x, dim=3),
-        lambda: comm.recv_prev((2, -3), torch.float32),
+        lambda: comm.isend(x, rank, what="h_out"),  # to itself
         lambda: comm.AsyncHandle([], "x", timeout_s=0),
+        lambda: comm.global_rank(None, -1),
     ]
     for case in cases:
         try:
@@ -142,81 +143,69 @@ def test_bad_inputs_raise_value_error_naming_values() -> None:
     assert "1 entries" in msgs[2] and "group size 2" in msgs[2]
     assert "both" in msgs[3]
     assert "meta" in msgs[4] and "gloo" in msgs[4]
-    assert "width 6" in msgs[5] and "[0, 5]" in msgs[5]
-    assert "width -1" in msgs[6]
+    assert "peer 2" in msgs[5] and "size 2" in msgs[5]
+    assert "not contiguous" in msgs[6] and "recv from group rank" in msgs[6]
     assert "dim 3" in msgs[7]
-    assert "negative" in msgs[8]
+    assert "h_out" in msgs[8] and "itself" in msgs[8]
     assert "timeout_s" in msgs[9]
+    assert "rank -1" in msgs[10] and "2 ranks" in msgs[10]
 
 
-# --------------------------------------------------------------------------- halo
+# --------------------------------------------------------------------------- point to point
 
 
-def _halo_worker(rank: int, world: int, width: int) -> float:
-    B, S, C = 2, 5, 3
-    shards = [_x(r, B * S, C).view(B, S, C).requires_grad_(True) for r in range(world)]
-    # single process: halo_r = shard_{r-1}[:, -w:], zeros for rank 0
-    halos = [torch.zeros(B, width, C)] + [s[:, S - width:] for s in shards[:-1]]
-    loss = sum((h * _weight(r, (B, width, C))).sum() for r, h in enumerate(halos))
-    loss.backward()
-    x = _x(rank, B * S, C).view(B, S, C).requires_grad_(True)
-    halo = comm.halo_exchange(x, width, dim=1)
-    (halo * _weight(rank, (B, width, C))).sum().backward()
-    err_f = rel_l2(halo.detach(), halos[rank].detach()) if rank > 0 else halo.abs().sum().item()
-    err_b = rel_l2(x.grad, shards[rank].grad) if rank < world - 1 else x.grad.abs().sum().item()
-    assert err_f <= TOL and err_b <= TOL, (rank, err_f, err_b)
-    return max(err_f, err_b)
+def _p2p_subgroup_worker(rank: int, world: int) -> dict[str, object]:
+    """isend/irecv inside the group of global ranks [1, 3]: group rank 1 is global rank 3."""
+    members = [1, 3]
+    group = dist.new_group(members)
+    res: dict[str, object] = {}
+    if rank not in members:
+        return res
+    me = members.index(rank)
+    assert comm.group_rank(group) == me
+    assert [comm.global_rank(group, r) for r in range(2)] == members
+    if me == 0:
+        x = _x(rank, 4, 3).t()  # not contiguous: sent as one contiguous copy
+        handle = comm.isend(x, 1, group, what="probe", tag=7)
+        (payload,) = handle.keep_alive
+        assert payload.is_contiguous() and torch.equal(payload, x)
+        assert "send to group rank 1" in handle.description
+        handle.wait()
+        res["keep_alive_after_wait"] = len(handle.keep_alive)
+    else:
+        buf = torch.empty(3, 4)
+        handle = comm.irecv(buf, 0, group, what="probe", tag=7)
+        handle.wait()
+        handle.wait()  # idempotent
+        res["err"] = rel_l2(buf, _x(1, 4, 3).t())
+    return res
 
 
-@pytest.mark.parametrize("world,width", [(2, 3), (4, 1), (4, 5), (8, 2), (4, 0)])
-def test_halo_exchange_matches_single_process(world: int, width: int) -> None:
-    errs = run_ranks(_halo_worker, world, args=(width,))
-    assert max(errs) <= TOL
+def test_isend_irecv_use_ranks_in_the_group() -> None:
+    res = run_ranks(_p2p_subgroup_worker, 4)
+    assert res[1]["keep_alive_after_wait"] == 0
+    assert res[3]["err"] == 0.0
 
 
-# --------------------------------------------------------------------------- state chain
+def _ring_shift_worker(rank: int, world: int) -> list[float]:
+    send = torch.full((2, 3), float(rank))
+    got = []
+    for hop in range(world):  # full circle: every rank ends with its own tensor
+        recv = torch.empty(2, 3)
+        handle = comm.ring_shift(send, recv, what=f"hop {hop}")
+        assert handle.keep_alive == (send, recv)
+        handle.wait()
+        assert handle.keep_alive == ()
+        got.append(recv[0, 0].item())
+        send = recv
+    return got
 
 
-def _chain_step(h_in: torch.Tensor | None, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's segment: h_out = tanh(a * h_in + x), local output y = h_in * x (uses h_in)."""
-    h0 = torch.zeros_like(x) if h_in is None else h_in
-    h_out = torch.tanh(a * h0 + x)
-    y = (h0 + 1.0) * x
-    return h_out, y
-
-
-def _chain_worker(rank: int, world: int, use_pending: bool) -> float:
-    shape = (2, 4)
-    xs = [_x(r, 2, 4).requires_grad_(True) for r in range(world)]
-    a = torch.full(shape, 0.7)
-    # single process
-    h = None
-    total = 0.0
-    for r in range(world):
-        h, y = _chain_step(h, xs[r], a)
-        total = total + (y * _weight(r, shape)).sum() + (h * _weight(100 + r, shape)).sum()
-    total.backward()
-    # distributed
-    pending: list[comm.AsyncHandle] = []
-    x = _x(rank, 2, 4).requires_grad_(True)
-    h_in = comm.recv_prev(shape, torch.float32, pending=pending if use_pending else None)
-    h_out, y = _chain_step(h_in, x, a)
-    handle, token = comm.send_next(h_out)
-    local = (y * _weight(rank, shape)).sum() + (h_out * _weight(100 + rank, shape)).sum()
-    local = comm.attach(local, token)
-    local.backward()
-    handle.wait()
-    for p in pending:
-        p.wait()
-    err = rel_l2(x.grad, xs[rank].grad)
-    assert err <= TOL, (rank, err)
-    return err
-
-
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_state_chain_matches_sequential(world: int) -> None:
-    errs = run_ranks(_chain_worker, world, args=(world == 4,))
-    assert max(errs) <= TOL
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_shift_receives_from_the_previous_rank(world: int) -> None:
+    got = run_ranks(_ring_shift_worker, world)
+    for rank, seen in enumerate(got):
+        assert seen == [float((rank - 1 - h) % world) for h in range(world)], (rank, seen)
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -243,6 +232,32 @@ def test_all_gather_matches_single_process(world: int, dim: int) -> None:
     assert max(errs) <= TOL
 
 
+def _attach_worker(rank: int, world: int) -> float:
+    """Rank 0 reads nothing of the gather (as in GDN all_gather CP) and attaches it instead."""
+    shape = (2, 3)
+    xs = [_x(r, 2, 3).requires_grad_(True) for r in range(world)]
+    full = torch.cat(xs)
+    loss = (xs[0] * 2 * _weight(0, shape)).sum()
+    loss = loss + sum((full * _weight(r, tuple(full.shape))).sum() for r in range(1, world))
+    loss.backward()
+    x = _x(rank, 2, 3).requires_grad_(True)
+    gathered = comm.all_gather(x, timeout_s=10.0)
+    if rank == 0:
+        out = comm.attach(x * 2, gathered)
+        assert torch.equal(out, x * 2)
+        (out * _weight(0, shape)).sum().backward()
+    else:
+        (gathered * _weight(rank, tuple(gathered.shape))).sum().backward()
+    err = rel_l2(x.grad, xs[rank].grad)
+    assert err <= TOL, (rank, err)
+    return err
+
+
+def test_attach_keeps_an_unread_collective_in_the_backward() -> None:
+    errs = run_ranks(_attach_worker, 3, timeout_s=60)
+    assert max(errs) <= TOL
+
+
 # --------------------------------------------------------------------------- timeouts
 
 
@@ -264,3 +279,45 @@ def _late_peer_worker(rank: int, world: int) -> str:
 def test_wait_past_timeout_raises_comm_timeout() -> None:
     msgs = run_ranks(_late_peer_worker, 2, timeout_s=60)
     assert "all_to_all_single" in msgs[0] and "0.5s" in msgs[0], msgs[0]
+
+
+def _recv_without_sender_worker(rank: int, world: int) -> str:
+    if rank == 1:
+        time.sleep(3.0)  # never sends
+        return "slept"
+    handle = comm.irecv(torch.empty(4), 1, what="h_in", timeout_s=0.5)
+    t0 = time.monotonic()
+    try:
+        handle.wait()
+    except comm.CommTimeoutError as exc:
+        assert time.monotonic() - t0 < 2.5
+        return str(exc)
+    return "no timeout"
+
+
+def test_recv_without_sender_raises_comm_timeout_naming_the_op() -> None:
+    msgs = run_ranks(_recv_without_sender_worker, 2, timeout_s=60)
+    assert "h_in (recv from group rank 1)" in msgs[0] and "0.5s" in msgs[0], msgs[0]
+
+
+def _peer_gone_worker(rank: int, world: int) -> str:
+    if rank == 1:
+        time.sleep(2.0)
+        dist.destroy_process_group()  # closes the pair rank 0 is receiving on
+        return "left"
+    handle = comm.irecv(torch.empty(4), 1, what="h_in", timeout_s=30.0)
+    t0 = time.monotonic()
+    try:
+        handle.wait()
+    except comm.CommTimeoutError as exc:
+        return f"timeout: {exc}"
+    except comm.CommFailedError as exc:
+        assert time.monotonic() - t0 < 25.0
+        return f"failed: {exc}"
+    return "no error"
+
+
+def test_peer_gone_is_a_failure_not_a_timeout() -> None:
+    """A wait that ends early with an error is CommFailedError, whatever the backend's text."""
+    msgs = run_ranks(_peer_gone_worker, 2, timeout_s=60)
+    assert msgs[0].startswith("failed: h_in (recv from group rank 1) failed after"), msgs[0]
