@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from overlap_runtime.ops import comm
 from overlap_runtime.ops.comm import AsyncHandle, CommTimeoutError
 from overlap_runtime.schedules.ir import Action, ActionKind
 
@@ -254,9 +255,8 @@ class ActionContext:
         with self._lock:
             if key in self._slots:
                 raise RuntimeError(f"rank {self.rank}: {action} was posted twice in one step")
-        work = dist.irecv(buf, self._global(peer), group=self.schedule.group, tag=self._tag(action))
-        handle = AsyncHandle([work], f"{action} from rank {peer}", self.schedule.timeout_s,
-                             device=buf.device)
+        handle = comm.irecv(buf, peer, self.schedule.group, tag=self._tag(action),
+                            timeout_s=self.schedule.timeout_s, what=str(action))
         with self._lock:
             self._slots[key] = _Slot(buf, handle, peer, action)
 
@@ -304,12 +304,9 @@ class ActionContext:
             raise ValueError(f"rank {self.rank}: {action} would send {TensorMeta.of(tensor)} but "
                              f"the receiver expects {expect}")
         peer = self.peer(action)
-        payload = tensor.detach().contiguous()
-        work = dist.isend(payload, self._global(peer), group=self.schedule.group,
-                          tag=self._tag(action))
-        handle = AsyncHandle([work], f"{action} to rank {peer}", self.schedule.timeout_s,
-                             device=payload.device)
-        handle.payload = payload  # type: ignore[attr-defined]  # alive until waited
+        # The handle keeps the sent payload alive until waited (``AsyncHandle.keep_alive``).
+        handle = comm.isend(tensor, peer, self.schedule.group, tag=self._tag(action),
+                            timeout_s=self.schedule.timeout_s, what=str(action))
         if wait:
             self._wait(handle, action, peer)
         else:
@@ -349,12 +346,6 @@ class ActionContext:
         spec = self.schedule.spec
         return message_tag(action.kind, action.stage, action.microbatch,  # type: ignore[arg-type]
                            spec.num_stages, spec.num_microbatches)
-
-    def _global(self, group_rank: int) -> int:
-        group = self.schedule.group
-        if group is None or group is dist.GroupMember.WORLD:
-            return group_rank
-        return dist.get_global_rank(group, group_rank)
 
     def _wait(self, handle: AsyncHandle, action: Action, peer: int | None) -> None:
         try:

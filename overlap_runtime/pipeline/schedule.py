@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from overlap_runtime.graph.grid import format_grid
-from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S, AsyncHandle, CommTimeoutError
+from overlap_runtime.ops import comm
+from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S, CommTimeoutError
 from overlap_runtime.schedules.compile import compile_spec
 from overlap_runtime.schedules.ir import Action, ActionKind
 from overlap_runtime.schedules.spec import ScheduleSpec
@@ -257,12 +258,10 @@ class PipelineSchedule:
                 self.stages[s + 1].input_meta = st.output_meta
 
     def _p2p(self, op: str, t: torch.Tensor, peer: int, what: str) -> None:
-        g = peer if self.group is None else dist.get_global_rank(self.group, peer)
-        tag = META_TAG
-        work = (dist.isend if op == "send" else dist.irecv)(t, g, group=self.group, tag=tag)
+        post = comm.isend if op == "send" else comm.irecv
         try:
             # On cuda/npu the wait is device-side; ``header.cpu()`` in the caller then synchronises.
-            AsyncHandle([work], what, self.timeout_s, device=t.device).wait()
+            post(t, peer, self.group, tag=META_TAG, timeout_s=self.timeout_s, what=what).wait()
         except CommTimeoutError as exc:
             raise PipelineTimeout(f"pipeline timeout on rank {self.rank}: {what} ({op} with rank "
                                   f"{peer}): {exc}", self.rank, -1, what, peer) from exc

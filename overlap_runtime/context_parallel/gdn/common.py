@@ -68,9 +68,6 @@ class GDNCPPlan:
         """This process's rank in the CP group (read from the group on every call)."""
         return dist.get_rank(self.group)
 
-    def global_rank(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank)
-
 
 class ContextParallelGDNMixer(GDNSequenceMixer):
     """Base of the CP sequence mixers: the CP boundary and the checks before any communication.
@@ -142,21 +139,12 @@ def post_recv(buf: torch.Tensor, src: int, plan: GDNCPPlan, what: str) -> comm.A
     program order on both sides - forward ``halo`` then ``H`` (rank r -> r+1), backward ``dH``
     then ``halo grad`` (r+1 -> r) - so untagged gloo/NCCL/HCCL matching pairs them correctly.
     """
-    work = dist.irecv(buf, plan.global_rank(src), group=plan.group)
-    # device=: on cuda/npu the wait orders the stream (bounded by the NCCL/HCCL watchdog)
-    # instead of blocking the host; on the CPU it is a timed wait.
-    return comm.AsyncHandle([work], f"{what} (recv from cp rank {src})", plan.timeout_s,
-                            device=buf.device)
+    return comm.irecv(buf, src, plan.group, timeout_s=plan.timeout_s, what=what)
 
 
 def post_send(x: torch.Tensor, dst: int, plan: GDNCPPlan, what: str) -> comm.AsyncHandle:
-    """Post ``isend(x)`` to CP rank ``dst``; the handle keeps ``x`` alive until waited."""
-    payload = x.detach().contiguous()
-    work = dist.isend(payload, plan.global_rank(dst), group=plan.group)
-    handle = comm.AsyncHandle([work], f"{what} (send to cp rank {dst})", plan.timeout_s,
-                              device=payload.device)
-    handle.payload = payload  # type: ignore[attr-defined]  # the buffer must outlive the send
-    return handle
+    """Post ``isend(x)`` to CP rank ``dst``; the handle keeps the sent payload alive until waited."""
+    return comm.isend(x, dst, plan.group, timeout_s=plan.timeout_s, what=what)
 
 
 def check_halo(layer: GatedDeltaNet, local_len: int, plan: GDNCPPlan) -> None:
@@ -218,8 +206,8 @@ class _HaloCausalConv(torch.autograd.Function):
     padding). Backward: ``convolution_backward`` gives the padded input's gradient; its first
     ``halo`` positions go back to the previous rank, and the next rank's halo gradient is added
     in place to the last ``halo`` positions. No concatenation of the shard with its halo and no
-    second full-size gradient to accumulate (``comm.halo_exchange`` + ``torch.cat`` cost two
-    full-shard passes each way, ~2 ms per layer at 16K tokens on an H200).
+    second full-size gradient to accumulate (a separate halo exchange followed by ``torch.cat``
+    cost two full-shard passes each way, ~2 ms per layer at 16K tokens on an H200).
     """
 
     @staticmethod
