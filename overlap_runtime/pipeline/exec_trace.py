@@ -5,13 +5,15 @@ A :class:`ExecutionTrace` is passed to ``PipelineSchedule.step(..., trace=t)`` a
 pipeline group (bounded waits), ``chrome_trace_events`` turns them into one Chrome/Perfetto trace
 (one process per rank, one track per thread), and ``measured_bubble`` computes the bubble ratio
 the same way the simulator does: ``1 - mean busy time / makespan``.
+
+Events travel between ranks as JSON (UTF-8 bytes in a uint8 tensor): plain data that is
+checked field by field when read back, never a format whose loading can run code.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,8 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TraceEvent", "ExecutionTrace", "gather_traces", "chrome_trace_events",
-           "write_execution_trace", "measured_bubble"]
+from overlap_runtime.graph.intervals import measure
+
+__all__ = ["TraceEvent", "ExecutionTrace", "gather_traces", "encode_events", "decode_events",
+           "chrome_trace_events", "write_execution_trace", "measured_bubble"]
 
 
 @dataclass(frozen=True)
@@ -65,20 +69,54 @@ class _Span:
         self.trace.record(self.name, self.cat, self.t0, time.time_ns())
 
 
+_FIELDS = (("rank", int), ("thread", str), ("name", str), ("cat", str), ("start_ns", int),
+           ("end_ns", int))
+
+
+def encode_events(events: list[TraceEvent]) -> bytes:
+    """``events`` as UTF-8 JSON: a list of ``[rank, thread, name, cat, start_ns, end_ns]``."""
+    return json.dumps([[getattr(e, f) for f, _ in _FIELDS] for e in events]).encode()
+
+
+def decode_events(raw: bytes, source: str = "trace") -> list[TraceEvent]:
+    """The inverse of :func:`encode_events`; raises ValueError naming ``source`` and the first
+    malformed event (a peer on another version, a truncated message)."""
+    try:
+        rows = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{source}: not a JSON list of trace events: {exc}") from exc
+    if not isinstance(rows, list):
+        raise ValueError(f"{source}: expected a JSON list of events, got {type(rows).__name__}")
+    events = []
+    for i, row in enumerate(rows):
+        ok = isinstance(row, list) and len(row) == len(_FIELDS) and all(
+            isinstance(v, t) and not isinstance(v, bool) for v, (_, t) in zip(row, _FIELDS))
+        if not ok:
+            raise ValueError(f"{source}: event {i} is {row!r}, expected "
+                             f"[{', '.join(f'{f}: {t.__name__}' for f, t in _FIELDS)}]")
+        events.append(TraceEvent(*row))
+    return events
+
+
 def gather_traces(trace: ExecutionTrace, group: dist.ProcessGroup | None = None,
                   timeout_s: float | None = None) -> list[TraceEvent]:
-    """Every rank's events of ``group``, on every rank (two bounded all-gathers)."""
+    """Every rank's events of ``group``, on every rank (two bounded all-gathers of cpu tensors:
+    the lengths, then the JSON bytes padded to the longest; a gloo group)."""
     from overlap_runtime.ops.comm import all_gather
 
-    payload = torch.frombuffer(bytearray(pickle.dumps(trace.events)), dtype=torch.uint8)
-    n = all_gather(torch.tensor([payload.numel()]), group=group, timeout_s=timeout_s)
+    with trace._lock:
+        raw = encode_events(trace.events)
+    payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    n = all_gather(torch.tensor([payload.numel()], dtype=torch.int64), group=group,
+                   timeout_s=timeout_s)
     width = int(n.max())
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[: payload.numel()] = payload
     allp = all_gather(padded[None], dim=0, group=group, timeout_s=timeout_s)
     events: list[TraceEvent] = []
     for r in range(allp.shape[0]):
-        events.extend(pickle.loads(allp[r, : int(n[r])].numpy().tobytes()))
+        events.extend(decode_events(allp[r, : int(n[r])].numpy().tobytes(),
+                                    f"the trace of group rank {r}"))
     return events
 
 
@@ -108,20 +146,6 @@ def write_execution_trace(events: list[TraceEvent], path: str | os.PathLike[str]
         json.dump(chrome_trace_events(events), fh)
 
 
-def _union_length(intervals: list[tuple[int, int]]) -> int:
-    total, cur_s, cur_e = 0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
-
-
 def measured_bubble(events: list[TraceEvent]) -> float:
     """``1 - mean_r busy_r / makespan`` where busy is the union of a rank's compute intervals
     (any thread) and the makespan spans every rank's first to last event."""
@@ -131,6 +155,6 @@ def measured_bubble(events: list[TraceEvent]) -> float:
     end = max(e.end_ns for e in events)
     span = max(1, end - start)
     ranks = sorted({e.rank for e in events})
-    busy = [_union_length([(e.start_ns, e.end_ns) for e in events
-                           if e.rank == r and e.cat == "compute"]) for r in ranks]
+    busy = [measure((e.start_ns, e.end_ns) for e in events
+                    if e.rank == r and e.cat == "compute") for r in ranks]
     return 1.0 - (sum(busy) / len(ranks)) / span

@@ -166,6 +166,19 @@ def test_schedules_reach_no_torch_distributed_and_not_the_runtime() -> None:
     assert "overlap_runtime.graph.task_graph" in reached  # the walk does follow imports
 
 
+# Loading these runs code chosen by whoever wrote the bytes; the pipeline runtime reads bytes
+# from peer ranks (gathered traces, tensor headers), so it uses checked JSON and tensors only.
+CODE_LOADING = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle"}
+
+
+def test_pipeline_imports_no_pickle() -> None:
+    _, external = import_graph()
+    found = {m: sorted(x for x in ext if x.split(".")[0] in CODE_LOADING)
+             for m, ext in external.items() if _in(m, RUNTIME)}
+    assert not {m: x for m, x in found.items() if x}, found
+    assert "torch" in external["overlap_runtime.pipeline.exec_trace"]  # the walk sees imports
+
+
 @pytest.mark.parametrize("source, cyclic, reaches_dist", [
     ("from . import b\n", True, False),
     ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n", False, False),
