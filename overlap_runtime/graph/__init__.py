@@ -10,7 +10,8 @@ torch or another part of ``overlap_runtime``.
 
 from .grid import format_grid, format_timeline
 from .simulate import CostModel, SimulationResult, TimelineEntry, simulate
-from .task_graph import EDGE_KINDS, CommInfo, Task, TaskGraph, is_comm_lane
+from .task_graph import TaskGraph
+from .tasks import EDGE_KINDS, CommInfo, Task, is_comm_lane
 from .trace import chrome_trace, write_chrome_trace
 from .validate import (
     CollectiveOrderError,

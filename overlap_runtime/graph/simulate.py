@@ -26,7 +26,7 @@ from typing import Hashable, Mapping
 
 from ._gc import gc_paused
 from .intervals import measure_minus, total_length, union
-from .task_graph import Task, TaskGraph, is_comm_lane
+from .tasks import Task, TaskGraphData, is_comm_lane
 from .validate import CommMatching, blocking_adjacency, match_comm, validate_graph
 
 __all__ = ["CostModel", "TimelineEntry", "SimulationResult", "simulate"]
@@ -164,7 +164,7 @@ class SimulationResult:
 
 @gc_paused
 def simulate(
-    graph: TaskGraph, costs: CostModel | None = None, *, matching: CommMatching | None = None
+    graph: TaskGraphData, costs: CostModel | None = None, *, matching: CommMatching | None = None
 ) -> SimulationResult:
     """Simulate ``graph`` under ``costs`` (default :class:`CostModel`).
 

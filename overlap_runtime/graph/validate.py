@@ -21,7 +21,7 @@ from typing import Hashable
 
 from ._gc import gc_paused
 from .grid import format_grid
-from .task_graph import IndexedGraph, Task, TaskGraph
+from .tasks import IndexedGraph, Task, TaskGraphData
 
 __all__ = [
     "GraphValidationError",
@@ -64,7 +64,7 @@ class CommMatching:
     collectives: list[list[Hashable]]
 
 
-def _marks(graph: TaskGraph, ids: list[Hashable]) -> set[tuple[int, int]]:
+def _marks(graph: TaskGraphData, ids: list[Hashable]) -> set[tuple[int, int]]:
     out = set()
     for i in ids:
         t = graph.task(i)
@@ -73,14 +73,14 @@ def _marks(graph: TaskGraph, ids: list[Hashable]) -> set[tuple[int, int]]:
     return out
 
 
-def _grid(graph: TaskGraph, ids: list[Hashable]) -> str:
+def _grid(graph: TaskGraphData, ids: list[Hashable]) -> str:
     programs = graph.programs or _programs_from_tasks(graph)
     if not programs:
         return ""
     return "\n\n" + format_grid(programs, _marks(graph, ids))
 
 
-def _programs_from_tasks(graph: TaskGraph) -> dict[int, list[str]]:
+def _programs_from_tasks(graph: TaskGraphData) -> dict[int, list[str]]:
     cells: dict[int, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     for t in graph.tasks():
         if t.step is not None:
@@ -97,7 +97,7 @@ def _where(t: Task) -> str:
     return f"{t.text} (rank {t.rank}, lane {t.lane}{step})"
 
 
-def match_comm(graph: TaskGraph) -> CommMatching:
+def match_comm(graph: TaskGraphData) -> CommMatching:
     """Pair every send with its receive and group collectives into calls.
 
     Raises :class:`UnmatchedCommError` or :class:`CollectiveOrderError`.
@@ -188,7 +188,7 @@ def match_comm(graph: TaskGraph) -> CommMatching:
     return CommMatching(pairs, calls)
 
 
-def rendezvous_edges(graph: TaskGraph, matching: CommMatching) -> list[tuple[Hashable, Hashable]]:
+def rendezvous_edges(graph: TaskGraphData, matching: CommMatching) -> list[tuple[Hashable, Hashable]]:
     """Edges that blocking semantics add: partners' program predecessors -> comm task."""
     ig = graph.indexed()
     return [(ig.ids[u], ig.ids[v]) for u, v in _rendezvous_idx(ig, matching)]
@@ -212,7 +212,7 @@ def _rendezvous_idx(ig: IndexedGraph, matching: CommMatching) -> list[tuple[int,
 
 
 def blocking_adjacency(
-    graph: TaskGraph, matching: CommMatching
+    graph: TaskGraphData, matching: CommMatching
 ) -> tuple[list[list[int]], list[int]]:
     """Successor lists (indices of ``graph.indexed()``) including rendezvous waits, and the
     predecessor count of each task. Cached on the indexed graph for this ``matching``."""
@@ -275,7 +275,7 @@ def _edge_reason(kinds: list[str]) -> str:
 
 
 @gc_paused
-def validate_graph(graph: TaskGraph) -> CommMatching:
+def validate_graph(graph: TaskGraphData) -> CommMatching:
     """Check that ``graph`` can run to completion; return the communication matching.
 
     1. every send has exactly one receive with its key (and the peer agrees);

@@ -28,7 +28,8 @@ from typing import Hashable, Mapping
 
 from ..graph._gc import gc_paused
 from ..graph.simulate import CostModel, SimulationResult, simulate
-from ..graph.task_graph import CommInfo, Task, TaskGraph
+from ..graph.task_graph import TaskGraph
+from ..graph.tasks import CommInfo, Task
 from ..graph.validate import CommMatching, validate_graph
 from .build import build_schedule
 from .ir import ActionKind, Schedule
