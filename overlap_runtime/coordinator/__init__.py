@@ -1,38 +1,32 @@
 """Coordinated comm/compute overlap of a forward and a backward chunk (seed 001, direction B).
 
-See docs/coordinator.md for the timeline, the state machine and the failure semantics.
+What a user needs: :class:`HookCoordinator` (the comm-token state machine; owns a
+:class:`CommSerializer`), :func:`sync_hook` (the A/B/C/D/D_LAST markers a layer places around
+its all-to-alls), :class:`CommComputeOverlap` (runs the forward in the calling thread and the
+backward in a worker), :class:`Side` (which of the two a hook or a failure belongs to) and the
+errors, all :class:`CoordinatorError`. Internals (the role tables ``FORWARD_ROLES`` /
+``BACKWARD_ROLES`` / ``HOOK_LETTERS``, ``Role``, ``HookEvent``, ``WaitSite``, ``LaunchRecord``,
+``SerializedHandle``, ``compare_launch_logs``) are imported from their modules. See
+docs/coordinator.md for the timeline, the state machine and the failure semantics.
+
+May import: the standard library, torch, ``overlap_runtime.platform`` and
+``overlap_runtime.ops`` (the all-to-all it serialises). Never ``graph``, ``schedules``,
+``pipeline``, ``moe`` or anything above (``moe`` imports this).
 """
 
-from overlap_runtime.coordinator.coordinator import (
-    BACKWARD_ROLES,
-    FORWARD_ROLES,
-    HOOK_LETTERS,
-    HookCoordinator,
-    HookEvent,
-    Role,
-    Side,
-)
+from overlap_runtime.coordinator.coordinator import HookCoordinator, Side
 from overlap_runtime.coordinator.errors import (
     CoordinatorAborted,
     CoordinatorError,
     CoordinatorProtocolError,
     CoordinatorTimeout,
     LaunchOrderMismatch,
-    WaitSite,
 )
 from overlap_runtime.coordinator.hooks import sync_hook
 from overlap_runtime.coordinator.overlap import CommComputeOverlap
-from overlap_runtime.coordinator.serializer import (
-    CommSerializer,
-    LaunchRecord,
-    SerializedHandle,
-    compare_launch_logs,
-)
+from overlap_runtime.coordinator.serializer import CommSerializer
 
 __all__ = [
-    "BACKWARD_ROLES",
-    "FORWARD_ROLES",
-    "HOOK_LETTERS",
     "CommComputeOverlap",
     "CommSerializer",
     "CoordinatorAborted",
@@ -40,13 +34,7 @@ __all__ = [
     "CoordinatorProtocolError",
     "CoordinatorTimeout",
     "HookCoordinator",
-    "HookEvent",
     "LaunchOrderMismatch",
-    "LaunchRecord",
-    "Role",
-    "SerializedHandle",
     "Side",
-    "WaitSite",
-    "compare_launch_logs",
     "sync_hook",
 ]

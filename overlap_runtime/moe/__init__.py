@@ -1,26 +1,26 @@
 """Expert parallelism with comm/compute overlap (seed 001, directions A and B).
 
-See docs/moe.md: the dispatcher's metadata design, the layer's forward order, the sync hooks,
-the OVERLAP_B_F callback and the task-graph nodes.
+What a user builds with: the :class:`MoE` layer (router, experts, shared expert), the token
+dispatcher for custom layers (:class:`AllToAllTokenDispatcher` with its per-call
+:class:`DispatchMetadata` / :class:`CombinePartialResult`), the EP styles
+(:class:`ExpertParallel`, :class:`OverlapExpertParallel` with the coordinator's sync hooks), the
+``OVERLAP_B_F`` callback for ``PipelineSchedule`` and the layer's task-graph nodes (predicted vs
+measured all-to-all overlap). Helpers (``RoutingResult``, ``attach_aux_loss``, ``FeedForward``,
+``grouped_mm_supported``, ``moe_layers``, ``infer_last_layer_flags``, ``ep_group_of``,
+``OverlapHooks``) are imported from their modules. See docs/moe.md.
+
+May import: torch, ``overlap_runtime.platform``, ``overlap_runtime.ops`` (collectives),
+``overlap_runtime.graph`` (task nodes), ``overlap_runtime.coordinator`` (sync hooks, serializer)
+and ``overlap_runtime.schedules`` / ``overlap_runtime.pipeline`` (the OVERLAP_B_F callback's
+actions and ``ActionContext``). Never ``context_parallel``, ``models`` or ``trainer``.
 """
 
-from .dispatcher import (
-    AllToAllTokenDispatcher,
-    CombinePartialResult,
-    DispatchMetadata,
-    OverlapHooks,
-)
-from .experts import FeedForward, GroupedExperts, grouped_mm_supported
+from .dispatcher import AllToAllTokenDispatcher, CombinePartialResult, DispatchMetadata
+from .experts import GroupedExperts
 from .layer import MoE
 from .overlap_callback import make_overlap_b_f_callback
-from .parallel import (
-    ExpertParallel,
-    OverlapExpertParallel,
-    ep_group_of,
-    infer_last_layer_flags,
-    moe_layers,
-)
-from .router import RoutingResult, TopKRouter, attach_aux_loss
+from .parallel import ExpertParallel, OverlapExpertParallel
+from .router import TopKRouter
 from .task_nodes import (
     MoENodeCosts,
     measured_a2a_overlap,
@@ -34,22 +34,14 @@ __all__ = [
     "CombinePartialResult",
     "DispatchMetadata",
     "ExpertParallel",
-    "FeedForward",
     "GroupedExperts",
     "MoE",
     "MoENodeCosts",
     "OverlapExpertParallel",
-    "OverlapHooks",
-    "RoutingResult",
     "TopKRouter",
-    "attach_aux_loss",
-    "ep_group_of",
-    "grouped_mm_supported",
-    "infer_last_layer_flags",
     "make_overlap_b_f_callback",
     "measured_a2a_overlap",
     "moe_layer_task_graph",
-    "moe_layers",
     "moe_overlap_pair_task_graph",
     "predicted_a2a_overlap",
 ]

@@ -1,8 +1,14 @@
 """FSDP2 + context-parallel training of the Qwen3.5-style hybrid decoder, driven by YAML.
 
+``parallel_dims`` (``ParallelDims``: the one owner of the layout ``pp x dp_replicate x dp_shard
+x cp`` and of every DeviceMesh, asked for by name; EP is borrowed from ``dp_shard x cp``),
 ``config`` (pydantic ``TrainConfig``), ``data`` (byte-level corpus windows, contiguous CP split),
 ``loop`` (distributed run, single-device baseline, comparison), ``cli`` (``overlap-runtime
 train``). See docs/training.md.
+
+May import: every package below it (``models``, ``context_parallel``, ``moe``, ``pipeline``,
+``schedules``, ``ops``, ``platform``, ``launch``); nothing imports the trainer but the command
+line.
 
 The names below are loaded on first use (PEP 562): ``overlap-runtime --help`` imports
 ``trainer.cli``, and with it this package, without paying for torch.

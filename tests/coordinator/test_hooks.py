@@ -7,15 +7,13 @@ import torch
 
 from _toy import chunk, make_input, make_weights
 from overlap_runtime.coordinator import (
-    BACKWARD_ROLES,
-    FORWARD_ROLES,
     CommComputeOverlap,
     CoordinatorProtocolError,
     HookCoordinator,
-    Role,
     Side,
     sync_hook,
 )
+from overlap_runtime.coordinator.coordinator import BACKWARD_ROLES, FORWARD_ROLES, Role
 
 pytestmark = pytest.mark.timeout(30)
 

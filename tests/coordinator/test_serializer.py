@@ -18,9 +18,8 @@ from overlap_runtime.coordinator import (
     CoordinatorTimeout,
     HookCoordinator,
     LaunchOrderMismatch,
-    LaunchRecord,
-    compare_launch_logs,
 )
+from overlap_runtime.coordinator.serializer import LaunchRecord, compare_launch_logs
 from overlap_runtime.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(60)

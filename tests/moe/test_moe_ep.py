@@ -17,7 +17,8 @@ from _moe_util import (EXPERTS, HIDDEN, SlowExperts, SlowFeedForward, ep_errors,
                        make_moe, objective, route_to_first_rank, tokens, train_overlapped)
 from overlap_runtime.coordinator import HookCoordinator
 from overlap_runtime.moe import (CombinePartialResult, DispatchMetadata, ExpertParallel,
-                                 OverlapExpertParallel, infer_last_layer_flags)
+                                 OverlapExpertParallel)
+from overlap_runtime.moe.parallel import infer_last_layer_flags
 from overlap_runtime.ops import comm
 from overlap_runtime.pipeline import ExecutionTrace
 from overlap_runtime.testing import rel_l2, run_ranks

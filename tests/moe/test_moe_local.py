@@ -10,10 +10,11 @@ from _moe_util import HIDDEN, make_chunk, make_moe, objective, tokens
 from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
 from overlap_runtime.graph import simulate
 from overlap_runtime.moe import (GroupedExperts, MoENodeCosts, OverlapExpertParallel, TopKRouter,
-                                 grouped_mm_supported, infer_last_layer_flags,
                                  make_overlap_b_f_callback, measured_a2a_overlap,
                                  moe_layer_task_graph, moe_overlap_pair_task_graph,
                                  predicted_a2a_overlap)
+from overlap_runtime.moe.experts import grouped_mm_supported
+from overlap_runtime.moe.parallel import infer_last_layer_flags
 from overlap_runtime.moe.task_nodes import pair_order
 from overlap_runtime.schedules import ActionKind
 from overlap_runtime.pipeline.exec_trace import TraceEvent

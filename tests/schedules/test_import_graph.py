@@ -6,6 +6,9 @@
   (``lazy_exports(__name__, _EXPORTS)``) imports the submodules its ``_EXPORTS`` names.
 - ``schedules/`` is pure: no module it reaches imports ``torch.distributed``, and it never
   reaches ``pipeline/`` (the runtime sits above it).
+- Lower never imports higher: every import goes down (or sideways inside one layer) the layer
+  map of docs/architecture.md, written out as :data:`LAYERS`.
+- Every package ``__init__`` docstring says what the package may import.
 """
 
 from __future__ import annotations
@@ -146,6 +149,69 @@ def test_no_import_cycle_anywhere() -> None:
     simulate <- task_graph)."""
     cycles = [sorted(c) for c in _cycles(import_graph()[0])]
     assert not cycles, f"import cycles: {cycles}"
+
+
+# The layer map of docs/architecture.md, lowest first. A module may import its own layer and the
+# layers below, never one above (a module in none of these fails the test: place it).
+LAYERS: list[tuple[str, ...]] = [
+    ("overlap_runtime", "overlap_runtime._lazy", "overlap_runtime.platform",
+     "overlap_runtime.launch", "overlap_runtime.testing"),
+    ("overlap_runtime.ops",),
+    ("overlap_runtime.graph",),
+    ("overlap_runtime.schedules",),
+    ("overlap_runtime.pipeline",),
+    ("overlap_runtime.coordinator",),
+    ("overlap_runtime.layers",),
+    ("overlap_runtime.moe",),
+    ("overlap_runtime.context_parallel",),
+    ("overlap_runtime.models",),
+    ("overlap_runtime.trainer",),
+    ("overlap_runtime.cli", "overlap_runtime.demo", "overlap_runtime.info"),
+]
+
+
+def layer_of(mod: str) -> int:
+    """Index in :data:`LAYERS` of the longest entry ``mod`` is in (the root only as itself)."""
+    best, best_len = -1, -1
+    for i, entries in enumerate(LAYERS):
+        for entry in entries:
+            hit = mod == entry if entry == "overlap_runtime" else _in(mod, entry)
+            if hit and len(entry) > best_len:
+                best, best_len = i, len(entry)
+    assert best >= 0, f"{mod} is in no layer of LAYERS: add it where docs/architecture.md puts it"
+    return best
+
+
+def upward_imports(graph: nx.DiGraph) -> list[str]:
+    return sorted(f"{u} (layer {layer_of(u)}) imports {v} (layer {layer_of(v)})"
+                  for u, v in graph.edges if layer_of(u) < layer_of(v))
+
+
+def test_lower_never_imports_higher() -> None:
+    graph = import_graph()[0]
+    assert not upward_imports(graph), upward_imports(graph)
+    # the walk sees the edges that the map allows
+    assert graph.has_edge("overlap_runtime.moe.parallel", "overlap_runtime.coordinator")
+    assert upward_imports(nx.DiGraph([("overlap_runtime.layers.mlp", "overlap_runtime.moe")]))
+
+
+def test_every_package_says_what_it_is_for_and_may_import() -> None:
+    """Every package ``__init__`` has a docstring naming what it may import; the root's names
+    every subpackage and public module."""
+    trees, is_pkg = _parse_package()
+    exempt = {"overlap_runtime.ops.gdn.triton"}  # its parent ops.gdn's docstring covers it
+    missing = []
+    for mod, tree in trees.items():
+        if not is_pkg[mod] or mod == "overlap_runtime" or mod in exempt:
+            continue
+        doc = ast.get_docstring(tree) or ""
+        if "May import" not in doc and "imports only" not in doc:
+            missing.append(mod)
+    assert not missing, f"package docstrings without 'May import': {missing}"
+    root = ast.get_docstring(trees["overlap_runtime"]) or ""
+    children = {m.split(".")[1] for m in trees if m.count(".") >= 1}
+    unnamed = sorted(c for c in children if not c.startswith("_") and f"``{c}``" not in root)
+    assert not unnamed, f"overlap_runtime/__init__.py's docstring does not name {unnamed}"
 
 
 def test_schedules_reach_no_torch_distributed_and_not_the_runtime() -> None:

@@ -1,6 +1,13 @@
 """Gated DeltaNet core: recurrent reference, chunked eager form, affine state summaries, backends.
 
-See docs/gdn.md for the semantics, the chunked WY form and the summary algebra.
+The math of one GDN layer's sequence recurrence on one device, for ``layers.GatedDeltaNet`` and
+for GDN context parallelism (``context_parallel.gdn``), which hand states across ranks through
+the ``state_link`` hooks. ``backend="eager" | "triton"`` (no auto); the Triton kernels live in
+``triton/`` and load triton only on first use. See docs/gdn.md for the semantics, the chunked WY
+form and the summary algebra.
+
+May import: torch, ``overlap_runtime._lazy`` and (in ``triton/``, lazily) triton; nothing else
+of ``overlap_runtime``: no communication, no layers.
 """
 
 from .backend import (
