@@ -48,7 +48,7 @@ class CommStats:
 
 class _RecordBackward(torch.autograd.Function):
     """Identity whose backward records one collective; placed on a differentiable collective's
-    output so that its (comm.py) backward collective is counted when it runs."""
+    output so that its backward collective (``ops.comm.collectives``) is counted when it runs."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, stats: CommStats, kind: str, nbytes: int) -> torch.Tensor:
