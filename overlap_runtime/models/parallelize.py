@@ -39,12 +39,14 @@ from overlap_runtime.context_parallel import MODES as FULL_ATTENTION_CP_MODES
 from overlap_runtime.context_parallel import ContextParallel, LinearAttentionContextParallel
 from overlap_runtime.context_parallel.ulysses import ulysses_kv_heads
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+from overlap_runtime.moe import ExpertParallel, MoE, OverlapExpertParallel
 
 __all__ = [
     "FULL_ATTENTION_CP_MODES",
     "parallelize_qwen3_5_cp",
     "apply_fsdp",
     "build_dp_cp_mesh",
+    "parallelize_qwen3_5_ep",
     "flat_data_mesh",
     "parameter_count",
 ]
@@ -142,32 +144,45 @@ def flat_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def apply_fsdp(
-    model: Qwen3_5ForCausalLM,
+    model: nn.Module,
     mesh: DeviceMesh,
     mp_policy: Any | None = None,
     reshard_after_forward: bool = True,
-) -> Qwen3_5ForCausalLM:
-    """``fully_shard`` each decoder layer, then the root (embedding, final norm, LM head).
+    expert_mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """``fully_shard`` the routed experts, each decoder layer, then the root.
 
     Args:
-        model: the (already context-parallel) model.
-        mesh: 1-D mesh of every rank that holds a piece of the data (:func:`flat_data_mesh`).
+        model: the (already context- and expert-parallel) model, or one pipeline stage of it
+            (:class:`~overlap_runtime.models.pipeline_split.Qwen3_5Stage`): anything with a
+            ``layers`` ModuleList / ModuleDict of decoder layers.
+        mesh: the mesh of every rank that holds a piece of the data: 1-D (``dp_shard x cp``
+            flattened, :func:`flat_data_mesh`) or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP.
         mp_policy: an FSDP ``MixedPrecisionPolicy`` or None (parameters' own dtype).
         reshard_after_forward: free the unsharded parameters after forward (re-gather in
             backward).
+        expert_mesh: the mesh the routed experts of each MoE layer are sharded on (``efsdp``, or
+            ``(dp_replicate, efsdp)``; see ``trainer.parallel_dims``); None: they are sharded
+            with their layer on ``mesh``.
 
-    Gradients are *summed* over ``mesh`` (divide factor 1): each rank's loss must already be
+    Gradients are *summed* over the mesh (divide factor 1): each rank's loss must already be
     normalised by the global number of tokens. A tied LM head shares the embedding's parameter
     and both stay in the root's group.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    if mesh.ndim != 1:
-        raise ValueError(f"apply_fsdp: mesh must be 1-D (flatten dp x cp), got shape "
-                         f"{tuple(mesh.shape)}")
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    kwargs["mp_policy"] = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    for layer in model.layers:
+    for name, m in (("mesh", mesh), ("expert_mesh", expert_mesh)):
+        if m is not None and m.ndim not in (1, 2):
+            raise ValueError(f"apply_fsdp: {name} must be 1-D (sharded) or 2-D (replicate, "
+                             f"shard) for HSDP, got shape {tuple(m.shape)}")
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+                              "mp_policy": policy}
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for layer in layers:
+        if expert_mesh is not None:
+            for moe in (m for m in layer.modules() if isinstance(m, MoE)):
+                fully_shard(moe.experts, **{**kwargs, "mesh": expert_mesh})
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     for module in model.modules():
@@ -175,6 +190,29 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def parallelize_qwen3_5_ep(model: nn.Module, ep_mesh: DeviceMesh, *, coordinator: Any = None,
+                           tag_prefix: str = "", timeout_s: float | None = None) -> nn.Module:
+    """Shard the routed experts of every MoE layer of ``model`` (or of a pipeline stage) over
+    the 1-D ``ep_mesh``: each EP rank keeps ``num_experts / ep`` consecutive experts and gets an
+    all-to-all dispatcher over the EP group (``moe.ExpertParallel``). With a ``coordinator``
+    (a ``HookCoordinator``) the layers also get the A/B/C/D(/D_LAST) sync hooks, so the
+    OVERLAP_B_F callback can interleave two microbatches' all-to-alls
+    (``moe.OverlapExpertParallel``; ``tag_prefix`` names the stage, e.g. ``"S2."``).
+
+    With ``ep_mesh.size() == 1`` the model is returned untouched.
+    """
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"parallelize_qwen3_5_ep: ep_mesh must be the 1-D EP mesh, got shape "
+                         f"{tuple(ep_mesh.shape)}")
+    if ep_mesh.size() == 1:
+        return model
+    if coordinator is not None:
+        style: Any = OverlapExpertParallel(coordinator, tag_prefix=tag_prefix, timeout_s=timeout_s)
+    else:
+        style = ExpertParallel(tag_prefix=tag_prefix, timeout_s=timeout_s)
+    return style.apply(model, ep_mesh)
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -1,0 +1,218 @@
+"""Assembling the parallel model of one rank: CP, EP, pipeline split, FSDP2, schedule.
+
+::
+
+    model = Qwen3_5ForCausalLM(config.model)        whole, same seed on every rank (= baseline)
+    parallelize_qwen3_5_cp(model, mesh "cp")         GDN + attention CP (contiguous shards)
+    parts = split_qwen3_5(model, stages of this pp rank)        pp > 1, else {0: model}
+    parallelize_qwen3_5_ep(part, mesh "ep")          routed experts sharded; with overlap_b_f
+                                                     the A/B/C/D hooks of one HookCoordinator
+    apply_fsdp(part, mesh "fsdp", expert_mesh "expert_fsdp")     per part
+    PipelineSchedule(spec, [PipelineStage(part) ...])           pp > 1; OVERLAP_B_F callback
+                                                                 registered when asked for
+
+Order matters: CP and EP swap strategies on the plain modules, the split takes submodules of
+the already parallel model, and FSDP wraps last (it replaces parameters by DTensor shards).
+Everything is built from the same seed on every rank before sharding, so the initial weights
+equal the single-device baseline's.
+
+Loss scaling: the last stage's ``loss_fn`` returns ``CE_sum(microbatch) / global_tokens`` and
+the schedule does not rescale (``scale_grads=False``), so the gradients summed over microbatches,
+data-parallel and context-parallel ranks are those of the mean CE over the global batch, exactly
+as on one device. The MoE load-balancing loss is attached to each MoE layer's output
+(``moe.attach_aux_loss``) and so flows back with every microbatch; it is computed per MoE call
+over the tokens that call routes (one microbatch's shard on one rank) and is not rescaled, so
+its total weight grows with the number of microbatches x data/context ranks. Alignment with one
+device therefore uses ``moe_aux_loss_coef: 0`` (docs/training.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overlap_runtime.models.parallelize import (
+    apply_fsdp,
+    parallelize_qwen3_5_cp,
+    parallelize_qwen3_5_ep,
+    parameter_count,
+)
+from overlap_runtime.models.pipeline_split import split_qwen3_5
+from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+from overlap_runtime.moe import MoE
+from overlap_runtime.trainer.config import TrainConfig, schedule_spec
+from overlap_runtime.trainer.parallel_dims import ParallelDims
+
+__all__ = ["ParallelModel", "build_model", "build_parallel_model", "ce_sum"]
+
+
+def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> Qwen3_5ForCausalLM:
+    """The model of ``config.model`` initialised from ``config.train.seed`` (fp32, on ``device``).
+
+    Every rank builds it whole from the same seed before it is split and sharded, so the initial
+    weights equal the baseline's.
+    """
+    torch.manual_seed(config.train.seed)
+    model = Qwen3_5ForCausalLM(config.model)
+    model.set_activation_checkpointing(config.train.activation_checkpoint)
+    return model.to(device)
+
+
+def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross entropy in fp32: logits ``[B, S, V]``, labels ``[B, S]`` int64."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+@dataclass
+class ParallelModel:
+    """What one rank trains.
+
+    Attributes:
+        parts: ``{stage index: module}``: this rank's pipeline stages, or ``{0: model}``.
+        schedule: the pipeline schedule (pp > 1), else None.
+        overlap: the rank's ``CommComputeOverlap`` (OVERLAP_B_F with EP), closed by
+            :meth:`close`.
+        expert_params / other_params: this rank's parameters, routed experts apart (their
+            norm is summed over the EP group too).
+        num_parameters: parameters of the whole model (before any split or sharding).
+    """
+
+    parts: dict[int, nn.Module]
+    schedule: Any | None
+    overlap: Any | None
+    expert_params: list[nn.Parameter]
+    other_params: list[nn.Parameter]
+    num_parameters: int
+    global_tokens: int
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.parts
+
+    @property
+    def has_last(self) -> bool:
+        return self.schedule is None or (self.schedule.spec.num_stages - 1) in self.parts
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [*self.other_params, *self.expert_params]
+
+    def modules(self) -> list[nn.Module]:
+        return [self.parts[s] for s in sorted(self.parts)]
+
+    def close(self) -> None:
+        """Stop the overlap worker thread (idempotent)."""
+        if self.overlap is not None and not self._closed:
+            self.overlap.close()
+        self._closed = True
+
+
+def _split_params(modules: list[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    expert_ids: set[int] = set()
+    for m in modules:
+        for moe in (x for x in m.modules() if isinstance(x, MoE)):
+            expert_ids.update(id(p) for p in moe.experts.parameters())
+    seen: set[int] = set()
+    experts, others = [], []
+    for m in modules:
+        for p in m.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            (experts if id(p) in expert_ids else others).append(p)
+    return experts, others
+
+
+def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.device,
+                         rank_of_pp: int) -> ParallelModel:
+    """Build this rank's part of the model, parallel over ``dims`` (meshes already built).
+
+    Args:
+        config: the validated configuration.
+        dims: the layout, after ``dims.build_meshes``.
+        device: this rank's device.
+        rank_of_pp: this rank's coordinate on the pipeline dimension.
+    """
+    acc, pl = config.train.accelerator, config.train.pipeline
+    model = build_model(config, device)
+    n_params = parameter_count(model)
+    parallelize_qwen3_5_cp(
+        model, dims.mesh("cp"), ulysses_degree=acc.ulysses_degree,
+        linear_attention_cp_mode=acc.linear_attention_cp_mode,
+        linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
+        full_attention_cp_mode=acc.full_attention_cp_mode, timeout_s=acc.comm_timeout_s,
+    )
+    spec = None
+    if dims.pp > 1:
+        spec = schedule_spec(config)
+        mine = [s for s in range(spec.num_stages) if spec.stage_to_rank(s) == rank_of_pp]
+        parts: dict[int, nn.Module] = dict(split_qwen3_5(model, spec.num_stages, mine,
+                                                         pl.layers_per_stage))
+    else:
+        parts = {0: model}
+
+    coordinator = overlap = None
+    if dims.ep > 1:
+        if spec is not None and pl.overlap_b_f:
+            from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
+
+            coordinator = HookCoordinator(timeout_s=acc.comm_timeout_s or 300.0)
+            overlap = CommComputeOverlap(coordinator, device)
+        for s, part in parts.items():
+            parallelize_qwen3_5_ep(part, dims.mesh("ep"), coordinator=coordinator,
+                                   tag_prefix=f"S{s}.", timeout_s=acc.comm_timeout_s)
+
+    mp_policy = None
+    if config.train.precision == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for part in parts.values():
+        apply_fsdp(part, dims.mesh("fsdp"), mp_policy,
+                   expert_mesh=dims.mesh("expert_fsdp") if config.model.mlp == "moe" else None)
+
+    global_tokens = dims.dp * config.data.batch_size * config.data.seq_len
+    schedule = None
+    if spec is not None:
+        schedule = _pipeline_schedule(config, dims, device, spec, parts, overlap, global_tokens)
+    experts, others = _split_params(list(parts.values()))
+    return ParallelModel(parts, schedule, overlap, experts, others, n_params, global_tokens)
+
+
+def _pipeline_schedule(config: TrainConfig, dims: ParallelDims, device: torch.device, spec: Any,
+                       parts: dict[int, nn.Module], overlap: Any, global_tokens: int) -> Any:
+    from overlap_runtime.moe import make_overlap_b_f_callback
+    from overlap_runtime.pipeline import PipelineSchedule, PipelineStage, TensorMeta
+    from overlap_runtime.schedules import ActionKind
+    from overlap_runtime.trainer.fsdp_pipeline import check_fsdp_internals
+
+    acc, pl = config.train.accelerator, config.train.pipeline
+    check_fsdp_internals(list(parts.values()))
+    rows = config.data.batch_size // pl.microbatches
+    dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
+    # Every boundary is [rows, S/cp, hidden] in the compute dtype: known, so no metadata
+    # exchange (whose no-grad forward would issue the EP/CP collectives outside the schedule).
+    meta = TensorMeta((rows, config.data.seq_len // dims.cp, config.model.hidden_size), dtype)
+    pp_group = dims.mesh("pp").get_group()
+    stages = []
+    for s, part in sorted(parts.items()):
+        st = PipelineStage(part, s, spec.num_stages, device, pp_group,
+                           input_meta=meta if s > 0 else None)
+        if s < spec.num_stages - 1:
+            st.output_meta = meta
+        stages.append(st)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return ce_sum(logits, labels) / global_tokens
+
+    schedule = PipelineSchedule(spec, stages, loss_fn=loss_fn, group=pp_group,
+                                timeout_s=acc.comm_timeout_s, scale_grads=False)
+    if overlap is not None:
+        schedule.register_custom_function(ActionKind.OVERLAP_B_F,
+                                          make_overlap_b_f_callback(overlap, device))
+    return schedule
+
