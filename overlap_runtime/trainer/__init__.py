@@ -1,14 +1,12 @@
-"""FSDP2 + context-parallel training of the Qwen3.5-style hybrid decoder, driven by YAML.
+"""Training the Qwen3.5-style hybrid (dense or MoE) decoder with PP x EP x CP x FSDP2, from YAML.
 
-``parallel_dims`` (``ParallelDims``: the one owner of the layout ``pp x dp_replicate x dp_shard
-x cp`` and of every DeviceMesh, asked for by name; EP is borrowed from ``dp_shard x cp``),
-``config`` (pydantic ``TrainConfig``), ``data`` (byte-level corpus windows, contiguous CP split),
-``loop`` (distributed run, single-device baseline, comparison), ``cli`` (``overlap-runtime
-train``). See docs/training.md.
+``config`` (pydantic ``TrainConfig``), ``parallel_dims`` (``ParallelDims``: the layout and every
+DeviceMesh), ``build`` (CP, pipeline split, EP, FSDP2 and the schedule of one rank),
+``fsdp_pipeline`` (FSDP2 around a pipeline step), ``grad_norm`` (the norm over every dimension),
+``data`` (byte-level corpus windows, contiguous CP split), ``loop`` (distributed run,
+single-device baseline, comparison), ``cli`` (``overlap-runtime train``). See docs/training.md.
 
-May import: every package below it (``models``, ``context_parallel``, ``moe``, ``pipeline``,
-``schedules``, ``ops``, ``platform``, ``launch``); nothing imports the trainer but the command
-line.
+May import every other package of overlap_runtime (it is the top of the stack, below the CLI).
 
 The names below are loaded on first use (PEP 562): ``overlap-runtime --help`` imports
 ``trainer.cli``, and with it this package, without paying for torch.
@@ -36,7 +34,10 @@ _EXPORTS: dict[str, str] = {
     "load_corpus": "data",
     "StepMetrics": "loop",
     "TrainResult": "loop",
-    "build_model": "loop",
+    "build_model": "build",
+    "build_parallel_model": "build",
+    "ParallelDims": "parallel_dims",
+    "PipelineConfig": "config",
     "compare_runs": "loop",
     "format_step": "loop",
     "spawn_training": "loop",
@@ -58,10 +59,12 @@ if TYPE_CHECKING:
         load_config,
     )
     from .data import VOCAB_SIZE, Batch, ByteTokenizer, TextDataset, load_corpus
+    from .build import build_model, build_parallel_model
+    from .parallel_dims import ParallelDims
+    from .config import PipelineConfig
     from .loop import (
         StepMetrics,
         TrainResult,
-        build_model,
         compare_runs,
         format_step,
         spawn_training,

@@ -18,16 +18,27 @@
       accelerator:                # seed 000, 5.1
         device: cpu
         world_size: 4             # ranks `overlap-runtime train` spawns (torchrun: WORLD_SIZE)
+        dp_replicate: 1           # HSDP replicas
+        dp_shard: -1              # FSDP2 shard degree; -1: what pp x dp_replicate x cp leave
         cp: 4
         tp: 1
         pp: 1
-        ep: 1
+        ep: 1                     # borrowed from dp_shard x cp (see trainer.parallel_dims)
         ulysses_degree: null
         linear_attention_cp_mode: ulysses     # ulysses | p2p | all_gather
         linear_attention_gdn_backend: eager   # eager | triton
         full_attention_cp_mode: ulysses       # ulysses | ring | all_gather_kv
+      pipeline:                   # used when accelerator.pp > 1
+        schedule: 1f1b            # gpipe | 1f1b | interleaved_1f1b | zero_bubble | dualpipev
+        microbatches: 4           # per step; must divide data.batch_size
+        virtual_stages: 1         # model chunks per pipeline rank (dualpipev: 2)
+        overlap_b_f: false        # OVERLAP_B_F compound steps (interleaved_1f1b / 1f1b)
+        overlap_p2p: true
+        layers_per_stage: null    # e.g. [2, 2]; null: an even split (trainer.pipeline_split)
 
-``dp = world_size / cp`` data-parallel groups; FSDP2 shards over all ``dp x cp`` ranks.
+``world_size = pp x dp_replicate x dp_shard x cp`` (:class:`~overlap_runtime.trainer.
+parallel_dims.ParallelDims` owns the rule and every mesh); ``dp = dp_replicate x dp_shard``
+data-parallel groups read different rows; FSDP2 shards over ``dp_shard x cp``.
 
 Every rule that a combination breaks fails at load time with the dotted field name and the rule
 (:class:`ConfigError`); unknown keys are errors too (a typo must not silently fall back to a
@@ -44,16 +55,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config
 from overlap_runtime.trainer.data import VOCAB_SIZE as BYTE_VOCAB_SIZE
+from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 __all__ = [
     "AcceleratorConfig",
     "ConfigError",
     "DataConfig",
     "OptimizerConfig",
+    "PipelineConfig",
     "TrainConfig",
     "TrainSection",
     "config_from_dict",
     "load_config",
+    "schedule_spec",
 ]
 
 
@@ -69,7 +83,10 @@ class AcceleratorConfig(_Strict):
     """Parallel layout (``train.accelerator``). See the module docstring for the fields."""
 
     device: Literal["cpu", "cuda", "npu"] = "cpu"
-    world_size: int | None = Field(None, ge=1, description="ranks to spawn; None: cp")
+    world_size: int | None = Field(None, ge=1, description="ranks to spawn; None: the product "
+                                                           "of the degrees")
+    dp_replicate: int = Field(1, ge=1)
+    dp_shard: int = Field(-1, ge=-1, description="-1: the rest of the world")
     cp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -82,8 +99,27 @@ class AcceleratorConfig(_Strict):
 
     @property
     def resolved_world_size(self) -> int:
-        """Number of ranks: ``world_size`` or, when unset, ``cp`` (dp = 1)."""
-        return self.world_size if self.world_size is not None else self.cp
+        """Number of ranks: ``world_size`` or, when unset, ``pp x dp_replicate x dp_shard x cp``
+        (``dp_shard = -1`` counting as 1)."""
+        if self.world_size is not None:
+            return self.world_size
+        return self.pp * self.dp_replicate * max(self.dp_shard, 1) * self.cp
+
+    def parallel_dims(self) -> ParallelDims:
+        """The validated layout (raises ValueError naming the fields)."""
+        return ParallelDims(world_size=self.resolved_world_size, dp_shard=self.dp_shard,
+                            cp=self.cp, pp=self.pp, ep=self.ep, dp_replicate=self.dp_replicate)
+
+
+class PipelineConfig(_Strict):
+    """Pipeline schedule (``train.pipeline``), used when ``train.accelerator.pp > 1``."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev"] = "1f1b"
+    microbatches: int = Field(4, ge=1, description="microbatches per step (divide batch_size)")
+    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank")
+    overlap_b_f: bool = False
+    overlap_p2p: bool = True
+    layers_per_stage: list[int] | None = None
 
 
 class DataConfig(_Strict):
@@ -116,6 +152,7 @@ class TrainSection(_Strict):
     log_every: int = Field(1, ge=1)
     metrics: str | None = None
     accelerator: AcceleratorConfig = AcceleratorConfig()
+    pipeline: PipelineConfig = PipelineConfig()
 
 
 class TrainConfig(_Strict):
@@ -128,9 +165,8 @@ class TrainConfig(_Strict):
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree ``world_size / cp``."""
-        acc = self.train.accelerator
-        return acc.resolved_world_size // acc.cp
+        """Data-parallel degree ``dp_replicate x dp_shard`` (who reads different rows)."""
+        return self.train.accelerator.parallel_dims().dp
 
     @model_validator(mode="after")
     def _check_layout(self) -> "TrainConfig":
@@ -138,12 +174,11 @@ class TrainConfig(_Strict):
         has_gdn = "linear_attention" in m.layer_types
         has_attention = "full_attention" in m.layer_types
         errors: list[str] = []
-        if acc.pp > 1:
-            errors.append(f"train.accelerator.pp={acc.pp}: pipeline parallelism is not supported "
-                          f"by this trainer yet (use pp: 1)")
-        if acc.ep > 1:
-            errors.append(f"train.accelerator.ep={acc.ep}: expert parallelism is not supported by "
-                          f"this trainer yet (use ep: 1)")
+        errors.extend(ParallelDims.layout_problems(
+            world_size=acc.resolved_world_size, dp_shard=acc.dp_shard, cp=acc.cp, pp=acc.pp,
+            ep=acc.ep, dp_replicate=acc.dp_replicate, prefix="train.accelerator."))
+        errors.extend(_pipeline_problems(self))
+        errors.extend(_expert_problems(self))
         if acc.tp > 1:
             if acc.cp > 1 and has_gdn:
                 errors.append(f"train.accelerator.tp={acc.tp}: linear-attention (GDN) context "
@@ -151,10 +186,6 @@ class TrainConfig(_Strict):
             else:
                 errors.append(f"train.accelerator.tp={acc.tp}: tensor parallelism is not "
                               f"supported by this trainer yet (use tp: 1)")
-        world = acc.resolved_world_size
-        if world % acc.cp:
-            errors.append(f"train.accelerator.cp={acc.cp} does not divide "
-                          f"train.accelerator.world_size={world}")
         if acc.ulysses_degree is not None and acc.ulysses_degree != acc.cp:
             errors.append(f"train.accelerator.ulysses_degree={acc.ulysses_degree}: only None or "
                           f"cp={acc.cp} (pure Ulysses) is supported")
@@ -196,6 +227,69 @@ class TrainConfig(_Strict):
         data = self.model_dump()
         data["train"].update(train_fields)
         return TrainConfig.model_validate(data)
+
+
+def _pipeline_problems(config: "TrainConfig") -> list[str]:
+    """Rules of ``train.pipeline`` against the layout and the model (empty when pp == 1)."""
+    acc, pl, m = config.train.accelerator, config.train.pipeline, config.model
+    if acc.pp == 1:
+        return []
+    out: list[str] = []
+    stages = acc.pp * pl.virtual_stages
+    if stages > m.num_hidden_layers:
+        out.append(f"train.accelerator.pp={acc.pp} x train.pipeline.virtual_stages="
+                   f"{pl.virtual_stages} = {stages} stages exceed model.num_hidden_layers="
+                   f"{m.num_hidden_layers} (every stage holds at least one decoder layer)")
+    if pl.layers_per_stage is not None:
+        lps = pl.layers_per_stage
+        if len(lps) != stages or sum(lps) != m.num_hidden_layers or min(lps) < 1:
+            out.append(f"train.pipeline.layers_per_stage={lps} must have pp x virtual_stages = "
+                       f"{stages} entries, each >= 1, summing to model.num_hidden_layers="
+                       f"{m.num_hidden_layers}")
+    if config.data.batch_size % pl.microbatches:
+        out.append(f"train.pipeline.microbatches={pl.microbatches} must divide data.batch_size="
+                   f"{config.data.batch_size} (a microbatch is batch_size / microbatches rows)")
+    if m.tie_word_embeddings:
+        out.append("model.tie_word_embeddings=true with train.accelerator.pp > 1: the embedding "
+                   "(first stage) and the LM head (last stage) would share one parameter across "
+                   "pipeline ranks; untie them")
+    if pl.overlap_b_f and acc.cp > 1:
+        out.append(f"train.pipeline.overlap_b_f=true with train.accelerator.cp={acc.cp}: the two "
+                   f"threads of an OVERLAP_B_F step would issue context-parallel messages on one "
+                   f"group in a different order on different ranks (the HookCoordinator orders "
+                   f"only the expert all-to-alls); use cp: 1 or overlap_b_f: false")
+    try:
+        schedule_spec(config)
+    except ValidationError as exc:
+        for err in exc.errors():
+            out.append(f"train.pipeline (schedule {pl.schedule!r}, pp={acc.pp}): "
+                       f"{err['msg'].removeprefix('Value error, ')}")
+    return out
+
+
+def schedule_spec(config: "TrainConfig") -> Any:
+    """The ``ScheduleSpec`` of ``train.pipeline`` (placement: the kind's own, ``v`` for
+    dualpipev); raises ``pydantic.ValidationError`` naming the broken rule."""
+    from overlap_runtime.schedules import ScheduleSpec
+    from overlap_runtime.schedules.registry import get_schedule_kind
+
+    acc, pl = config.train.accelerator, config.train.pipeline
+    return ScheduleSpec(kind=pl.schedule, pp_size=acc.pp, num_microbatches=pl.microbatches,
+                        virtual_stages=pl.virtual_stages, overlap_b_f=pl.overlap_b_f,
+                        overlap_p2p=pl.overlap_p2p,
+                        placement=get_schedule_kind(pl.schedule).placements[0])
+
+
+def _expert_problems(config: "TrainConfig") -> list[str]:
+    """Rules of expert parallelism against the model."""
+    acc, m = config.train.accelerator, config.model
+    out: list[str] = []
+    if acc.ep > 1 and m.mlp != "moe":
+        out.append(f"train.accelerator.ep={acc.ep} needs model.mlp='moe' (got {m.mlp!r})")
+    if acc.ep > 1 and m.num_experts % acc.ep:
+        out.append(f"train.accelerator.ep={acc.ep} must divide model.num_experts="
+                   f"{m.num_experts} (each EP rank holds num_experts / ep experts)")
+    return out
 
 
 def _format(exc: ValidationError, source: str) -> str:

@@ -1,16 +1,17 @@
-"""The training loop: FSDP2 + context parallelism on every rank, and the single-device baseline.
+"""The training loop: pp x dp_replicate x dp_shard x cp (EP borrowed from dp_shard x cp) on
+every rank, and the single-device baseline.
 
 :func:`train_distributed` runs on every rank of an initialised process group (spawned on the CPU
 by :func:`spawn_training`, or started by torchrun)::
 
-    mesh = ("dp", "cp") over all ranks
-    model = Qwen3_5ForCausalLM(config.model)          same seed -> same weights on every rank
-    parallelize_qwen3_5_cp(model, mesh["cp"], ...)    GDN CP + full-attention CP, contiguous
-    apply_fsdp(model, mesh["dp","cp"] flattened)      FSDP2, gradients summed
+    dims = ParallelDims(...); dims.build_meshes()      every DeviceMesh, one owner
+    pm = build_parallel_model(config, dims, ...)       CP, split, EP, FSDP2, schedule (build.py)
     for step: batch = this rank's rows (dp) and contiguous shard (cp)
-              loss_r = sum of CE over the shard / global tokens;  loss_r.backward()
-              grad norm (clip), AdamW step
-              loss = all-reduce(sum) of the per-rank CE sums / global tokens
+              pp == 1: loss_r = CE sum over the shard / global tokens;  loss_r.backward()
+              pp  > 1: with GatheredStep (FSDP gathers once, hooks suspended, reduces once;
+                       fsdp_pipeline.py): schedule.step(microbatches), loss_fn as above
+              grad norm over every dimension (grad_norm.py), clip, AdamW step
+              loss = all-reduce(sum) of the per-rank loss shares
 
 :func:`train_single` is the baseline: the same model, data, optimizer and clipping on one device
 with no process group and the whole global batch.
@@ -36,21 +37,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_runtime import platform
-from overlap_runtime.models.parallelize import (
-    apply_fsdp,
-    build_dp_cp_mesh,
-    flat_data_mesh,
-    parallelize_qwen3_5_cp,
-    parameter_count,
-)
-from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+from overlap_runtime.models.parallelize import parameter_count
+from overlap_runtime.trainer.build import build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.config import ConfigError, TrainConfig, config_from_dict
 from overlap_runtime.trainer.data import Batch, TextDataset
+from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
+from overlap_runtime.trainer.grad_norm import clip_grad_norm
 
 __all__ = [
     "StepMetrics",
     "TrainResult",
-    "build_model",
     "compare_runs",
     "format_step",
     "rank_main",
@@ -104,34 +100,17 @@ class TrainResult:
         return cls(**d)
 
 
-def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> Qwen3_5ForCausalLM:
-    """The model of ``config.model`` initialised from ``config.train.seed`` (fp32, on ``device``).
-
-    Every rank builds it whole from the same seed before FSDP shards it, so the initial weights
-    equal the baseline's.
-    """
-    torch.manual_seed(config.train.seed)
-    model = Qwen3_5ForCausalLM(config.model)
-    model.set_activation_checkpointing(config.train.activation_checkpoint)
-    return model.to(device)
-
-
-def _optimizer(model: nn.Module, config: TrainConfig
+def _optimizer(params: list[nn.Parameter], config: TrainConfig
                ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     o = config.optimizer
     # foreach=False: the per-parameter loop on both the FSDP (DTensor) and the plain model, so the
     # two runs execute the same update arithmetic.
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps,
                             weight_decay=o.weight_decay, foreach=False)
     warmup = o.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     return opt, sched
-
-
-def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross entropy in fp32: logits ``[B, S, V]``, labels ``[B, S]`` int64."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
 
 
 def _to_float(x: torch.Tensor) -> float:
@@ -154,10 +133,10 @@ def _check_finite(m: StepMetrics) -> None:
 
 def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
                       log: Log | None = None) -> TrainResult:
-    """FSDP2 + CP training on this rank of the initialised default process group.
+    """Training on this rank of the initialised default process group, any layout.
 
     Args:
-        config: the validated configuration; ``world_size / cp`` data-parallel groups.
+        config: the validated configuration (``train.accelerator`` gives the degrees).
         device: this rank's device (``cuda:<local rank>`` under torchrun on GPUs).
         log: called with each progress line on global rank 0 (None: print).
 
@@ -165,53 +144,78 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
         The run's metrics (identical on every rank).
 
     Raises:
-        ConfigError: ``train.accelerator.cp`` does not divide the process group's world size.
+        ConfigError: the layout does not match the process group's world size.
     """
     device = torch.device(device)
     acc = config.train.accelerator
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % acc.cp:
-        raise ConfigError(f"train.accelerator.cp={acc.cp} does not divide the world size {world}")
-    dp = world // acc.cp
-    mesh = build_dp_cp_mesh(device.type, dp, acc.cp)
-    dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
-
-    model = build_model(config, device)
-    n_params = parameter_count(model)
-    parallelize_qwen3_5_cp(
-        model, mesh["cp"], ulysses_degree=acc.ulysses_degree,
-        linear_attention_cp_mode=acc.linear_attention_cp_mode,
-        linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
-        full_attention_cp_mode=acc.full_attention_cp_mode, timeout_s=acc.comm_timeout_s,
-    )
-    mp_policy = None
-    if config.train.precision == "bf16":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    apply_fsdp(model, flat_data_mesh(mesh), mp_policy)
-    optimizer, scheduler = _optimizer(model, config)
-    data = TextDataset(config.data.seq_len, config.data.batch_size, dp, config.train.seed,
+    if acc.world_size is not None and acc.world_size != world:
+        raise ConfigError(f"train.accelerator.world_size={acc.world_size} but the process group "
+                          f"has {world} ranks")
+    try:
+        dims = acc.model_copy(update={"world_size": world}).parallel_dims()
+    except ValueError as exc:
+        raise ConfigError(f"the layout does not fit the {world} ranks of the process group: "
+                          f"{exc}") from None
+    dims.build_meshes(device.type)
+    coords = dims.coordinates(rank)
+    pm = build_parallel_model(config, dims, device, coords["pp"])
+    optimizer, scheduler = _optimizer(pm.parameters(), config)
+    data = TextDataset(config.data.seq_len, config.data.batch_size, dims.dp, config.train.seed,
                        config.data.corpus)
     platform.reset_peak_memory_stats(device)
+    ep_group = dims.mesh("ep").get_group() if dims.ep > 1 else None
+    pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
 
     def step_fn(batch: Batch) -> torch.Tensor:
-        logits = model(batch.input_ids.to(device), batch.position_ids.to(device))
-        ce = _ce_sum(logits, batch.labels.to(device))
-        (ce / batch.global_tokens).backward()
-        return ce.detach()
+        if pm.schedule is None:
+            model = pm.parts[0]
+            logits = model(batch.input_ids.to(device), batch.position_ids.to(device))
+            share = ce_sum(logits, batch.labels.to(device)) / batch.global_tokens
+            share.backward()
+            return share.detach()
+        losses: list[torch.Tensor] = []
+        inputs = (batch.input_ids.to(device),) if pm.has_first else ()
+        target = batch.labels.to(device) if pm.has_last else None
+        with GatheredStep(pm.modules()):
+            pm.schedule.step(*inputs, target=target, losses=losses)
+        if not losses:
+            return torch.zeros((), device=device)
+        return torch.stack([l.detach().float() for l in losses]).sum()
 
-    steps = _run(config, model, optimizer, scheduler, device,
-                 lambda s: data.rank_batch(s, dp_rank, cp_rank, acc.cp), step_fn,
-                 distributed=True, log=(log or print) if rank == 0 else None)
+    def norm_fn() -> float:
+        return clip_grad_norm(pm.other_params, config.optimizer.max_grad_norm,
+                              pm.expert_params, ep_group, pp_group, device)
+
+    try:
+        steps = _run(config, optimizer, scheduler, device,
+                     lambda s: data.rank_batch(s, coords["dp"], coords["cp"], dims.cp), step_fn,
+                     norm_fn, distributed=True, log=(log or print) if rank == 0 else None)
+    finally:
+        pm.close()
     peak = platform.max_memory_allocated(device)
     if peak is not None:  # cuda/npu: the largest peak of any rank
         peak_t = torch.tensor(float(peak), device=device)
         dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
         peak = int(peak_t.item())
-    mode = (f"fsdp{world}+cp{acc.cp}:{acc.linear_attention_cp_mode}/"
-            f"{acc.full_attention_cp_mode}")
-    return TrainResult(steps, world, dp, acc.cp, mode, n_params, peak)
+    return TrainResult(steps, world, dims.dp, dims.cp, _mode(config), pm.num_parameters, peak)
+
+
+def _mode(config: TrainConfig) -> str:
+    """``pp2(interleaved_1f1b+overlap_b_f) x dp_shard2 x cp2:p2p/ring x ep2``-style label."""
+    acc, pl = config.train.accelerator, config.train.pipeline
+    dims = acc.parallel_dims()
+    parts = []
+    if dims.pp > 1:
+        parts.append(f"pp{dims.pp}({pl.schedule}" + ("+overlap_b_f" if pl.overlap_b_f else "")
+                     + (f",v{pl.virtual_stages}" if pl.virtual_stages > 1 else "") + ")")
+    if dims.dp_replicate > 1:
+        parts.append(f"dp_replicate{dims.dp_replicate}")
+    parts.append(f"fsdp{dims.dp_shard * dims.cp}")
+    parts.append(f"cp{dims.cp}:{acc.linear_attention_cp_mode}/{acc.full_attention_cp_mode}")
+    if dims.ep > 1:
+        parts.append(f"ep{dims.ep}")
+    return " x ".join(parts)
 
 
 def train_single(config: TrainConfig, device: torch.device | str = "cpu",
@@ -223,7 +227,7 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     """
     device = torch.device(device)
     model = build_model(config, device)
-    optimizer, scheduler = _optimizer(model, config)
+    optimizer, scheduler = _optimizer(list(model.parameters()), config)
     dp = config.dp
     data = TextDataset(config.data.seq_len, config.data.batch_size, dp, config.train.seed,
                        config.data.corpus)
@@ -244,26 +248,36 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
                 for pc, pm in zip(compute_params, master_params):
                     pc.copy_(pm)
         logits = compute(batch.input_ids.to(device), batch.position_ids.to(device))
-        ce = _ce_sum(logits, batch.labels.to(device))
-        (ce / batch.global_tokens).backward()
+        share = ce_sum(logits, batch.labels.to(device)) / batch.global_tokens
+        share.backward()
         if compute is not model:
             for pc, pm in zip(compute_params, master_params):
                 pm.grad = None if pc.grad is None else pc.grad.float()
                 pc.grad = None
-        return ce.detach()
+        return share.detach()
 
-    steps = _run(config, model, optimizer, scheduler, device, full_batch, step_fn,
+    max_norm = config.optimizer.max_grad_norm
+
+    def norm_fn() -> float:
+        return _to_float(torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_norm if max_norm is not None else math.inf, foreach=False))
+
+    steps = _run(config, optimizer, scheduler, device, full_batch, step_fn, norm_fn,
                  distributed=False, log=log)
     peak = platform.max_memory_allocated(device)
     return TrainResult(steps, 1, 1, 1, "single", parameter_count(model), peak)
 
 
-def _run(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LambdaLR, device: torch.device,
          batch_for: Callable[[int], Batch], step_fn: Callable[[Batch], torch.Tensor],
-         distributed: bool, log: Log | None) -> list[StepMetrics]:
-    """The steps shared by both runs; returns the metrics every rank agrees on."""
-    max_norm = config.optimizer.max_grad_norm
+         norm_fn: Callable[[], float], distributed: bool, log: Log | None) -> list[StepMetrics]:
+    """The steps shared by both runs; returns the metrics every rank agrees on.
+
+    ``step_fn`` runs forward and backward and returns this rank's share of the mean loss
+    (``CE sum / global tokens``; 0 on ranks without the last pipeline stage); ``norm_fn``
+    measures the global gradient norm and clips.
+    """
     total = config.train.steps
     out: list[StepMetrics] = []
     for step in range(total):
@@ -271,22 +285,21 @@ def _run(config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer
         platform.synchronize(device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        ce_sum = step_fn(batch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), max_norm if max_norm is not None else math.inf, foreach=False)
+        share = step_fn(batch)
+        grad_norm = norm_fn()
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
-        ce_total = ce_sum.float().reshape(1).clone()
+        loss = share.float().reshape(1).clone()
         if distributed:
-            dist.all_reduce(ce_total)
+            dist.all_reduce(loss)
         platform.synchronize(device)
         elapsed = time.perf_counter() - t0
         if distributed:
             t = torch.tensor(elapsed, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             elapsed = float(t)
-        m = StepMetrics(step + 1, float(ce_total) / batch.global_tokens, _to_float(grad_norm), lr,
+        m = StepMetrics(step + 1, float(loss), grad_norm, lr,
                         batch.global_tokens, elapsed, batch.global_tokens / elapsed)
         _check_finite(m)
         out.append(m)

@@ -49,6 +49,16 @@ _WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp")
 _EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 
 
+def _resolve_dp_shard(world_size: int, dp_shard: int, cp: int, pp: int, dp_replicate: int) -> int:
+    """``dp_shard``, or for -1 what ``pp x dp_replicate x cp`` leave of the world (when whole)."""
+    if dp_shard != -1:
+        return dp_shard
+    rest = pp * dp_replicate * cp
+    if rest >= 1 and world_size % rest == 0:
+        return world_size // rest
+    return dp_shard
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Parallel degrees of one training run (see the module docstring).
@@ -68,38 +78,49 @@ class ParallelDims:
     _meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.dp_shard == -1:
-            rest = self.pp * self.dp_replicate * self.cp
-            if rest >= 1 and self.world_size % rest == 0:
-                object.__setattr__(self, "dp_shard", self.world_size // rest)
-        problems = self.problems()
+        object.__setattr__(self, "dp_shard", _resolve_dp_shard(
+            self.world_size, self.dp_shard, self.cp, self.pp, self.dp_replicate))
+        problems = self.layout_problems(self.world_size, self.dp_shard, self.cp, self.pp,
+                                        self.ep, self.dp_replicate)
         if problems:
             raise ValueError("invalid parallel layout:\n  " + "\n  ".join(problems))
 
     # -- validation ---------------------------------------------------------------------------
-    def problems(self, prefix: str = "") -> list[str]:
-        """Every rule the degrees break, one message each (empty: valid).
+    @staticmethod
+    def layout_problems(world_size: int, dp_shard: int, cp: int, pp: int, ep: int,
+                        dp_replicate: int, prefix: str = "") -> list[str]:
+        """Every rule the degrees break, one message each (empty: valid); no process group.
 
-        ``prefix`` is prepended to field names (``"train.accelerator."`` in the trainer).
+        ``dp_shard = -1`` is resolved first. ``prefix`` is prepended to field names
+        (``"train.accelerator."`` in the trainer's configuration).
         """
         p = prefix
+        dp_shard = _resolve_dp_shard(world_size, dp_shard, cp, pp, dp_replicate)
+        values = {"world_size": world_size, "dp_shard": dp_shard, "cp": cp, "pp": pp, "ep": ep,
+                  "dp_replicate": dp_replicate}
         out: list[str] = []
-        for name in ("world_size", "dp_shard", "cp", "pp", "ep", "dp_replicate"):
-            value = getattr(self, name)
+        for name, value in values.items():
+            if name == "dp_shard" and value == -1:
+                continue
             if not isinstance(value, int) or value < 1:
                 out.append(f"{p}{name}={value!r} must be a positive integer"
                            + (" (or -1: the rest of the world)" if name == "dp_shard" else ""))
         if out:
             return out
-        product = self.pp * self.dp_replicate * self.dp_shard * self.cp
-        if product != self.world_size:
-            out.append(f"{p}pp={self.pp} x {p}dp_replicate={self.dp_replicate} x "
-                       f"{p}dp_shard={self.dp_shard} x {p}cp={self.cp} = {product} must equal "
-                       f"{p}world_size={self.world_size}")
-        if (self.dp_shard * self.cp) % self.ep:
-            out.append(f"{p}ep={self.ep} must divide {p}dp_shard x {p}cp = "
-                       f"{self.dp_shard} x {self.cp} = {self.dp_shard * self.cp} (expert "
-                       f"parallelism borrows its ranks from the data/context dimensions)")
+        if dp_shard == -1:  # -1 was not resolved: the other degrees do not divide the world
+            rest = pp * dp_replicate * cp
+            what = (f"{p}cp={cp}" if pp == 1 and dp_replicate == 1 else
+                    f"{p}pp={pp} x {p}dp_replicate={dp_replicate} x {p}cp={cp} = {rest}")
+            return [f"{what} does not divide {p}world_size={world_size} (dp_shard=-1 takes what "
+                    f"the other degrees leave of the world)"]
+        product = pp * dp_replicate * dp_shard * cp
+        if product != world_size:
+            out.append(f"{p}pp={pp} x {p}dp_replicate={dp_replicate} x {p}dp_shard={dp_shard} "
+                       f"x {p}cp={cp} = {product} must equal {p}world_size={world_size}")
+        if (dp_shard * cp) % ep:
+            out.append(f"{p}ep={ep} must divide {p}dp_shard x {p}cp = {dp_shard} x {cp} = "
+                       f"{dp_shard * cp} (expert parallelism borrows its ranks from the "
+                       f"data/context dimensions)")
         return out
 
     # -- derived degrees -------------------------------------------------------------------

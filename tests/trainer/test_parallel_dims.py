@@ -19,7 +19,7 @@ def test_dp_shard_takes_the_rest_of_the_world() -> None:
 @pytest.mark.parametrize("kwargs, needle", [
     ({"world_size": 8, "dp_shard": 2, "cp": 2, "pp": 1}, "must equal world_size=8"),
     ({"world_size": 4, "dp_shard": 1, "cp": 2, "pp": 2, "ep": 4}, "ep=4 must divide dp_shard x cp"),
-    ({"world_size": 6, "dp_shard": -1, "cp": 4}, "dp_shard=-1"),
+    ({"world_size": 6, "dp_shard": -1, "cp": 4}, "cp=4 does not divide world_size=6"),
     ({"world_size": 4, "cp": 0}, "cp=0 must be a positive integer"),
 ])
 def test_invalid_layouts_name_the_fields(kwargs: dict[str, Any], needle: str) -> None:

@@ -68,9 +68,9 @@ def test_cli_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_cli_config_error_exit_code(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    config = _write(tmp_path, cp=2, pp=2)
+    config = _write(tmp_path, cp=2, pp=8)
     assert main(["train", str(config)]) == 2
-    assert "train.accelerator.pp=2" in capfd.readouterr().err
+    assert "train.accelerator.pp=8 x train.pipeline.virtual_stages=1" in capfd.readouterr().err
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read" in capfd.readouterr().err
 

@@ -16,6 +16,17 @@ def _acc(**fields: Any) -> dict[str, Any]:
     return {"train": {"accelerator": fields}}
 
 
+_PIPELINE_FIELDS = ("schedule", "microbatches", "virtual_stages", "overlap_b_f", "overlap_p2p",
+                    "layers_per_stage")
+
+
+def _pp(**fields: Any) -> dict[str, Any]:
+    """A pp=2 layout (cp=1 unless given) with ``train.pipeline`` fields split out."""
+    pipeline = {k: fields.pop(k) for k in list(fields) if k in _PIPELINE_FIELDS}
+    acc = {"pp": 2, "cp": 1, **fields}
+    return {"train": {"accelerator": acc, "pipeline": pipeline}}
+
+
 @pytest.mark.parametrize("name,cp,world,mode", [
     ("tiny_cp4_ulysses", 4, 4, "ulysses"),
     ("tiny_cp4_p2p", 4, 4, "p2p"),
@@ -47,8 +58,27 @@ def test_gpu_config_is_local_16k_bf16() -> None:
                                             "should be 'ulysses', 'p2p' or 'all_gather'"),
     (_acc(linear_attention_gdn_backend="auto"), "train.accelerator.linear_attention_gdn_backend"),
     (_acc(full_attention_cp_mode="zigzag"), "train.accelerator.full_attention_cp_mode"),
-    (_acc(pp=2), "train.accelerator.pp=2: pipeline parallelism is not supported by this trainer"),
-    (_acc(ep=2), "train.accelerator.ep=2: expert parallelism is not supported by this trainer"),
+    (_acc(pp=2, cp=1, world_size=2), "train.pipeline.microbatches=4 must divide "
+                                     "data.batch_size=1"),
+    (_acc(ep=2), "train.accelerator.ep=2 needs model.mlp='moe'"),
+    ({"model": {"mlp": "moe", "num_experts": 6}, **_acc(cp=1, world_size=4, ep=4)},
+     "train.accelerator.ep=4 must divide model.num_experts=6"),
+    (_acc(cp=1, world_size=4, dp_shard=2, ep=4), "train.accelerator.ep=4 must divide "
+                                                 "train.accelerator.dp_shard x "
+                                                 "train.accelerator.cp = 2 x 1 = 2"),
+    (_acc(cp=2, world_size=8, pp=2, dp_shard=4), "= 16 must equal train.accelerator.world_size=8"),
+    ({"data": {"batch_size": 4}, **_pp(pp=8)}, "train.accelerator.pp=8 x "
+                                               "train.pipeline.virtual_stages=1 = 8 stages exceed "
+                                               "model.num_hidden_layers=4"),
+    ({"data": {"batch_size": 4}, **_pp(layers_per_stage=[3, 0])},
+     "train.pipeline.layers_per_stage=[3, 0] must have pp x virtual_stages = 2 entries, each >= 1"),
+    ({"data": {"batch_size": 4}, "model": {"tie_word_embeddings": True}, **_pp()},
+     "model.tie_word_embeddings=true with train.accelerator.pp > 1"),
+    ({"data": {"batch_size": 4}, **_pp(cp=2, overlap_b_f=True, schedule="interleaved_1f1b",
+                                       virtual_stages=2)},
+     "train.pipeline.overlap_b_f=true with train.accelerator.cp=2"),
+    ({"data": {"batch_size": 4}, **_pp(schedule="dualpipev", virtual_stages=1)},
+     "train.pipeline (schedule 'dualpipev', pp=2)"),
     (_acc(cp=2, ulysses_degree=1), "train.accelerator.ulysses_degree=1"),
     (_acc(linear_attention_cp_mode="all_gather", linear_attention_gdn_backend="triton"),
      "linear_attention_cp_mode='all_gather' supports only linear_attention_gdn_backend='eager'"),
@@ -74,9 +104,20 @@ def test_several_errors_are_reported_together() -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict(_acc(cp=3, world_size=4, pp=2, ep=2))
     msg = str(info.value)
-    for needle in ("train.accelerator.pp=2", "train.accelerator.ep=2",
-                   "train.accelerator.cp=3 does not divide"):
+    for needle in ("train.accelerator.pp=2 x train.accelerator.dp_replicate=1 x "
+                   "train.accelerator.cp=3 = 6 does not divide train.accelerator.world_size=4",
+                   "train.accelerator.ep=2 needs model.mlp='moe'",
+                   "train.pipeline.microbatches=4 must divide data.batch_size=1"):
         assert needle in msg
+
+
+def test_pipeline_and_expert_layouts_validate() -> None:
+    cfg = config_from_dict({"data": {"batch_size": 4}, "model": {"mlp": "moe"},
+                            **_pp(ep=2, dp_shard=2, world_size=4, schedule="interleaved_1f1b",
+                                  virtual_stages=2, overlap_b_f=True)})
+    dims = cfg.train.accelerator.parallel_dims()
+    assert (dims.pp, dims.dp_shard, dims.cp, dims.ep, dims.efsdp) == (2, 2, 1, 2, 1)
+    assert cfg.dp == 2 and cfg.train.accelerator.resolved_world_size == 4
 
 
 def test_ring_full_attention_allows_head_counts_ulysses_cannot_split() -> None:
@@ -102,6 +143,6 @@ def test_load_config_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
     wrong = tmp_path / "wrong.yaml"
-    wrong.write_text("train:\n  accelerator:\n    cp: 2\n    pp: 4\n")
-    with pytest.raises(ConfigError, match=r"wrong.yaml(.|\n)*train.accelerator.pp=4"):
+    wrong.write_text("train:\n  accelerator:\n    cp: 2\n    pp: 8\n")
+    with pytest.raises(ConfigError, match=r"wrong.yaml(.|\n)*train.accelerator.pp=8"):
         load_config(wrong)
