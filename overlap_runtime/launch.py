@@ -12,7 +12,10 @@ leaves orphans:
 * at the deadline the parent asks the survivors for their Python stacks (``faulthandler`` on
   SIGUSR1), kills them, and raises :class:`RanksTimeoutError` naming the ranks still running
   with their stacks;
-* children die with their parent (``PR_SET_PDEATHSIG``) even if the parent is SIGKILLed.
+* nothing outlives a SIGKILLed parent: ranks carry ``PR_SET_PDEATHSIG`` and close their inherited
+  copy of the forkserver's "alive" pipe, so the forkserver (the ranks' parent) sees EOF and exits
+  when the parent dies, which kills the ranks; the ranks' stack files are unlinked temporary files
+  passed by descriptor, so no path is left on disk.
 
 Children start from a forkserver that has already imported torch, so a rank costs a fork, not a
 fresh interpreter (the first spawn in a process pays the import once).
@@ -26,6 +29,7 @@ import faulthandler
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import multiprocessing.reduction as mp_reduction
 import os
 import signal
 import sys
@@ -73,8 +77,12 @@ class RankContext:
     backend: str
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux only)."""
+def _die_with_parent(expected_parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux only).
+
+    ``expected_parent`` closes the race where the parent died before the ``prctl``: if the parent
+    is no longer that pid, this process exits at once.
+    """
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -82,6 +90,47 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # pragma: no cover - non-glibc systems
         pass
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def _release_forkserver() -> None:
+    """Close this rank's copy of the forkserver's "alive" pipe write end.
+
+    multiprocessing hands every forkserver child that write end so the child could start
+    processes through the same server; while any child holds it the server never sees EOF, so
+    it (and, through it, ``PR_SET_PDEATHSIG``) outlived a SIGKILLed parent. A rank never uses the
+    inherited server (a nested start launches a new one), so the descriptor only did harm.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+class _PassedFd:
+    """A file descriptor that travels to a child in ``Process`` args (dup'd by multiprocessing)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _rebuild_fd, (mp_reduction.DupFd(self.fd),)
+
+
+def _rebuild_fd(dup: Any) -> int:
+    return int(dup.detach())
+
+
+def _fd_of(x: _PassedFd | int) -> int:
+    """The child's descriptor: an int after pickling (spawn/forkserver), the object under fork."""
+    return x.fd if isinstance(x, _PassedFd) else int(x)
 
 
 def init_from_env(
@@ -131,11 +180,13 @@ def _child_main(
     backend: str,
     device: str,
     timeout_s: float,
-    stack_file: str,
+    stack_fd: _PassedFd | int,
     env: dict[str, str],
     num_threads: int,
+    expected_parent: int | None,
 ) -> None:
-    _die_with_parent()
+    _die_with_parent(expected_parent)
+    _release_forkserver()
     os.environ.update(env)
     os.environ.update(
         {
@@ -147,7 +198,7 @@ def _child_main(
             "MASTER_PORT": str(store_port),
         }
     )
-    stack_fh = open(stack_file, "w")  # noqa: SIM115 - must stay open for faulthandler
+    stack_fh = open(_fd_of(stack_fd), "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=True)
     if num_threads > 0:
         torch.set_num_threads(num_threads)
@@ -227,12 +278,24 @@ def _death_message(rank: int, world_size: int, code: int | None) -> str:
     return f"rank {rank} of {world_size} {how} without a result"
 
 
-def _read(path: str) -> str:
+def _read(fh: Any) -> str:
+    """What a rank's faulthandler wrote to its (unlinked) stack file, read without seeking."""
     try:
-        with open(path) as fh:
-            return fh.read()
+        size = os.fstat(fh.fileno()).st_size
+        return os.pread(fh.fileno(), size, 0).decode("utf-8", errors="replace")
     except OSError:
         return ""
+
+
+def _expected_parent(method: str) -> int | None:
+    """The pid a rank's parent must have: this process, or the forkserver (None if unknown)."""
+    if method != "forkserver":
+        return os.getpid()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 def spawn(
@@ -272,8 +335,9 @@ def spawn(
         "127.0.0.1", 0, world_size=None, is_master=True,
         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
     )
-    tmpdir = tempfile.mkdtemp(prefix="overlap_runtime_spawn_")
-    stack_files = [os.path.join(tmpdir, f"rank{r}.stack") for r in range(world_size)]
+    expected_parent = _expected_parent(ctx.get_start_method())
+    # Unlinked files (O_TMPFILE on Linux): no path exists, so none can outlive a killed parent.
+    stack_files = [tempfile.TemporaryFile(prefix="overlap_runtime_spawn_") for _ in range(world_size)]
     procs: list[Any] = []
     conns: dict[Any, int] = {}
     try:
@@ -282,7 +346,8 @@ def spawn(
             p = ctx.Process(
                 target=_child_main,
                 args=(fn, r, world_size, tuple(args), child_conn, store.port, be, device,
-                      timeout_s, stack_files[r], dict(env or {}), num_threads),
+                      timeout_s, _PassedFd(stack_files[r].fileno()), dict(env or {}), num_threads,
+                      expected_parent),
                 name=f"overlap_runtime-rank{r}",
                 daemon=True,
             )
@@ -353,12 +418,5 @@ def spawn(
         for c in conns:
             c.close()
         for f in stack_files:
-            try:
-                os.remove(f)
-            except OSError:
-                pass
-        try:
-            os.rmdir(tmpdir)
-        except OSError:
-            pass
+            f.close()
         del store

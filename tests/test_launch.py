@@ -149,3 +149,47 @@ def test_torchrun_with_init_from_env(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 ok gloo" in proc.stdout and "rank 1 ok gloo" in proc.stdout
+
+
+_ORPHAN_PARENT = """
+import os, sys, time
+from pathlib import Path
+from overlap_runtime.launch import spawn
+
+def sleeper(rank, world, pid_dir):
+    Path(pid_dir, f"rank{rank}.pid").write_text(f"{os.getpid()} {os.getppid()}")
+    time.sleep(600)
+
+if __name__ == "__main__":
+    spawn(sleeper, 2, args=(sys.argv[1],), timeout_s=300)
+"""
+
+
+def test_a_sigkilled_parent_leaves_no_rank_forkserver_or_temp_dir(tmp_path: Path) -> None:
+    """kill -KILL the process running spawn: its ranks, the forkserver and spawn's files go."""
+    pid_dir = tmp_path / "pids"
+    tmp_dir = tmp_path / "tmp"
+    pid_dir.mkdir()
+    tmp_dir.mkdir()
+    script = tmp_path / "parent.py"
+    script.write_text(_ORPHAN_PARENT)
+    env = dict(os.environ, TMPDIR=str(tmp_dir))
+    parent = subprocess.Popen([sys.executable, str(script), str(pid_dir)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pid_dir.glob("*.pid"))) < 2:
+            assert parent.poll() is None, f"parent exited early with {parent.returncode}"
+            assert time.monotonic() < deadline, "ranks did not start within 120 s"
+            time.sleep(0.1)
+        time.sleep(0.2)  # both pid files fully written
+        pairs = [tuple(int(x) for x in p.read_text().split()) for p in pid_dir.glob("*.pid")]
+        ranks = [pid for pid, _ in pairs]
+        servers = sorted({ppid for _, ppid in pairs})
+        assert parent.pid not in servers, "ranks are expected to be forked by the forkserver"
+    finally:
+        parent.kill()
+        parent.wait(30)
+    survivors = _wait_dead(ranks + servers, seconds=5.0)
+    assert survivors == [], f"still alive 5 s after the parent's SIGKILL: {survivors} (ranks {ranks}, forkserver {servers})"
+    left = sorted(p.name for p in tmp_dir.glob("overlap_runtime_spawn_*"))
+    assert left == [], f"spawn left temporary directories behind: {left}"
