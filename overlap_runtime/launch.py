@@ -4,7 +4,9 @@
 that form one process group, and returns each rank's return value. It never hangs and never
 leaves orphans:
 
-* the rendezvous store is hosted by the parent on a port the OS picks (no free-port race);
+* the rendezvous store is hosted by the parent on a port the OS picks (no free-port race),
+  listening on the loopback address only (``store_host`` / ``OVERLAP_RUNTIME_STORE_HOST`` pick
+  another address to bind);
 * each child reports through its own pipe; the parent waits on pipes and process sentinels at
   once, so a child that raises, exits or crashes is seen at once;
 * on the first failure every other child is killed and :class:`RankFailedError` carries the
@@ -32,6 +34,7 @@ import multiprocessing.connection as mpc
 import multiprocessing.reduction as mp_reduction
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -45,6 +48,8 @@ import torch.distributed as dist
 from overlap_runtime.platform import backend_for, resolve_device, set_device
 
 DEFAULT_SPAWN_TIMEOUT_S = 300.0
+DEFAULT_STORE_HOST = "127.0.0.1"
+STORE_HOST_ENV = "OVERLAP_RUNTIME_STORE_HOST"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -176,6 +181,7 @@ def _child_main(
     world_size: int,
     args: tuple[Any, ...],
     conn: mpc.Connection,
+    store_addr: str,
     store_port: int,
     backend: str,
     device: str,
@@ -194,7 +200,7 @@ def _child_main(
             "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": store_addr,
             "MASTER_PORT": str(store_port),
         }
     )
@@ -207,7 +213,7 @@ def _child_main(
         dev = resolve_device(device, local_rank=rank)
         set_device(dev)
         store = dist.TCPStore(
-            "127.0.0.1",
+            store_addr,
             store_port,
             world_size=None,
             is_master=False,
@@ -287,6 +293,35 @@ def _read(fh: Any) -> str:
         return ""
 
 
+def _host_store(host: str, timeout_s: float) -> tuple[Any, str]:
+    """Host the rendezvous TCPStore listening on ``host`` only; return it and the children's address.
+
+    TCPStore's own server binds every interface, so the socket is bound and listening here and
+    handed over (``master_listen_fd``). A wildcard ``host`` (``0.0.0.0``/``::``) binds every
+    interface on purpose; the children then connect through loopback.
+    """
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"spawn: store_host {host!r} does not resolve ({exc}); give an address of this "
+            f"machine to bind the rendezvous store to (default {DEFAULT_STORE_HOST})"
+        ) from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        bound, port = sock.getsockname()[:2]
+        # The store owns (and closes) the descriptor it is given: give it a duplicate.
+        store = dist.TCPStore(
+            bound, port, world_size=None, is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+            master_listen_fd=os.dup(sock.fileno()),
+        )
+    wildcard = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    return store, wildcard.get(bound, bound)
+
+
 def _expected_parent(method: str) -> int | None:
     """The pid a rank's parent must have: this process, or the forkserver (None if unknown)."""
     if method != "forkserver":
@@ -308,6 +343,7 @@ def spawn(
     timeout_s: float = DEFAULT_SPAWN_TIMEOUT_S,
     env: dict[str, str] | None = None,
     num_threads: int = 1,
+    store_host: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
 
@@ -320,10 +356,14 @@ def spawn(
         timeout_s: wall-clock limit for the whole job, also the process group's timeout.
         env: extra environment variables for the children.
         num_threads: torch intra-op threads per rank (0 leaves torch's default).
+        store_host: address the rendezvous store listens on; default the environment variable
+            ``OVERLAP_RUNTIME_STORE_HOST``, else ``127.0.0.1`` (loopback: no other machine can
+            reach it). ``0.0.0.0`` or ``::`` listen on every interface.
 
     Raises:
         RankFailedError: a rank raised (its traceback is in the message) or died.
         RanksTimeoutError: ranks were still running after ``timeout_s`` (named, with stacks).
+        ValueError: a bad argument (named), e.g. a ``store_host`` that does not resolve.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -331,9 +371,8 @@ def spawn(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     be = backend or backend_for(device)
     ctx = _context()
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size=None, is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+    store, store_addr = _host_store(
+        store_host or os.environ.get(STORE_HOST_ENV) or DEFAULT_STORE_HOST, timeout_s
     )
     expected_parent = _expected_parent(ctx.get_start_method())
     # Unlinked files (O_TMPFILE on Linux): no path exists, so none can outlive a killed parent.
@@ -345,7 +384,8 @@ def spawn(
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child_main,
-                args=(fn, r, world_size, tuple(args), child_conn, store.port, be, device,
+                args=(fn, r, world_size, tuple(args), child_conn, store_addr, store.port, be,
+                      device,
                       timeout_s, _PassedFd(stack_files[r].fileno()), dict(env or {}), num_threads,
                       expected_parent),
                 name=f"overlap_runtime-rank{r}",
