@@ -395,3 +395,35 @@ def test_overlaps_closed_or_dropped_leave_no_threads() -> None:
     worker.join(3.0)  # the finalizer told it to stop; it exits at its next bounded wait
     assert not worker.is_alive()
     assert threading.active_count() == before
+
+
+def _failing_step(coord: HookCoordinator) -> None:
+    """A training step that makes an overlap, fails in its forward chunk and never closes it."""
+    overlap = CommComputeOverlap(coord)
+    w = make_weights(1, dim=4)
+    loss_prev = chunk(make_input(0, dim=4), w, coord).sum()
+    overlap.run(lambda: chunk(make_input(1, dim=4), w, coord,
+                              Inject("forward", "B", "before")), loss_prev.backward)
+
+
+def _threads_after(baseline: int, seconds: float) -> int:
+    """Thread count once it is back to ``baseline`` or ``seconds`` have passed (GC allowed)."""
+    deadline = time.monotonic() + seconds
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    return threading.active_count()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-coordinator", "shared-coordinator"])
+def test_failed_overlaps_dropped_without_close_leave_no_threads(shared: bool) -> None:
+    """50 steps whose forward fails, each dropping its overlap unclosed: no worker survives."""
+    gc.collect()
+    baseline = threading.active_count()
+    coord = HookCoordinator(timeout_s=FAIL_TIMEOUT_S)
+    for _ in range(50):
+        with pytest.raises(Injected):
+            _failing_step(coord if shared else HookCoordinator(timeout_s=FAIL_TIMEOUT_S))
+    # a dropped overlap's worker exits at its next bounded idle wait (1 s)
+    left = _threads_after(baseline, seconds=5.0)
+    assert left == baseline, f"{left - baseline} worker threads outlived their dropped overlaps"
