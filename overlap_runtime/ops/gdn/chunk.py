@@ -11,6 +11,13 @@ scaled)::
     o      = diag(exp(gamma)) Q h + (Q K^T * exp(gamma_i - gamma_j), i >= j) v_new
     h'     = exp(gamma_C) h + Ktail^T v_new,  Ktail_j = exp(gamma_C - gamma_j) k_j
 
+Gate sums are never differences: ``gamma_i - gamma_j`` is computed as the direct sum
+``sum_{j < t <= i} g_t`` (:func:`gate_sums`) and ``gamma_C - gamma_j`` as ``sum_{t > j} g_t``.
+A difference of cumulative sums cancels catastrophically once one gate is large (``g = -1e38``
+in float64 or ``-1e4`` in fp32 loses every small gate after it) and is ``-inf - -inf = NaN`` for
+``g = -inf`` (a state reset); sums of same-sign terms are exact to a few ulps, so any ``g <= 0``
+including ``-inf`` is handled, forward and backward (docs/gdn.md, "Extreme gates").
+
 The pieces, so that a context-parallel layer can split them around the arrival of ``H_in``:
 
 * :func:`prepare_chunks` - everything that does not depend on the state, all chunks at once;
@@ -34,6 +41,7 @@ from .reference import compute_dtype, expand_heads, l2norm
 
 __all__ = [
     "PreparedChunks",
+    "gate_sums",
     "prepare_chunks",
     "scan_states",
     "chunk_outputs",
@@ -54,7 +62,9 @@ class PreparedChunks:
         k: ``[B, HV, N, C, K]`` keys, l2-normed (if asked), expanded to HV heads.
         w: ``[B, HV, N, C, K]`` WY factor ``(I + A)^-1 diag(beta exp(gamma)) K``.
         u: ``[B, HV, N, C, V]`` WY factor ``(I + A)^-1 diag(beta) V``.
-        gamma: ``[B, HV, N, C]`` within-chunk cumulative sum of g.
+        gamma: ``[B, HV, N, C]`` within-chunk cumulative sum of g (``sum_{t <= i} g_t``).
+        tail: ``[B, HV, N, C]`` the gate from after token j to the chunk end, ``sum_{t > j} g_t``
+            (summed directly, never ``gamma_C - gamma_j``).
         attn: ``[B, HV, N, C, C]`` intra-chunk ``(Q K^T) * exp(gamma_i - gamma_j)`` for i >= j.
         seq_len: T, the number of real (unpadded) tokens.
         out_dtype: dtype of the output o (v's dtype).
@@ -65,6 +75,7 @@ class PreparedChunks:
     w: torch.Tensor
     u: torch.Tensor
     gamma: torch.Tensor
+    tail: torch.Tensor
     attn: torch.Tensor
     seq_len: int
     out_dtype: torch.dtype
@@ -85,7 +96,7 @@ class PreparedChunks:
     @property
     def k_tail(self) -> torch.Tensor:
         """``[B, HV, N, C, K]`` keys decayed to the chunk end, ``exp(gamma_C - gamma_j) k_j``."""
-        return self.k * (self.gamma[..., -1:] - self.gamma).exp()[..., None]
+        return self.k * self.tail.exp()[..., None]
 
 
 def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -105,6 +116,29 @@ def from_chunks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     batch, heads, num_chunks, chunk_size, dim = x.shape
     x = x.movedim(1, 3).reshape(batch, num_chunks * chunk_size, heads, dim)
     return x[:, :seq_len]
+
+
+def gate_sums(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Within-chunk gate sums, each a direct sum of gates (no difference of cumulative sums).
+
+    Args:
+        g: ``[..., C]`` log decays (``<= 0``, ``-inf`` allowed) of one chunk per row.
+
+    Returns:
+        ``(gamma, tail, pair)`` in g's dtype: gamma ``[..., C]`` = ``sum_{t <= i} g_t``; tail
+        ``[..., C]`` = ``sum_{t > j} g_t``; pair ``[..., C, C]`` = ``sum_{j < t <= i} g_t`` for
+        ``i >= j`` (0 on the diagonal) and ``-inf`` above it, so ``pair.exp()`` is the causal
+        decay matrix ``exp(gamma_i - gamma_j)``. ``pair`` is a masked cumulative sum down the
+        rows: ``where`` (not a 0/1 product) keeps ``0 * -inf`` out.
+    """
+    size = g.shape[-1]
+    idx = torch.arange(size, device=g.device)
+    after = idx[:, None] > idx[None, :]  # [i, j]: token i lies after token j
+    gi = g[..., :, None].expand(*g.shape, size)
+    pair = torch.where(after, gi, torch.zeros((), dtype=g.dtype, device=g.device)).cumsum(dim=-2)
+    tail = pair[..., -1, :]  # sum_{j < t <= C-1} g_t, read before the upper triangle is masked
+    pair = pair.masked_fill(idx[:, None] < idx[None, :], float("-inf"))
+    return g.cumsum(dim=-1), tail, pair
 
 
 def prepare_chunks(
@@ -138,15 +172,12 @@ def prepare_chunks(
     q = to_chunks(expand_heads(q, num_value_heads) * scale, chunk_size)
     k = to_chunks(expand_heads(k, num_value_heads), chunk_size)
     vc = to_chunks(v.to(dtype), chunk_size)
-    gamma = to_chunks(g.to(dtype), chunk_size).cumsum(dim=-1)  # [B, HV, N, C]
+    # [B, HV, N, C] prefix / tail sums and [B, HV, N, C, C] pairwise sums (-inf above the
+    # diagonal, so exp gives 0 there and never overflows)
+    gamma, tail, pair = gate_sums(to_chunks(g.to(dtype), chunk_size))
     beta_c = to_chunks(beta.to(dtype), chunk_size)
-
-    # exp(gamma_i - gamma_j) on and below the diagonal; the exponent is masked *before* exp so the
-    # (positive, possibly huge) entries above the diagonal never overflow.
+    decay = pair.exp()  # exp(gamma_i - gamma_j) for i >= j, else 0
     idx = torch.arange(chunk_size, device=q.device)
-    causal = idx[:, None] >= idx[None, :]
-    gap = gamma[..., :, None] - gamma[..., None, :]
-    decay = gap.masked_fill(~causal, float("-inf")).exp()  # [B, HV, N, C, C]
 
     strict = idx[:, None] > idx[None, :]
     kkt = (k @ k.transpose(-1, -2)) * decay * beta_c[..., :, None]
@@ -160,7 +191,8 @@ def prepare_chunks(
 
     attn = (q @ k.transpose(-1, -2)) * decay  # decay is already zero above the diagonal
     return PreparedChunks(
-        q=q, k=k, w=w, u=u, gamma=gamma, attn=attn, seq_len=seq_len, out_dtype=v.dtype
+        q=q, k=k, w=w, u=u, gamma=gamma, tail=tail, attn=attn, seq_len=seq_len,
+        out_dtype=v.dtype,
     )
 
 
