@@ -294,7 +294,8 @@ def _read(fh: Any) -> str:
 
 
 def _host_store(host: str, timeout_s: float) -> tuple[Any, str]:
-    """Host the rendezvous TCPStore listening on ``host`` only; return it and the children's address.
+    """Host the rendezvous TCPStore listening on ``host`` only; return it and the address the
+    children connect to.
 
     TCPStore's own server binds every interface, so the socket is bound and listening here and
     handed over (``master_listen_fd``). A wildcard ``host`` (``0.0.0.0``/``::``) binds every
@@ -376,7 +377,8 @@ def spawn(
     )
     expected_parent = _expected_parent(ctx.get_start_method())
     # Unlinked files (O_TMPFILE on Linux): no path exists, so none can outlive a killed parent.
-    stack_files = [tempfile.TemporaryFile(prefix="overlap_runtime_spawn_") for _ in range(world_size)]
+    stack_files = [tempfile.TemporaryFile(prefix="overlap_runtime_spawn_")
+                   for _ in range(world_size)]
     procs: list[Any] = []
     conns: dict[Any, int] = {}
     try:

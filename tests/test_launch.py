@@ -190,7 +190,8 @@ def test_a_sigkilled_parent_leaves_no_rank_forkserver_or_temp_dir(tmp_path: Path
         parent.kill()
         parent.wait(30)
     survivors = _wait_dead(ranks + servers, seconds=5.0)
-    assert survivors == [], f"still alive 5 s after the parent's SIGKILL: {survivors} (ranks {ranks}, forkserver {servers})"
+    assert survivors == [], (f"still alive 5 s after the parent's SIGKILL: {survivors} "
+                             f"(ranks {ranks}, forkserver {servers})")
     left = sorted(p.name for p in tmp_dir.glob("overlap_runtime_spawn_*"))
     assert left == [], f"spawn left temporary directories behind: {left}"
 

@@ -72,7 +72,8 @@ def test_exception_around_each_hook_stops_both_threads(inj: Inject) -> None:
         # so the peer always has hooks left: it must be stopped at one of them, not finish.
         peer = "backward" if side == "forward" else "forward"
         peer_err = ov.last_errors.get(peer)
-        assert isinstance(peer_err, CoordinatorAborted), f"the {peer} side was not aborted: {peer_err!r}"
+        assert isinstance(peer_err, CoordinatorAborted), \
+            f"the {peer} side was not aborted: {peer_err!r}"
         assert peer_err.cause is err and f"{side} thread failed" in str(peer_err)
         assert peer_err.site.side == peer and peer_err.site.seq > 0
         assert peer_err.site.letter in ("A", "B", "C", "D", "D_LAST"), peer_err.site
