@@ -154,6 +154,44 @@ def gates(case: str) -> dict:
             "zero_dg_at_resets": zero_dg}
 
 
+def nan_containment(case: str) -> dict:
+    """``nan_fp32``: a NaN in one input at token t (forward). What the Triton op guarantees
+    (docs/gdn.md): every entry the recurrence makes non-finite is non-finite; beyond those, only
+    the rows of t's own chunk before t, in the columns the NaN reaches; the finite rest matches."""
+    from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule
+
+    report = {}
+    for i, (name, where) in enumerate([(n, w) for n in ("v", "v_one", "k", "beta", "g", "q")
+                                       for w in (100, 130)]):
+        x = make_inputs(1, 200, 2, 4, 32, 32, dtype=torch.float32, seed=13, requires_grad=False)
+        target = "v" if name == "v_one" else name
+        t = x[target].clone()
+        if name in ("q", "k"):
+            t[:, where, 1, 3] = float("nan")
+        elif name == "v_one":
+            t[:, where, 2, 5] = float("nan")
+        else:
+            t[:, where, 2] = float("nan")
+        x[target] = t
+        o_ref, _ = recurrent_gated_delta_rule(*(x[n].double() for n in NAMES),
+                                              initial_state=x["initial_state"].double())
+        o, _ = TritonBackend(num_segments=1 + i % 2).forward(
+            *(x[n] for n in NAMES), scale=32 ** -0.5, initial_state=x["initial_state"],
+            use_qk_l2norm=True, chunk_size=64)
+        bad, bad_ref = ~torch.isfinite(o), ~torch.isfinite(o_ref)
+        start = where // 64 * 64
+        allowed = bad_ref.clone()
+        allowed[:, start:where] |= bad_ref.any(dim=1, keepdim=True)
+        fine = ~bad
+        report[f"{name}@{where}"] = {
+            "covers_reference": bool((bad_ref <= bad).all()),
+            "within_chunk": bool((bad <= allowed).all()),
+            "first_bad_row": int(bad.any(-1).any(-1)[0].nonzero().min()),
+            "rel_l2_finite": rel_l2(o[fine], o_ref[fine]),
+        }
+    return {"nan": report}
+
+
 def capability_errors(case: str) -> dict:
     """The rules that need the interpreter to be on (device passes): each must raise."""
     x = make_inputs(1, 64, 1, 1, 32, 32, dtype=torch.bfloat16, requires_grad=False)
@@ -183,6 +221,8 @@ if __name__ == "__main__":
         result = summaries(name)
     elif name.startswith("gates_"):
         result = gates(name)
+    elif name == "nan_fp32":
+        result = nan_containment(name)
     else:
         result = capability_errors(name)
     print("RESULT " + json.dumps(result))

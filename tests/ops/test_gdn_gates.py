@@ -103,3 +103,44 @@ def test_gate_sums_are_direct_sums():
         assert tail[0, i].item() == g[0, i + 1:].sum().item()
     assert torch.equal(gamma, g.cumsum(-1))
     assert not torch.isnan(pair).any() and not torch.isnan(tail).any()
+
+
+# ----------------------------------------------------------------------------- NaN containment
+# (issue #28 item 2, op part). A NaN in v, k, beta or g at token t makes the recurrence's state,
+# hence its outputs from t on, NaN (in the heads it reaches); a NaN in q only o_t. The eager
+# chunked form once made every row from the start of t's chunk NaN (0 * NaN through the masked
+# products); now its non-finite rows are exactly the recurrence's, and the others match it.
+
+
+def _plant_nan(x: dict[str, torch.Tensor], name: str, where: int) -> None:
+    target = "v" if name == "v_one" else name
+    t = x[target].clone()
+    if name in ("q", "k"):
+        t[:, where, 1, 3] = float("nan")  # key head 1 (value heads 2 and 3), one element
+    elif name == "v_one":
+        t[:, where, 2, 5] = float("nan")  # one value column of head 2: only that column
+    else:
+        t[:, where, 2] = float("nan")  # value head 2 only
+    x[target] = t
+
+
+@pytest.mark.parametrize("name", ["v", "v_one", "k", "beta", "g", "q"])
+@pytest.mark.parametrize("where", [64, 100, 127, 130])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_eager_nan_touches_only_what_the_recurrence_does(dtype, where, name):
+    x = make_inputs(1, 200, 2, 4, 16, 16, dtype=dtype, seed=13, requires_grad=False)
+    _plant_nan(x, name, where)
+    o, h = chunk_gated_delta_rule(*(x[n] for n in NAMES), initial_state=x["initial_state"],
+                                  output_final_state=True, backend="eager")
+    o_ref, h_ref = recurrent_gated_delta_rule(*(upcast(x)[n] for n in NAMES),
+                                              initial_state=x["initial_state"].double())
+    bad, bad_ref = ~torch.isfinite(o), ~torch.isfinite(o_ref)
+    if not torch.equal(bad, bad_ref):
+        first = bad.nonzero()[0].tolist(), bad_ref.nonzero()[0].tolist()
+        raise AssertionError(f"non-finite entries differ: {int(bad.sum())} in eager (first "
+                             f"[b, t, hv, c] {first[0]}), {int(bad_ref.sum())} in the reference "
+                             f"(first {first[1]})")
+    assert bad_ref.any()
+    assert torch.equal(~torch.isfinite(h), ~torch.isfinite(h_ref))
+    fine = ~bad_ref
+    assert rel_l2(o[fine], o_ref[fine]) <= TOL[dtype]

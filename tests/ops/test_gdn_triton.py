@@ -67,6 +67,17 @@ def test_interpreter_exact_for_extreme_gates(case):
 
 
 @needs_triton
+def test_interpreter_nan_stays_in_its_chunk():
+    """A NaN at token t: never hidden, and it reaches no earlier chunk (docs/gdn.md)."""
+    report = _run_case("nan_fp32")["nan"]
+    for case, r in report.items():
+        assert r["covers_reference"], f"{case}: a NaN of the recurrence came out finite"
+        assert r["within_chunk"], f"{case}: non-finite beyond t's chunk/columns: {r}"
+        assert r["first_bad_row"] >= int(case.split("@")[1]) // 64 * 64, (case, r)
+        assert r["rel_l2_finite"] <= 1e-5, (case, r)
+
+
+@needs_triton
 def test_interpreter_capability_errors_name_the_rule():
     raised = _run_case("capability_errors")["raised"]
     assert "head dim K=8" in raised["K=8"]

@@ -189,7 +189,9 @@ def prepare_chunks(
     value_dim = vc.shape[-1]
     u, w = sol[..., :value_dim], sol[..., value_dim:]
 
-    attn = (q @ k.transpose(-1, -2)) * decay  # decay is already zero above the diagonal
+    # a where, not the zeros of decay: q_i . k_j with a NaN key j > i times 0 would be NaN in row i
+    causal = idx[:, None] >= idx[None, :]
+    attn = torch.where(causal, (q @ k.transpose(-1, -2)) * decay, 0.0)
     return PreparedChunks(
         q=q, k=k, w=w, u=u, gamma=gamma, tail=tail, attn=attn, seq_len=seq_len,
         out_dtype=v.dtype,
@@ -239,7 +241,15 @@ def chunk_outputs(prep: PreparedChunks, states: torch.Tensor, v_new: torch.Tenso
         o ``[B, T, HV, V]`` in ``prep.out_dtype``.
     """
     q_decayed = prep.q * prep.gamma.exp()[..., None]
-    o = q_decayed @ states + prep.attn @ v_new
+    # NaN containment (docs/gdn.md): a non-finite residual v_new[j, c] (a NaN in v, k, beta or g
+    # at token j makes rows >= j non-finite, in the columns it reaches) would reach every
+    # earlier row i of its chunk through attn_ij * v_new[j, c] = 0 * NaN. The product uses the
+    # finite entries only, and each column is NaN from its first non-finite row on, as the
+    # recurrence's output is. A few elementwise passes over [C, V], no device sync.
+    bad = ~torch.isfinite(v_new)  # [B, HV, N, C, V]
+    v_safe = torch.where(bad, 0.0, v_new)
+    o = q_decayed @ states + prep.attn @ v_safe
+    o = torch.where(bad.cummax(dim=-2).values, float("nan"), o)
     return from_chunks(o, prep.seq_len).to(prep.out_dtype)
 
 
