@@ -229,27 +229,38 @@ def scan_states(
     return torch.stack(states, dim=2), torch.stack(residuals, dim=2), h
 
 
-def chunk_outputs(prep: PreparedChunks, states: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+def chunk_outputs(prep: PreparedChunks, states: torch.Tensor, v_new: torch.Tensor,
+                  contain_nan: bool = True) -> torch.Tensor:
     """Outputs of all chunks at once: ``diag(exp(gamma)) Q h_n + attn_n v_new_n``.
 
     Args:
         prep: the prepared segment.
         states: ``[B, HV, N, K, V]`` state entering each chunk (from :func:`scan_states`).
         v_new: ``[B, HV, N, C, V]`` residuals (from :func:`scan_states`).
+        contain_nan: keep a non-finite residual out of the earlier rows of its chunk (below);
+            False skips that work (identical results for finite residuals), as the eager
+            backward's recompute does.
 
     Returns:
         o ``[B, T, HV, V]`` in ``prep.out_dtype``.
     """
     q_decayed = prep.q * prep.gamma.exp()[..., None]
+    if not contain_nan:
+        o = q_decayed @ states + prep.attn @ v_new
+        return from_chunks(o, prep.seq_len).to(prep.out_dtype)
     # NaN containment (docs/gdn.md): a non-finite residual v_new[j, c] (a NaN in v, k, beta or g
     # at token j makes rows >= j non-finite, in the columns it reaches) would reach every
-    # earlier row i of its chunk through attn_ij * v_new[j, c] = 0 * NaN. The product uses the
+    # earlier row i of its chunk through attn_ij * v_new[j, c] = 0 * NaN. The product takes the
     # finite entries only, and each column is NaN from its first non-finite row on, as the
-    # recurrence's output is. A few elementwise passes over [C, V], no device sync.
-    bad = ~torch.isfinite(v_new)  # [B, HV, N, C, V]
-    v_safe = torch.where(bad, 0.0, v_new)
+    # recurrence's output is (the count of non-finite rows <= i is a product with a lower
+    # triangle of ones: a cumulative max along rows is ~10x slower on the CPU). One more
+    # [C, C] x [C, V] product and a few elementwise passes, no device sync.
+    size = v_new.shape[-2]
+    ones_lower = torch.ones(size, size, dtype=v_new.dtype, device=v_new.device).tril()
+    bad = (~torch.isfinite(v_new)).to(v_new.dtype)
+    v_safe = torch.nan_to_num(v_new, nan=0.0, posinf=0.0, neginf=0.0)
     o = q_decayed @ states + prep.attn @ v_safe
-    o = torch.where(bad.cummax(dim=-2).values, float("nan"), o)
+    o = torch.where(ones_lower @ bad > 0, float("nan"), o)
     return from_chunks(o, prep.seq_len).to(prep.out_dtype)
 
 
@@ -275,6 +286,7 @@ def chunk_forward(
     initial_state: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    contain_nan: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole chunked forward with plain autograd (keeps a chunk-level graph of the segment).
 
@@ -286,4 +298,4 @@ def chunk_forward(
     """
     prep = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
     states, v_new, final_state = scan_states(prep, initial_state)
-    return chunk_outputs(prep, states, v_new), final_state
+    return chunk_outputs(prep, states, v_new, contain_nan), final_state
