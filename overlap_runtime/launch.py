@@ -4,7 +4,9 @@
 that form one process group, and returns each rank's return value. It never hangs and never
 leaves orphans:
 
-* the rendezvous store is hosted by the parent on a port the OS picks (no free-port race);
+* the rendezvous store is hosted by the parent on a port the OS picks (no free-port race),
+  listening on the loopback address only (``store_host`` / ``OVERLAP_RUNTIME_STORE_HOST`` pick
+  another address to bind);
 * each child reports through its own pipe; the parent waits on pipes and process sentinels at
   once, so a child that raises, exits or crashes is seen at once;
 * on the first failure every other child is killed and :class:`RankFailedError` carries the
@@ -12,7 +14,10 @@ leaves orphans:
 * at the deadline the parent asks the survivors for their Python stacks (``faulthandler`` on
   SIGUSR1), kills them, and raises :class:`RanksTimeoutError` naming the ranks still running
   with their stacks;
-* children die with their parent (``PR_SET_PDEATHSIG``) even if the parent is SIGKILLed.
+* nothing outlives a SIGKILLed parent: ranks carry ``PR_SET_PDEATHSIG`` and close their inherited
+  copy of the forkserver's "alive" pipe, so the forkserver (the ranks' parent) sees EOF and exits
+  when the parent dies, which kills the ranks; the ranks' stack files are unlinked temporary files
+  passed by descriptor, so no path is left on disk.
 
 Children start from a forkserver that has already imported torch, so a rank costs a fork, not a
 fresh interpreter (the first spawn in a process pays the import once).
@@ -26,8 +31,10 @@ import faulthandler
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import multiprocessing.reduction as mp_reduction
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -41,6 +48,8 @@ import torch.distributed as dist
 from overlap_runtime.platform import backend_for, resolve_device, set_device
 
 DEFAULT_SPAWN_TIMEOUT_S = 300.0
+DEFAULT_STORE_HOST = "127.0.0.1"
+STORE_HOST_ENV = "OVERLAP_RUNTIME_STORE_HOST"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -73,8 +82,12 @@ class RankContext:
     backend: str
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux only)."""
+def _die_with_parent(expected_parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux only).
+
+    ``expected_parent`` closes the race where the parent died before the ``prctl``: if the parent
+    is no longer that pid, this process exits at once.
+    """
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -82,6 +95,47 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # pragma: no cover - non-glibc systems
         pass
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def _release_forkserver() -> None:
+    """Close this rank's copy of the forkserver's "alive" pipe write end.
+
+    multiprocessing hands every forkserver child that write end so the child could start
+    processes through the same server; while any child holds it the server never sees EOF, so
+    it (and, through it, ``PR_SET_PDEATHSIG``) outlived a SIGKILLed parent. A rank never uses the
+    inherited server (a nested start launches a new one), so the descriptor only did harm.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+
+
+class _PassedFd:
+    """A file descriptor that travels to a child in ``Process`` args (dup'd by multiprocessing)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _rebuild_fd, (mp_reduction.DupFd(self.fd),)
+
+
+def _rebuild_fd(dup: Any) -> int:
+    return int(dup.detach())
+
+
+def _fd_of(x: _PassedFd | int) -> int:
+    """The child's descriptor: an int after pickling (spawn/forkserver), the object under fork."""
+    return x.fd if isinstance(x, _PassedFd) else int(x)
 
 
 def init_from_env(
@@ -127,15 +181,18 @@ def _child_main(
     world_size: int,
     args: tuple[Any, ...],
     conn: mpc.Connection,
+    store_addr: str,
     store_port: int,
     backend: str,
     device: str,
     timeout_s: float,
-    stack_file: str,
+    stack_fd: _PassedFd | int,
     env: dict[str, str],
     num_threads: int,
+    expected_parent: int | None,
 ) -> None:
-    _die_with_parent()
+    _die_with_parent(expected_parent)
+    _release_forkserver()
     os.environ.update(env)
     os.environ.update(
         {
@@ -143,11 +200,11 @@ def _child_main(
             "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": store_addr,
             "MASTER_PORT": str(store_port),
         }
     )
-    stack_fh = open(stack_file, "w")  # noqa: SIM115 - must stay open for faulthandler
+    stack_fh = open(_fd_of(stack_fd), "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=True)
     if num_threads > 0:
         torch.set_num_threads(num_threads)
@@ -156,7 +213,7 @@ def _child_main(
         dev = resolve_device(device, local_rank=rank)
         set_device(dev)
         store = dist.TCPStore(
-            "127.0.0.1",
+            store_addr,
             store_port,
             world_size=None,
             is_master=False,
@@ -227,12 +284,54 @@ def _death_message(rank: int, world_size: int, code: int | None) -> str:
     return f"rank {rank} of {world_size} {how} without a result"
 
 
-def _read(path: str) -> str:
+def _read(fh: Any) -> str:
+    """What a rank's faulthandler wrote to its (unlinked) stack file, read without seeking."""
     try:
-        with open(path) as fh:
-            return fh.read()
+        size = os.fstat(fh.fileno()).st_size
+        return os.pread(fh.fileno(), size, 0).decode("utf-8", errors="replace")
     except OSError:
         return ""
+
+
+def _host_store(host: str, timeout_s: float) -> tuple[Any, str]:
+    """Host the rendezvous TCPStore listening on ``host`` only; return it and the address the
+    children connect to.
+
+    TCPStore's own server binds every interface, so the socket is bound and listening here and
+    handed over (``master_listen_fd``). A wildcard ``host`` (``0.0.0.0``/``::``) binds every
+    interface on purpose; the children then connect through loopback.
+    """
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"spawn: store_host {host!r} does not resolve ({exc}); give an address of this "
+            f"machine to bind the rendezvous store to (default {DEFAULT_STORE_HOST})"
+        ) from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        bound, port = sock.getsockname()[:2]
+        # The store owns (and closes) the descriptor it is given: give it a duplicate.
+        store = dist.TCPStore(
+            bound, port, world_size=None, is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+            master_listen_fd=os.dup(sock.fileno()),
+        )
+    wildcard = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    return store, wildcard.get(bound, bound)
+
+
+def _expected_parent(method: str) -> int | None:
+    """The pid a rank's parent must have: this process, or the forkserver (None if unknown)."""
+    if method != "forkserver":
+        return os.getpid()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 def spawn(
@@ -245,6 +344,7 @@ def spawn(
     timeout_s: float = DEFAULT_SPAWN_TIMEOUT_S,
     env: dict[str, str] | None = None,
     num_threads: int = 1,
+    store_host: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
 
@@ -257,10 +357,14 @@ def spawn(
         timeout_s: wall-clock limit for the whole job, also the process group's timeout.
         env: extra environment variables for the children.
         num_threads: torch intra-op threads per rank (0 leaves torch's default).
+        store_host: address the rendezvous store listens on; default the environment variable
+            ``OVERLAP_RUNTIME_STORE_HOST``, else ``127.0.0.1`` (loopback: no other machine can
+            reach it). ``0.0.0.0`` or ``::`` listen on every interface.
 
     Raises:
         RankFailedError: a rank raised (its traceback is in the message) or died.
         RanksTimeoutError: ranks were still running after ``timeout_s`` (named, with stacks).
+        ValueError: a bad argument (named), e.g. a ``store_host`` that does not resolve.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -268,12 +372,13 @@ def spawn(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     be = backend or backend_for(device)
     ctx = _context()
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size=None, is_master=True,
-        timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+    store, store_addr = _host_store(
+        store_host or os.environ.get(STORE_HOST_ENV) or DEFAULT_STORE_HOST, timeout_s
     )
-    tmpdir = tempfile.mkdtemp(prefix="overlap_runtime_spawn_")
-    stack_files = [os.path.join(tmpdir, f"rank{r}.stack") for r in range(world_size)]
+    expected_parent = _expected_parent(ctx.get_start_method())
+    # Unlinked files (O_TMPFILE on Linux): no path exists, so none can outlive a killed parent.
+    stack_files = [tempfile.TemporaryFile(prefix="overlap_runtime_spawn_")
+                   for _ in range(world_size)]
     procs: list[Any] = []
     conns: dict[Any, int] = {}
     try:
@@ -281,8 +386,10 @@ def spawn(
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child_main,
-                args=(fn, r, world_size, tuple(args), child_conn, store.port, be, device,
-                      timeout_s, stack_files[r], dict(env or {}), num_threads),
+                args=(fn, r, world_size, tuple(args), child_conn, store_addr, store.port, be,
+                      device,
+                      timeout_s, _PassedFd(stack_files[r].fileno()), dict(env or {}), num_threads,
+                      expected_parent),
                 name=f"overlap_runtime-rank{r}",
                 daemon=True,
             )
@@ -353,12 +460,5 @@ def spawn(
         for c in conns:
             c.close()
         for f in stack_files:
-            try:
-                os.remove(f)
-            except OSError:
-                pass
-        try:
-            os.rmdir(tmpdir)
-        except OSError:
-            pass
+            f.close()
         del store

@@ -149,3 +149,93 @@ def test_torchrun_with_init_from_env(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 ok gloo" in proc.stdout and "rank 1 ok gloo" in proc.stdout
+
+
+_ORPHAN_PARENT = """
+import os, sys, time
+from pathlib import Path
+from overlap_runtime.launch import spawn
+
+def sleeper(rank, world, pid_dir):
+    Path(pid_dir, f"rank{rank}.pid").write_text(f"{os.getpid()} {os.getppid()}")
+    time.sleep(600)
+
+if __name__ == "__main__":
+    spawn(sleeper, 2, args=(sys.argv[1],), timeout_s=300)
+"""
+
+
+def test_a_sigkilled_parent_leaves_no_rank_forkserver_or_temp_dir(tmp_path: Path) -> None:
+    """kill -KILL the process running spawn: its ranks, the forkserver and spawn's files go."""
+    pid_dir = tmp_path / "pids"
+    tmp_dir = tmp_path / "tmp"
+    pid_dir.mkdir()
+    tmp_dir.mkdir()
+    script = tmp_path / "parent.py"
+    script.write_text(_ORPHAN_PARENT)
+    env = dict(os.environ, TMPDIR=str(tmp_dir))
+    parent = subprocess.Popen([sys.executable, str(script), str(pid_dir)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pid_dir.glob("*.pid"))) < 2:
+            assert parent.poll() is None, f"parent exited early with {parent.returncode}"
+            assert time.monotonic() < deadline, "ranks did not start within 120 s"
+            time.sleep(0.1)
+        time.sleep(0.2)  # both pid files fully written
+        pairs = [tuple(int(x) for x in p.read_text().split()) for p in pid_dir.glob("*.pid")]
+        ranks = [pid for pid, _ in pairs]
+        servers = sorted({ppid for _, ppid in pairs})
+        assert parent.pid not in servers, "ranks are expected to be forked by the forkserver"
+    finally:
+        parent.kill()
+        parent.wait(30)
+    survivors = _wait_dead(ranks + servers, seconds=5.0)
+    assert survivors == [], (f"still alive 5 s after the parent's SIGKILL: {survivors} "
+                             f"(ranks {ranks}, forkserver {servers})")
+    left = sorted(p.name for p in tmp_dir.glob("overlap_runtime_spawn_*"))
+    assert left == [], f"spawn left temporary directories behind: {left}"
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    import ipaddress
+
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr_hex, port_hex = local.split(":")
+            if state != "0A" or int(port_hex, 16) != port:  # 0A = LISTEN
+                continue
+            raw = bytes.fromhex(addr_hex)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            found.append(str(ipaddress.ip_address(raw)))
+    return sorted(found)
+
+
+def _store_listen(rank: int, world: int) -> tuple[str, list[str]]:
+    return os.environ["MASTER_ADDR"], _listening_addresses(int(os.environ["MASTER_PORT"]))
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
+def test_the_rendezvous_store_listens_on_loopback_only_by_default(monkeypatch) -> None:
+    monkeypatch.delenv("OVERLAP_RUNTIME_STORE_HOST", raising=False)
+    out = run_ranks(_store_listen, 2)
+    assert out == [("127.0.0.1", ["127.0.0.1"])] * 2
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
+def test_the_rendezvous_store_host_can_be_chosen(monkeypatch) -> None:
+    monkeypatch.setenv("OVERLAP_RUNTIME_STORE_HOST", "0.0.0.0")
+    out = spawn(_store_listen, 1, backend="gloo", timeout_s=120)
+    assert out == [("127.0.0.1", ["0.0.0.0"])]  # children reach a wildcard bind through loopback
+    monkeypatch.delenv("OVERLAP_RUNTIME_STORE_HOST")
+    out = spawn(_store_listen, 1, backend="gloo", timeout_s=120, store_host="localhost")
+    assert out[0][1] in (["127.0.0.1"], ["::1"]) and out[0][0] == out[0][1][0]
+    with pytest.raises(ValueError, match="store_host 'no such host.invalid' does not resolve"):
+        spawn(_store_listen, 1, backend="gloo", timeout_s=120, store_host="no such host.invalid")

@@ -16,7 +16,7 @@ State machine (one Condition guards it all)::
     in_comm[s]  side s is inside a comm region (then holder == s)
     acq[s]      how many comm regions side s has entered (the hand-over counter)
     active[s]   side s is still running (cleared when its function returns: "departs")
-    failure     first (side, exception) of this run; every wait checks it
+    failure     first (side, exception) of this run; every wait checks it; end_run drops it
 
     COMM hook on side s       wait until holder == s or the peer departed; then in_comm[s] = True,
                               acq[s] += 1 (launch your all-to-all now)
@@ -285,16 +285,23 @@ class HookCoordinator:
             return first
 
     def end_run(self) -> None:
-        """Close the run; later hooks are identities until the next :meth:`start_run`."""
+        """Close the run; later hooks are identities until the next :meth:`start_run`.
+
+        The run's failure is forgotten (:attr:`failure` becomes None): its exception's traceback
+        holds the callers' frames (the overlap, tensors whose autograd nodes hold this
+        coordinator), and a coordinator that kept it would keep all of that, and a dropped
+        overlap's worker thread, alive in a cycle the garbage collector cannot see through.
+        """
         with self.condition:
             self._state.running = False
             self._state.forward_ident = None
+            self._state.failure = None
             self._event(None, None, -1, "end-run")
             self.condition.notify_all()
 
     @property
     def failure(self) -> tuple[str, BaseException] | None:
-        """``(side, exception)`` of the current run's first failure, or None."""
+        """``(side, exception)`` of the running run's first failure; None when none or ended."""
         f = self._state.failure
         return None if f is None else (f.side, f.error)
 

@@ -26,7 +26,9 @@ Failure semantics:
 The worker calls :func:`overlap_runtime.platform.set_device` when it starts and before every job:
 the current device is per thread, and a worker on the wrong device deadlocks NCCL/HCCL. With the
 coordinator disabled, ``run`` executes ``fwd_fn`` then ``bwd_fn`` in the calling thread (the
-serial baseline). Use ``close()`` or ``with CommComputeOverlap(...) as overlap:``.
+serial baseline). Use ``close()`` or ``with CommComputeOverlap(...) as overlap:``; an overlap
+dropped without either stops its worker from a ``weakref.finalize`` when it is collected (the
+worker never references it, see :class:`_WorkerState`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ _IDLE_POLL_S = 1.0
 class _Job:
     bwd_fn: Callable[[], Any]
     run: int
+    coordinator: HookCoordinator  # held by the worker only while it runs this job
     done: bool = False
     abandoned: bool = False  # the caller stopped waiting; the worker ends the run itself
     result: Any = None
@@ -66,16 +69,21 @@ class _Job:
 
 @dataclass
 class _WorkerState:
-    """Everything the worker thread touches; the thread never references the overlap object."""
+    """Everything the worker thread touches between jobs.
 
-    coordinator: HookCoordinator
+    The thread must never reach the overlap object, or dropping the object would not stop the
+    thread (its finaliser would never run): a failed run's exceptions hold tracebacks whose
+    frames hold the overlap (and the caller's locals). So the idle worker holds only this state;
+    the coordinator (which records the run's failure) and the job (whose error does too) are
+    reachable from the thread only while a job runs.
+    """
+
     device: torch.device
     cond: threading.Condition = field(default_factory=threading.Condition)
     job: _Job | None = None
     closed: bool = False
     worker_device: torch.device | None = None
     worker_ident: int | None = None
-    device_error: BaseException | None = None
 
     def shut(self) -> None:
         with self.cond:
@@ -85,31 +93,42 @@ class _WorkerState:
 
 def _worker_loop(state: _WorkerState) -> None:
     state.worker_ident = threading.get_ident()
-    while True:
+    while _serve_one_job(state):
+        pass
+
+
+def _serve_one_job(state: _WorkerState) -> bool:
+    """Wait (bounded polls) for a job and run it; False once the state is closed.
+
+    A function of its own so that nothing of the job (its error, its traceback's frames) stays
+    referenced from the thread's frame while it idles.
+    """
+    with state.cond:
+        while not state.closed and (state.job is None or state.job.done):
+            state.cond.wait(_IDLE_POLL_S)  # bounded: rechecks ``closed`` every poll
+        if state.closed:
+            return False
+        job = state.job
+    assert job is not None
+    coordinator = job.coordinator
+    try:
+        state.worker_device = set_device(state.device)
+        job.result = job.bwd_fn()
+    except BaseException as exc:  # noqa: BLE001 - every error goes back to the caller
+        job.error = exc
+        coordinator.fail(Side.BACKWARD, exc)
+    finally:
+        coordinator.depart(Side.BACKWARD)
         with state.cond:
-            while not state.closed and (state.job is None or state.job.done):
-                state.cond.wait(_IDLE_POLL_S)  # bounded: rechecks ``closed`` every poll
-            if state.closed:
-                return
-            job = state.job
-        assert job is not None
-        try:
-            state.worker_device = set_device(state.device)
-            job.result = job.bwd_fn()
-        except BaseException as exc:  # noqa: BLE001 - every error goes back to the caller
-            job.error = exc
-            state.coordinator.fail(Side.BACKWARD, exc)
-        finally:
-            state.coordinator.depart(Side.BACKWARD)
-            with state.cond:
-                job.done = True
-                abandoned = job.abandoned
-                state.cond.notify_all()
-            if abandoned:  # the failure stayed visible to this thread's hooks until now
-                state.coordinator.end_run()
-            with state.cond:
-                state.job = None
-                state.cond.notify_all()
+            job.done = True
+            abandoned = job.abandoned
+            state.cond.notify_all()
+        if abandoned:  # the failure stayed visible to this thread's hooks until now
+            coordinator.end_run()
+        with state.cond:
+            state.job = None
+            state.cond.notify_all()
+    return True
 
 
 class CommComputeOverlap:
@@ -129,7 +148,7 @@ class CommComputeOverlap:
         self.join_timeout_s = float(join_timeout_s or coordinator.timeout_s)
         if not self.join_timeout_s > 0:
             raise ValueError(f"join_timeout_s must be > 0, got {join_timeout_s}")
-        self._state = _WorkerState(coordinator, self.device)
+        self._state = _WorkerState(self.device)
         self._thread: threading.Thread | None = None
         self._workers_started = 0
         self._run_lock = threading.Lock()
@@ -202,7 +221,7 @@ class CommComputeOverlap:
                 self._site("start"), f"the backward worker {self._thread.name!r} to finish an "
                 f"earlier run it is still executing", self.join_timeout_s, coord.recent_events())
         run = coord.start_run(threading.get_ident(), self._thread.name)
-        job = _Job(bwd_fn, run)
+        job = _Job(bwd_fn, run, coord)
         with st.cond:
             st.job = job
             st.cond.notify_all()
@@ -227,9 +246,11 @@ class CommComputeOverlap:
                 coord.recent_events())
             with coord.condition:
                 coord.record_timeout(err)  # its next hook raises; it ends the run when done
+                failure = coord.failure
             if fwd_error is None:
                 fwd_error = err
         else:
+            failure = coord.failure  # read before end_run, which forgets it
             coord.end_run()
         if fwd_error is not None:
             self.last_errors["forward"] = fwd_error
@@ -237,7 +258,7 @@ class CommComputeOverlap:
             self.last_errors["backward"] = job.error
         if not self.last_errors:
             return fwd_result, job.result
-        raise self._primary_error(run)
+        raise self._primary_error(run, failure)
 
     def _abandon(self, job: _Job) -> bool:
         """Hand the end of the run to the worker if it is still busy; True when it is."""
@@ -247,8 +268,8 @@ class CommComputeOverlap:
             job.abandoned = True
             return True
 
-    def _primary_error(self, run: int) -> BaseException:
-        failure = self.coordinator.failure
+    def _primary_error(self, run: int,
+                       failure: tuple[str, BaseException] | None) -> BaseException:
         errors = self.last_errors
         if failure is not None and failure[1] in errors.values():
             side, primary = failure

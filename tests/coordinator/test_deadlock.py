@@ -68,12 +68,15 @@ def test_exception_around_each_hook_stops_both_threads(inj: Inject) -> None:
         frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
         assert "raise_injected" in frames  # the original traceback, not a re-wrapped one
         assert ov.last_errors[side] is err
+        # Each chunk has two layers and the failure is planted in the first layer its side runs,
+        # so the peer always has hooks left: it must be stopped at one of them, not finish.
         peer = "backward" if side == "forward" else "forward"
         peer_err = ov.last_errors.get(peer)
-        assert peer_err is None or isinstance(peer_err, CoordinatorAborted), peer_err
-        if peer_err is not None:
-            assert peer_err.cause is err and f"{side} thread failed" in str(peer_err)
-            assert peer_err.site.side == peer and peer_err.site.seq > 0
+        assert isinstance(peer_err, CoordinatorAborted), \
+            f"the {peer} side was not aborted: {peer_err!r}"
+        assert peer_err.cause is err and f"{side} thread failed" in str(peer_err)
+        assert peer_err.site.side == peer and peer_err.site.seq > 0
+        assert peer_err.site.letter in ("A", "B", "C", "D", "D_LAST"), peer_err.site
         # reuse after a failure: the same coordinator and worker run a clean pair
         _clean_pair_works(coord, ov)
 
@@ -295,14 +298,37 @@ def test_worker_thread_sets_its_device_before_every_job(monkeypatch: pytest.Monk
         assert ov.worker_device == torch.device("cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices: with one, the worker's device is the caller's "
+                           "and the test could not fail (the fake-CUDA test below covers CPU)")
 def test_worker_thread_current_cuda_device() -> None:
-    dev = torch.cuda.device_count() - 1
     coord = HookCoordinator(timeout_s=FAIL_TIMEOUT_S)
-    with CommComputeOverlap(coord, f"cuda:{dev}") as ov:
+    with CommComputeOverlap(coord, "cuda:1") as ov:
         torch.cuda.set_device(0)
-        _, seen = ov.run(lambda: torch.cuda.current_device(), lambda: torch.cuda.current_device())
-        assert seen == dev
+        seen = ov.run(torch.cuda.current_device, torch.cuda.current_device)
+        # a new thread starts on device 0: only the worker's own set_device makes it 1
+        assert seen == (0, 1)
+
+
+def test_worker_thread_current_device_with_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same check on a CPU machine: platform sees two fake CUDA devices whose current index is
+    kept per thread (as torch does), so the real ``platform.set_device`` path runs and the
+    worker's current device is what it set, while the caller's stays its own."""
+    import overlap_runtime.platform as platform
+
+    current = threading.local()
+    monkeypatch.setattr(platform, "available_kinds", lambda: ["cpu", "cuda"])
+    monkeypatch.setattr(platform, "_device_count", lambda kind: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(
+        current, "index", d if isinstance(d, int) else torch.device(d).index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "index", 0))
+    coord = HookCoordinator(timeout_s=FAIL_TIMEOUT_S)
+    with CommComputeOverlap(coord, "cuda:1") as ov:
+        torch.cuda.set_device(0)
+        for _ in range(2):
+            seen = ov.run(torch.cuda.current_device, torch.cuda.current_device)
+            assert seen == (0, 1)
+        assert ov.worker_device == torch.device("cuda", 1)
 
 
 def test_worker_device_error_is_reraised_from_backward_thread(
@@ -395,3 +421,35 @@ def test_overlaps_closed_or_dropped_leave_no_threads() -> None:
     worker.join(3.0)  # the finalizer told it to stop; it exits at its next bounded wait
     assert not worker.is_alive()
     assert threading.active_count() == before
+
+
+def _failing_step(coord: HookCoordinator) -> None:
+    """A training step that makes an overlap, fails in its forward chunk and never closes it."""
+    overlap = CommComputeOverlap(coord)
+    w = make_weights(1, dim=4)
+    loss_prev = chunk(make_input(0, dim=4), w, coord).sum()
+    overlap.run(lambda: chunk(make_input(1, dim=4), w, coord,
+                              Inject("forward", "B", "before")), loss_prev.backward)
+
+
+def _threads_after(baseline: int, seconds: float) -> int:
+    """Thread count once it is back to ``baseline`` or ``seconds`` have passed (GC allowed)."""
+    deadline = time.monotonic() + seconds
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    return threading.active_count()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-coordinator", "shared-coordinator"])
+def test_failed_overlaps_dropped_without_close_leave_no_threads(shared: bool) -> None:
+    """50 steps whose forward fails, each dropping its overlap unclosed: no worker survives."""
+    gc.collect()
+    baseline = threading.active_count()
+    coord = HookCoordinator(timeout_s=FAIL_TIMEOUT_S)
+    for _ in range(50):
+        with pytest.raises(Injected):
+            _failing_step(coord if shared else HookCoordinator(timeout_s=FAIL_TIMEOUT_S))
+    # a dropped overlap's worker exits at its next bounded idle wait (1 s)
+    left = _threads_after(baseline, seconds=5.0)
+    assert left == baseline, f"{left - baseline} worker threads outlived their dropped overlaps"

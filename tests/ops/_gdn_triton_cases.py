@@ -103,6 +103,95 @@ def summaries(case: str) -> dict:
     return {"errors": errors, "tolerance": 1e-5, "finite": True, "dtypes": [str(m.dtype)]}
 
 
+# Extreme gates (issue #28 item 1): (name, gate, positions); T = 200 (chunks start at 0, 64,
+# 128, 192), two of the four value heads reset, against the float64 recurrence.
+GATE_CASES = [(f"{gname}@{where}", gate, pos)
+              for gname, gate in (("-inf", float("-inf")), ("-1e38", -1e38), ("-1e4", -1e4))
+              for where, pos in (("start", (64,)), ("middle", (100,)), ("end", (127,)),
+                                 ("two_in_a_chunk", (70, 120)), ("first", (0,)),
+                                 ("last", (199,)))]
+# Not extreme, but the partial last chunk's gates sum to -96: padded tokens (gamma 0) once met
+# exp(0 - gamma_j) = inf there, and inf * 0 = NaN reached dk, dv, dg.
+GATE_CASES.append(("-12@partial_chunk", -12.0, tuple(range(192, 200))))
+# measured fp32 (interpreter): <= 6.8e-7 (dg), <= 2.5e-7 for the rest
+GATE_TOL = {"fp32": 5e-6, "bf16": 4e-2}
+
+
+def gates(case: str) -> dict:
+    """``gates_fp32`` / ``gates_bf16``: every GATE_CASES entry, forward and backward, two
+    segments (summaries and chain) for half of them."""
+    from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule
+
+    dtype = torch.float32 if case == "gates_fp32" else torch.bfloat16
+    errors, finite, zero_dg = {}, True, True
+    for i, (name, gate, positions) in enumerate(GATE_CASES):
+        x = make_inputs(1, 200, 2, 4, 32, 32, dtype=dtype, seed=7, decay_shift=3.0)
+        g = x["g"].detach().clone()
+        for p in positions:
+            g[:, p, :2] = gate
+        x["g"] = g.requires_grad_()
+        ref = upcast(x)
+        o_ref, h_ref = recurrent_gated_delta_rule(*(ref[n] for n in NAMES),
+                                                  initial_state=ref["initial_state"])
+        gen = torch.Generator().manual_seed(5)
+        do = torch.randn(o_ref.shape, generator=gen, dtype=torch.float64)
+        dh = torch.randn(h_ref.shape, generator=gen, dtype=torch.float64)
+        ((o_ref * do).sum() + (h_ref * dh).sum()).backward()
+        backend = TritonBackend(num_segments=1 + i % 2)
+        o, h = backend.forward(*(x[n] for n in NAMES), scale=32 ** -0.5,
+                               initial_state=x["initial_state"], use_qk_l2norm=True,
+                               chunk_size=64)
+        ((o.double() * do).sum() + (h.double() * dh).sum()).backward()
+        errors[f"{name} o"], errors[f"{name} final_state"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
+        for n in NAMES + ("initial_state",):
+            errors[f"{name} d{n}"] = rel_l2(x[n].grad, ref[n].grad)
+        tensors = [o, h] + [x[n].grad for n in NAMES + ("initial_state",)]
+        finite = finite and all(torch.isfinite(t).all().item() for t in tensors)
+        if gate == float("-inf"):  # the reference's gate gradient there is exactly 0
+            zero_dg = zero_dg and all(
+                (x["g"].grad[0, p, :2] == 0).all().item() for p in positions)
+    return {"errors": errors, "tolerance": GATE_TOL[case.split("_")[1]], "finite": finite,
+            "zero_dg_at_resets": zero_dg}
+
+
+def nan_containment(case: str) -> dict:
+    """``nan_fp32``: a NaN in one input at token t (forward). What the Triton op guarantees
+    (docs/gdn.md): every entry the recurrence makes non-finite is non-finite; beyond those, only
+    the rows of t's own chunk before t, in the columns the NaN reaches; the finite rest matches."""
+    from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule
+
+    report = {}
+    for i, (name, where) in enumerate([(n, w) for n in ("v", "v_one", "k", "beta", "g", "q")
+                                       for w in (100, 130)]):
+        x = make_inputs(1, 200, 2, 4, 32, 32, dtype=torch.float32, seed=13, requires_grad=False)
+        target = "v" if name == "v_one" else name
+        t = x[target].clone()
+        if name in ("q", "k"):
+            t[:, where, 1, 3] = float("nan")
+        elif name == "v_one":
+            t[:, where, 2, 5] = float("nan")
+        else:
+            t[:, where, 2] = float("nan")
+        x[target] = t
+        o_ref, _ = recurrent_gated_delta_rule(*(x[n].double() for n in NAMES),
+                                              initial_state=x["initial_state"].double())
+        o, _ = TritonBackend(num_segments=1 + i % 2).forward(
+            *(x[n] for n in NAMES), scale=32 ** -0.5, initial_state=x["initial_state"],
+            use_qk_l2norm=True, chunk_size=64)
+        bad, bad_ref = ~torch.isfinite(o), ~torch.isfinite(o_ref)
+        start = where // 64 * 64
+        allowed = bad_ref.clone()
+        allowed[:, start:where] |= bad_ref.any(dim=1, keepdim=True)
+        fine = ~bad
+        report[f"{name}@{where}"] = {
+            "covers_reference": bool((bad_ref <= bad).all()),
+            "within_chunk": bool((bad <= allowed).all()),
+            "first_bad_row": int(bad.any(-1).any(-1)[0].nonzero().min()),
+            "rel_l2_finite": rel_l2(o[fine], o_ref[fine]),
+        }
+    return {"nan": report}
+
+
 def capability_errors(case: str) -> dict:
     """The rules that need the interpreter to be on (device passes): each must raise."""
     x = make_inputs(1, 64, 1, 1, 32, 32, dtype=torch.bfloat16, requires_grad=False)
@@ -130,6 +219,10 @@ if __name__ == "__main__":
         result = forward_backward(name)
     elif name == "summaries":
         result = summaries(name)
+    elif name.startswith("gates_"):
+        result = gates(name)
+    elif name == "nan_fp32":
+        result = nan_containment(name)
     else:
         result = capability_errors(name)
     print("RESULT " + json.dumps(result))

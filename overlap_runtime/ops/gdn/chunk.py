@@ -11,6 +11,13 @@ scaled)::
     o      = diag(exp(gamma)) Q h + (Q K^T * exp(gamma_i - gamma_j), i >= j) v_new
     h'     = exp(gamma_C) h + Ktail^T v_new,  Ktail_j = exp(gamma_C - gamma_j) k_j
 
+Gate sums are never differences: ``gamma_i - gamma_j`` is computed as the direct sum
+``sum_{j < t <= i} g_t`` (:func:`gate_sums`) and ``gamma_C - gamma_j`` as ``sum_{t > j} g_t``.
+A difference of cumulative sums cancels catastrophically once one gate is large (``g = -1e38``
+in float64 or ``-1e4`` in fp32 loses every small gate after it) and is ``-inf - -inf = NaN`` for
+``g = -inf`` (a state reset); sums of same-sign terms are exact to a few ulps, so any ``g <= 0``
+including ``-inf`` is handled, forward and backward (docs/gdn.md, "Extreme gates").
+
 The pieces, so that a context-parallel layer can split them around the arrival of ``H_in``:
 
 * :func:`prepare_chunks` - everything that does not depend on the state, all chunks at once;
@@ -34,6 +41,7 @@ from .reference import compute_dtype, expand_heads, l2norm
 
 __all__ = [
     "PreparedChunks",
+    "gate_sums",
     "prepare_chunks",
     "scan_states",
     "chunk_outputs",
@@ -54,7 +62,9 @@ class PreparedChunks:
         k: ``[B, HV, N, C, K]`` keys, l2-normed (if asked), expanded to HV heads.
         w: ``[B, HV, N, C, K]`` WY factor ``(I + A)^-1 diag(beta exp(gamma)) K``.
         u: ``[B, HV, N, C, V]`` WY factor ``(I + A)^-1 diag(beta) V``.
-        gamma: ``[B, HV, N, C]`` within-chunk cumulative sum of g.
+        gamma: ``[B, HV, N, C]`` within-chunk cumulative sum of g (``sum_{t <= i} g_t``).
+        tail: ``[B, HV, N, C]`` the gate from after token j to the chunk end, ``sum_{t > j} g_t``
+            (summed directly, never ``gamma_C - gamma_j``).
         attn: ``[B, HV, N, C, C]`` intra-chunk ``(Q K^T) * exp(gamma_i - gamma_j)`` for i >= j.
         seq_len: T, the number of real (unpadded) tokens.
         out_dtype: dtype of the output o (v's dtype).
@@ -65,6 +75,7 @@ class PreparedChunks:
     w: torch.Tensor
     u: torch.Tensor
     gamma: torch.Tensor
+    tail: torch.Tensor
     attn: torch.Tensor
     seq_len: int
     out_dtype: torch.dtype
@@ -85,7 +96,7 @@ class PreparedChunks:
     @property
     def k_tail(self) -> torch.Tensor:
         """``[B, HV, N, C, K]`` keys decayed to the chunk end, ``exp(gamma_C - gamma_j) k_j``."""
-        return self.k * (self.gamma[..., -1:] - self.gamma).exp()[..., None]
+        return self.k * self.tail.exp()[..., None]
 
 
 def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -105,6 +116,29 @@ def from_chunks(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     batch, heads, num_chunks, chunk_size, dim = x.shape
     x = x.movedim(1, 3).reshape(batch, num_chunks * chunk_size, heads, dim)
     return x[:, :seq_len]
+
+
+def gate_sums(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Within-chunk gate sums, each a direct sum of gates (no difference of cumulative sums).
+
+    Args:
+        g: ``[..., C]`` log decays (``<= 0``, ``-inf`` allowed) of one chunk per row.
+
+    Returns:
+        ``(gamma, tail, pair)`` in g's dtype: gamma ``[..., C]`` = ``sum_{t <= i} g_t``; tail
+        ``[..., C]`` = ``sum_{t > j} g_t``; pair ``[..., C, C]`` = ``sum_{j < t <= i} g_t`` for
+        ``i >= j`` (0 on the diagonal) and ``-inf`` above it, so ``pair.exp()`` is the causal
+        decay matrix ``exp(gamma_i - gamma_j)``. ``pair`` is a masked cumulative sum down the
+        rows: ``where`` (not a 0/1 product) keeps ``0 * -inf`` out.
+    """
+    size = g.shape[-1]
+    idx = torch.arange(size, device=g.device)
+    after = idx[:, None] > idx[None, :]  # [i, j]: token i lies after token j
+    gi = g[..., :, None].expand(*g.shape, size)
+    pair = torch.where(after, gi, torch.zeros((), dtype=g.dtype, device=g.device)).cumsum(dim=-2)
+    tail = pair[..., -1, :]  # sum_{j < t <= C-1} g_t, read before the upper triangle is masked
+    pair = pair.masked_fill(idx[:, None] < idx[None, :], float("-inf"))
+    return g.cumsum(dim=-1), tail, pair
 
 
 def prepare_chunks(
@@ -138,15 +172,12 @@ def prepare_chunks(
     q = to_chunks(expand_heads(q, num_value_heads) * scale, chunk_size)
     k = to_chunks(expand_heads(k, num_value_heads), chunk_size)
     vc = to_chunks(v.to(dtype), chunk_size)
-    gamma = to_chunks(g.to(dtype), chunk_size).cumsum(dim=-1)  # [B, HV, N, C]
+    # [B, HV, N, C] prefix / tail sums and [B, HV, N, C, C] pairwise sums (-inf above the
+    # diagonal, so exp gives 0 there and never overflows)
+    gamma, tail, pair = gate_sums(to_chunks(g.to(dtype), chunk_size))
     beta_c = to_chunks(beta.to(dtype), chunk_size)
-
-    # exp(gamma_i - gamma_j) on and below the diagonal; the exponent is masked *before* exp so the
-    # (positive, possibly huge) entries above the diagonal never overflow.
+    decay = pair.exp()  # exp(gamma_i - gamma_j) for i >= j, else 0
     idx = torch.arange(chunk_size, device=q.device)
-    causal = idx[:, None] >= idx[None, :]
-    gap = gamma[..., :, None] - gamma[..., None, :]
-    decay = gap.masked_fill(~causal, float("-inf")).exp()  # [B, HV, N, C, C]
 
     strict = idx[:, None] > idx[None, :]
     kkt = (k @ k.transpose(-1, -2)) * decay * beta_c[..., :, None]
@@ -158,9 +189,12 @@ def prepare_chunks(
     value_dim = vc.shape[-1]
     u, w = sol[..., :value_dim], sol[..., value_dim:]
 
-    attn = (q @ k.transpose(-1, -2)) * decay  # decay is already zero above the diagonal
+    # a where, not the zeros of decay: q_i . k_j with a NaN key j > i times 0 would be NaN in row i
+    causal = idx[:, None] >= idx[None, :]
+    attn = torch.where(causal, (q @ k.transpose(-1, -2)) * decay, 0.0)
     return PreparedChunks(
-        q=q, k=k, w=w, u=u, gamma=gamma, attn=attn, seq_len=seq_len, out_dtype=v.dtype
+        q=q, k=k, w=w, u=u, gamma=gamma, tail=tail, attn=attn, seq_len=seq_len,
+        out_dtype=v.dtype,
     )
 
 
@@ -195,19 +229,38 @@ def scan_states(
     return torch.stack(states, dim=2), torch.stack(residuals, dim=2), h
 
 
-def chunk_outputs(prep: PreparedChunks, states: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+def chunk_outputs(prep: PreparedChunks, states: torch.Tensor, v_new: torch.Tensor,
+                  contain_nan: bool = True) -> torch.Tensor:
     """Outputs of all chunks at once: ``diag(exp(gamma)) Q h_n + attn_n v_new_n``.
 
     Args:
         prep: the prepared segment.
         states: ``[B, HV, N, K, V]`` state entering each chunk (from :func:`scan_states`).
         v_new: ``[B, HV, N, C, V]`` residuals (from :func:`scan_states`).
+        contain_nan: keep a non-finite residual out of the earlier rows of its chunk (below);
+            False skips that work (identical results for finite residuals), as the eager
+            backward's recompute does.
 
     Returns:
         o ``[B, T, HV, V]`` in ``prep.out_dtype``.
     """
     q_decayed = prep.q * prep.gamma.exp()[..., None]
-    o = q_decayed @ states + prep.attn @ v_new
+    if not contain_nan:
+        o = q_decayed @ states + prep.attn @ v_new
+        return from_chunks(o, prep.seq_len).to(prep.out_dtype)
+    # NaN containment (docs/gdn.md): a non-finite residual v_new[j, c] (a NaN in v, k, beta or g
+    # at token j makes rows >= j non-finite, in the columns it reaches) would reach every
+    # earlier row i of its chunk through attn_ij * v_new[j, c] = 0 * NaN. The product takes the
+    # finite entries only, and each column is NaN from its first non-finite row on, as the
+    # recurrence's output is (the count of non-finite rows <= i is a product with a lower
+    # triangle of ones: a cumulative max along rows is ~10x slower on the CPU). One more
+    # [C, C] x [C, V] product and a few elementwise passes, no device sync.
+    size = v_new.shape[-2]
+    ones_lower = torch.ones(size, size, dtype=v_new.dtype, device=v_new.device).tril()
+    bad = (~torch.isfinite(v_new)).to(v_new.dtype)
+    v_safe = torch.nan_to_num(v_new, nan=0.0, posinf=0.0, neginf=0.0)
+    o = q_decayed @ states + prep.attn @ v_safe
+    o = torch.where(ones_lower @ bad > 0, float("nan"), o)
     return from_chunks(o, prep.seq_len).to(prep.out_dtype)
 
 
@@ -233,6 +286,7 @@ def chunk_forward(
     initial_state: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
+    contain_nan: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole chunked forward with plain autograd (keeps a chunk-level graph of the segment).
 
@@ -244,4 +298,4 @@ def chunk_forward(
     """
     prep = prepare_chunks(q, k, v, g, beta, scale, use_qk_l2norm, chunk_size)
     states, v_new, final_state = scan_states(prep, initial_state)
-    return chunk_outputs(prep, states, v_new), final_state
+    return chunk_outputs(prep, states, v_new, contain_nan), final_state

@@ -92,8 +92,11 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                 leaves = [x[:, start:stop].detach().requires_grad_(need)
                           for x, need in zip(inputs, needs)]
                 h_start = boundaries[:, :, block].detach().requires_grad_(True)
+                # no NaN containment: identical for finite inputs, and gradients after a NaN
+                # are not contained anyway (docs/gdn.md)
                 o_block, h_end = chunk_forward(
-                    *leaves, ctx.scale, h_start, ctx.use_qk_l2norm, ctx.chunk_size
+                    *leaves, ctx.scale, h_start, ctx.use_qk_l2norm, ctx.chunk_size,
+                    contain_nan=False,
                 )
                 wanted = [leaf for leaf, need in zip(leaves, needs) if need] + [h_start]
                 block_grads = torch.autograd.grad(

@@ -11,9 +11,9 @@ Forward (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS`` segments):
                           from its true entering state, in parallel   grid (blocks, NS, B*HV)
     output                o                                               grid (V/BV, NT, B*HV)
 
-Saved for backward: q, k (and their normalised copies and 1/norm), v, beta, gamma, Ainv, w, u,
-the state entering each segment, the segment transitions M_s, and the per-chunk states and
-residuals of the forward scan (``[B, NT, HV, K, V]`` and ``[B, T, HV, V]`` in the input dtype:
+Saved for backward: q, k (and their normalised copies and 1/norm), v, g, beta, gamma (float64),
+Ainv, w, u, the state entering each segment, the segment transitions M_s, and the per-chunk
+states and residuals of the forward scan (``[B, NT, HV, K, V]`` and ``[B, T, HV, V]`` in the input dtype:
 at T = 32K, H = 32, K = V = 128, bf16 that is 0.8 GB, and it spares the backward a whole
 sequential walk - about 4% of forward+backward on an H200).
 
@@ -292,7 +292,7 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         prep["qn"], kn, gamma, states, v_new, o, scale, seq_len, num_chunks, H=heads,
         HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
     )
-    saved = (q, k, v, beta, prep["qn"], kn, prep["q_rstd"], prep["k_rstd"], gamma,
+    saved = (q, k, v, g, beta, prep["qn"], kn, prep["q_rstd"], prep["k_rstd"], gamma,
              prep["ainv"], w, u, seg_init, m_seg, states, v_new)
     meta = ScanMeta(scale, ns, per_segment)
     return o, final, saved, meta
@@ -312,7 +312,7 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
         ``(dq, dk, dv, dg fp32, dbeta, dh0 [B, HV, K, V] fp32)``; dh0 is the gradient of the
         entering state (zeros-start included).
     """
-    (q, k, v, beta, qn, kn, q_rstd, k_rstd, gamma, ainv, w, u, seg_init, m_seg, states,
+    (q, k, v, g, beta, qn, kn, q_rstd, k_rstd, gamma, ainv, w, u, seg_init, m_seg, states,
      v_new) = saved
     scale, ns, per_segment = meta.scale, meta.num_segments, meta.per_segment
     do = do.contiguous()
@@ -365,7 +365,7 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     norm_out = k_rstd is not None and heads == num_value_heads
     dk = torch.empty_like(k) if norm_out else dk_v
     wy_kkt_bwd_kernel[(num_chunks, bh)](
-        kn, v, beta, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg, k,
+        kn, v, beta, g, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg, k,
         k_rstd if norm_out else dbeta, dk, seq_len, batch, H=heads, HV=num_value_heads,
         K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv, SLOTS=slots, NORM_OUT=norm_out,
     )
