@@ -119,3 +119,37 @@ def test_gpu_full_size_bf16_against_eager_fp32(seq_len):
               "h": rel_l2(outs["tri"][1], outs["ref"][1])}
     errors.update({"d" + n: rel_l2(x[n].grad, ref[n].grad) for n in x})
     assert all(e < 1e-2 for e in errors.values()), errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("gate", [float("-inf"), -1e38, -1e4])
+def test_gpu_extreme_gates_bf16_against_eager_fp32(gate):
+    """Resets (#28 item 1) at a chunk start, middle and end and on the last token, full size on
+    the GPU: every tensor finite and within 1e-2 of the fp32 eager backend."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    seq_len = 4096
+    x = make_inputs(1, seq_len, 4, 8, 128, 128, dtype=torch.bfloat16, decay_shift=0.0)
+    g = x["g"].detach().clone()
+    for p in (0, 64, 100, 127, 2048 + 33, seq_len - 1):
+        g[:, p, :4] = gate
+    x["g"] = g
+    x = {n: t.detach().to(dev).requires_grad_() for n, t in x.items()}
+    ref = {n: (t.detach().float() if n != "g" else t.detach()).requires_grad_()
+           for n, t in x.items()}
+    outs = {}
+    for tag, inp, backend in (("tri", x, "triton"), ("ref", ref, "eager")):
+        o, h = chunk_gated_delta_rule(*(inp[n] for n in NAMES), initial_state=inp["initial_state"],
+                                      output_final_state=True, backend=backend)
+        gen = torch.Generator(device=dev).manual_seed(1)
+        do = torch.randn(o.shape, generator=gen, device=dev)
+        dh = torch.randn(h.shape, generator=gen, device=dev)
+        ((o.float() * do).sum() + (h * dh).sum()).backward()
+        outs[tag] = (o, h)
+    tensors = {"o": outs["tri"][0], "h": outs["tri"][1], **{"d" + n: x[n].grad for n in x}}
+    assert all(bool(torch.isfinite(t).all()) for t in tensors.values()), \
+        {k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items()}
+    errors = {"o": rel_l2(outs["tri"][0], outs["ref"][0]),
+              "h": rel_l2(outs["tri"][1], outs["ref"][1])}
+    errors.update({"d" + n: rel_l2(x[n].grad, ref[n].grad) for n in x})
+    assert all(e < 1e-2 for e in errors.values()), errors
