@@ -407,6 +407,10 @@ def _worse(a: float, b: float) -> float:
     return max(a, b)
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _rel(a: float, b: float) -> float:
     import math
 
@@ -438,10 +442,10 @@ def print_header(config: Any, label: str, how: str) -> None:
     counts = sorted({len(r) for r in split_layers(m.num_hidden_layers, dims.pp * pl.virtual_stages,
                                                   pl.layers_per_stage)})
     per_chunk = "/".join(map(str, counts))
-    print(f"  pipeline: {pl.schedule}, {pl.virtual_stages} chunk(s) per rank ({per_chunk} decoder "
-          f"layer(s) each), {pl.microbatches} "
+    print(f"  pipeline: {pl.schedule}, {_n(pl.virtual_stages, 'chunk')} per rank "
+          f"({per_chunk} decoder layer{'' if counts == [1] else 's'} each), {pl.microbatches} "
           f"microbatches of {config.data.batch_size // pl.microbatches} x "
-          f"{config.data.seq_len} tokens, OVERLAP_B_F; {config.train.steps} steps, "
+          f"{config.data.seq_len} tokens, OVERLAP_B_F; {_n(config.train.steps, 'step')}, "
           f"{config.train.precision}, AdamW lr {config.optimizer.lr:g}, seed {config.train.seed}")
     compiled = compile_spec(schedule_spec(config))
     programs = {r: [str(a) for a in acts if a is not None and not a.is_comm]
@@ -503,7 +507,7 @@ def print_report(report: dict[str, Any], out: str, wall_s: float) -> int:
           f"({m['hidden_s'] * 1e3:.1f} of {m['a2a_s'] * 1e3:.1f} ms, {int(m['count'])} "
           f"all-to-alls); over the whole step: {report['measured_all']['share']:.1%}")
     print(f"overlap ratio (predicted by the task-graph simulator from node costs measured in the "
-          f"baseline's last step, {report['layers_per_chunk']} MoE layer(s) per chunk): "
+          f"baseline's last step, {_n(report['layers_per_chunk'], 'MoE layer')} per chunk): "
           f"{report['predicted']:.1%}; one pairing {report['predicted_pair_s'] * 1e3:.2f} ms "
           f"overlapped vs {report['predicted_serial_pair_s'] * 1e3:.2f} ms serial")
     write_merged_trace(report["events"], report["sim_trace"], out)
