@@ -30,8 +30,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
+# The trainer on PP=2 x EP=2 with OVERLAP_B_F vs its baseline (configs/demo_pp2_ep2.yaml, embedded);
+# e.g. make demo DEMO_ARGS='--config my.yaml --steps 10'
 demo: $(STAMP)
-	$(BIN)/overlap-runtime demo
+	$(BIN)/overlap-runtime demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collects no tests: that is not a failure of the suite.
 test: $(STAMP)

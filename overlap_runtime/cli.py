@@ -15,7 +15,8 @@ from typing import Sequence
 # name -> (module, one-line help). Modules are imported when the parser is built; keep their
 # top-level imports light (heavy imports go inside ``run``).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("overlap_runtime.demo", "run the main job on CPU ranks spawned here (gloo)"),
+    "demo": ("overlap_runtime.demo", "train PP=2 x EP=2 with OVERLAP_B_F against its baseline "
+             "(CPU ranks spawned here, or torchrun's)"),
     "info": ("overlap_runtime.info", "print the platform: device kinds, counts, backends"),
     "schedule": ("overlap_runtime.schedules.cli", "build, check and simulate a pipeline schedule"),
     "train": ("overlap_runtime.trainer.cli", "FSDP2 + context-parallel training from a YAML config"),

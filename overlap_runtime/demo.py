@@ -1,21 +1,31 @@
-"""``overlap-runtime demo``: PP x EP Interleaved 1F1B with OVERLAP_B_F on CPU ranks (gloo).
+"""``overlap-runtime demo``: the trainer on PP=2 x EP=2 with OVERLAP_B_F, checked against itself.
 
-The main job, end to end, on ``pp * ep`` ranks this process spawns (default 2 x 2 = 4):
+The main job, end to end. The trainer (``overlap_runtime.trainer``) trains the Qwen3.5-style
+hybrid (Gated DeltaNet + attention, every MLP a MoE) from a YAML config, by default
+:data:`DEFAULT_CONFIG_YAML` (= ``configs/demo_pp2_ep2.yaml``): pp=2 x dp_shard=2 with EP=2
+borrowed from dp_shard, FSDP2, Interleaved 1F1B with two chunks per rank and ``overlap_b_f``.
+On every rank (4 CPU ranks spawned here on gloo, or torchrun's) the same config is trained twice
+from the same seed:
 
-* a small MoE model: ``pp * chunks`` pipeline stages, each a chunk of ``layers`` blocks
-  ``x + tanh(Linear(x))`` then ``x + MoE(x)`` (top-k router with aux loss, SwiGLU experts
-  sharded over the EP group, a shared expert overlapped with the combine);
-* a 2-D device mesh ``("pp", "ep")``: the pipeline runs over the ``pp`` dim, the all-to-alls over
-  ``ep``; each EP rank's pipeline gets its own data;
-* every step runs twice from the same weights: ``ScheduleInterleaved1F1B`` without
-  ``overlap_b_f`` (the baseline), then with it and the OVERLAP_B_F callback, where the backward
-  of microbatch i (worker thread) and the forward of microbatch i+1 (caller thread) hand the
-  EP all-to-alls back and forth through the HookCoordinator. Loss and every gradient must match;
-  then one SGD update;
-* after the last step: the launch-order check on every EP group, the measured share of
-  all-to-all time hidden behind the other thread's compute (execution trace), the share the
-  task-graph simulator predicts from node costs measured in the baseline run, and one merged
-  Chrome trace (measured ranks and the predicted pairing side by side).
+* the **baseline**: ``train.pipeline.overlap_b_f: false`` (plain all-to-alls, no coordinator);
+* the **overlapped run**: ``overlap_b_f: true``: in each OVERLAP_B_F step the backward of one
+  microbatch (worker thread) and the forward of another (caller thread) hand the EP all-to-alls
+  back and forth through the HookCoordinator.
+
+Printed: the schedule grid, each step's loss and grad norm beside the baseline's (equal within
+:data:`TOL` relative; every parameter after the last step too), the launch-order check on every
+EP group, the measured share of all-to-all time hidden behind the other thread's compute (from
+the last step's execution trace), the share the task-graph simulator predicts from node costs
+measured in the baseline's last step, and one merged Chrome trace (measured ranks beside the
+predicted pairing).
+
+The steps run through the trainer's own pieces (``build_parallel_model``, ``GatheredStep``,
+``clip_grad_norm``, the loop's ``_run``); what ``train_distributed`` cannot do yet, this module
+adds on the built model: the execution trace handed to ``schedule.step`` and to the MoE
+dispatchers, and the serializer's launch log (see :func:`_instrument`).
+
+The end of the file keeps the earlier hand-built PP x EP job (:func:`pp_ep_main`), which
+``tests/moe/test_moe_pp_ep.py`` runs for per-tensor gradient checks; the command no longer uses it.
 """
 
 from __future__ import annotations
@@ -24,27 +34,555 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 TOL = 1e-6
+DEFAULT_OUT = os.path.join("out", "moe_pp_ep_trace.json")
+DEFAULT_CONFIG_NAME = "configs/demo_pp2_ep2.yaml"
+
+# The text of configs/demo_pp2_ep2.yaml (tests/test_demo.py keeps the two equal): embedded so that
+# the installed command runs from any directory.
+DEFAULT_CONFIG_YAML = """\
+# The demo (`make demo` = `overlap-runtime demo`; embedded in overlap_runtime/demo.py, which a
+# test keeps equal to this file): the trainer on 4 CPU ranks (gloo), PP=2 x EP=2.
+#   layout:   pp=2 x dp_shard=2 (FSDP2 over 2 ranks); EP=2 borrowed from dp_shard
+#   model:    Qwen3.5-style hybrid, 4 decoder layers (3 Gated DeltaNet + 1 attention), hidden 32,
+#             every MLP a MoE: 4 routed experts (2 per EP rank) + a shared expert
+#   schedule: Interleaved 1F1B, 2 chunks per pipeline rank (1 decoder layer each), 4 microbatches,
+#             OVERLAP_B_F (the forward of one microbatch and the backward of another on two
+#             threads, the EP all-to-alls handed over by the HookCoordinator)
+# The demo trains it twice in the same ranks from the same seed, with this overlap_b_f: true and
+# with overlap_b_f: false (the baseline), and checks the losses agree within 1e-6 relative.
+#
+# num_experts_per_tok == num_experts: every token visits every expert, so the router's top-k has
+# no near-ties that a last-bit difference could flip (a flip sends a token to other experts and
+# the runs drift apart from there on: a multi-step comparison turns chaotic). With it this config
+# also matches one device:  overlap-runtime train configs/demo_pp2_ep2.yaml --compare-single
+model:
+  hidden_size: 32
+  num_hidden_layers: 4
+  intermediate_size: 64
+  mlp: moe
+  num_experts: 4
+  num_experts_per_tok: 4
+  moe_intermediate_size: 32
+  shared_expert_intermediate_size: 32
+data:
+  seq_len: 64                   # tokens per sequence
+  batch_size: 4                 # sequences per data-parallel rank per step: 4 microbatches of 1
+train:
+  steps: 5
+  seed: 0
+  precision: fp32
+  accelerator:
+    device: cpu
+    world_size: 4
+    pp: 2
+    ep: 2
+    cp: 1
+    comm_timeout_s: 60          # every communication wait is bounded
+  pipeline:
+    schedule: interleaved_1f1b
+    microbatches: 4
+    virtual_stages: 2
+    overlap_b_f: true
+"""
+
+# Flags of the earlier demo (a hand-built model): its sizes now live in the YAML config.
+REMOVED_FLAGS: dict[str, str] = {
+    "--chunks": "train.pipeline.virtual_stages",
+    "--layers": "model.num_hidden_layers (and train.pipeline.layers_per_stage)",
+    "--microbatches": "train.pipeline.microbatches",
+    "--tokens": "data.seq_len",
+    "--hidden": "model.hidden_size",
+    "--experts": "model.num_experts",
+    "--top-k": "model.num_experts_per_tok",
+}
+
+
+class _RemovedFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was removed: the demo trains from a YAML config; set "
+                     f"{REMOVED_FLAGS[option_string or '']} in a copy of {DEFAULT_CONFIG_NAME} "
+                     f"and pass --config")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
-    parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default 2)")
-    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank (default 2)")
-    parser.add_argument("--layers", type=int, default=2, help="MoE layers per chunk (default 2)")
-    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
-    parser.add_argument("--tokens", type=int, default=16, help="tokens per microbatch")
-    parser.add_argument("--hidden", type=int, default=32, help="model width")
-    parser.add_argument("--experts", type=int, default=4, help="routed experts (global)")
-    parser.add_argument("--top-k", type=int, default=2, help="experts per token")
-    parser.add_argument("--steps", type=int, default=3, help="training steps")
-    parser.add_argument("--out", default=os.path.join("out", "moe_pp_ep_trace.json"),
-                        help="merged Chrome trace (default out/moe_pp_ep_trace.json)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
+    parser.add_argument("--config", default=None,
+                        help=f"YAML training config (default: the embedded {DEFAULT_CONFIG_NAME})")
+    parser.add_argument("--steps", type=int, default=None, help="override train.steps")
+    parser.add_argument("--pp", type=int, default=None,
+                        help="override train.accelerator.pp (world size: pp x dp_replicate x ep "
+                             "x cp, dp_shard = ep)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="override train.accelerator.ep (world size as for --pp)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"merged Chrome trace (default {DEFAULT_OUT})")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds before giving up: the spawned ranks' deadline, and every "
+                             "communication wait when the config sets no "
+                             "train.accelerator.comm_timeout_s (default 120)")
+    for flag in REMOVED_FLAGS:
+        parser.add_argument(flag, action=_RemovedFlag, nargs="?", help=argparse.SUPPRESS)
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def demo_problems(config: Any) -> list[str]:
+    """The demo's own rules on top of the trainer's (empty: the config is fit for the demo)."""
+    acc, pl = config.train.accelerator, config.train.pipeline
+    out = []
+    if acc.pp < 2:
+        out.append(f"train.accelerator.pp={acc.pp}: the demo runs a pipeline, it needs pp >= 2")
+    if acc.ep < 2:
+        out.append(f"train.accelerator.ep={acc.ep}: the demo overlaps expert-parallel "
+                   f"all-to-alls, it needs ep >= 2 (and model.mlp: moe)")
+    if not pl.overlap_b_f:
+        out.append("train.pipeline.overlap_b_f=false: the demo compares overlap_b_f: true with a "
+                   "baseline run without it; set it to true")
+    return out
+
+
+def load_demo_config(path: str | None, steps: int | None = None, pp: int | None = None,
+                     ep: int | None = None, timeout_s: float | None = None,
+                     world_size: int | None = None) -> Any:
+    """The validated ``TrainConfig`` of the demo: ``path`` (None: the embedded default) with the
+    command line's overrides; every size is checked here, before any rank starts.
+
+    ``pp`` / ``ep`` set those degrees and the world size ``pp x dp_replicate x ep x cp``
+    (``dp_shard = ep``: EP over the whole data-parallel dimension). ``timeout_s`` becomes
+    ``train.accelerator.comm_timeout_s`` when the config leaves it unset. ``world_size``
+    (torchrun's) fills ``train.accelerator.world_size`` when the config leaves it unset.
+
+    Raises:
+        ConfigError: one message naming every broken rule (trainer rules, then the demo's).
+    """
+    import yaml
+
+    from overlap_runtime.trainer.config import ConfigError, config_from_dict, load_config
+
+    if path is None:
+        source = f"(embedded {DEFAULT_CONFIG_NAME})"
+        config = config_from_dict(yaml.safe_load(DEFAULT_CONFIG_YAML), source)
+    else:
+        source = path
+        config = load_config(path)
+    data = config.model_dump()
+    acc = data["train"]["accelerator"]
+    changed = []
+    if steps is not None:
+        data["train"]["steps"] = steps
+        changed.append(f"--steps {steps}")
+    if pp is not None or ep is not None:
+        acc["pp"] = acc["pp"] if pp is None else pp
+        acc["ep"] = acc["ep"] if ep is None else ep
+        acc["dp_shard"] = -1
+        acc["world_size"] = acc["pp"] * acc["dp_replicate"] * acc["ep"] * acc["cp"]
+        changed += [f"--{k} {v}" for k, v in (("pp", pp), ("ep", ep)) if v is not None]
+    if acc["world_size"] is None and world_size is not None:
+        acc["world_size"] = world_size
+    if acc["comm_timeout_s"] is None and timeout_s is not None:
+        acc["comm_timeout_s"] = timeout_s
+    if changed:
+        source += " with " + " ".join(changed)
+    config = config_from_dict(data, source)
+    problems = demo_problems(config)
+    if problems:
+        raise ConfigError(f"{source} does not fit the demo: " + "; ".join(problems))
+    return config
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _config_label(config_path: str | None) -> str:
+    return f"{DEFAULT_CONFIG_NAME} (embedded default)" if config_path is None else config_path
+
+
+# ----------------------------------------------------------------------------- on every rank
+
+
+def _instrument(pm: Any, trace: Any) -> None:
+    """What ``build_parallel_model`` has no parameter for (yet): every MoE dispatcher records
+    its all-to-all, hook and expert spans into ``trace``, and the HookCoordinator's serializer
+    keeps its launch log (``HookCoordinator(debug=True)`` would, the trainer builds it without),
+    so :meth:`CommSerializer.check_launch_order` can compare the ranks."""
+    from overlap_runtime.moe.parallel import moe_layers
+
+    for part in pm.modules():
+        for moe in moe_layers(part):
+            moe.dispatcher.trace = trace
+    if pm.overlap is not None:
+        serializer = pm.overlap.coordinator.serializer
+        if not hasattr(serializer, "_debug"):
+            raise RuntimeError("CommSerializer has no _debug flag any more: the demo turns on the "
+                               "launch log through it (overlap_runtime/demo.py, _instrument)")
+        serializer._debug = True
+
+
+def _train(config: Any, pm: Any, dims: Any, coords: dict[str, int], device: Any,
+           trace: Any) -> list[Any]:
+    """``config.train.steps`` steps of ``pm`` as ``train_distributed`` runs them, with
+    ``trace`` given to ``schedule.step`` and cleared before each step (it keeps the last)."""
+    import torch
+
+    from overlap_runtime.trainer.data import TextDataset
+    from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
+    from overlap_runtime.trainer.grad_norm import clip_grad_norm
+    from overlap_runtime.trainer.loop import _optimizer, _run
+
+    optimizer, scheduler = _optimizer(pm.parameters(), config)
+    data = TextDataset(config.data.seq_len, config.data.batch_size, dims.dp, config.train.seed,
+                       config.data.corpus)
+    ep_group = dims.mesh("ep").get_group()
+    pp_group = dims.mesh("pp").get_group()
+
+    def step_fn(batch: Any) -> Any:
+        trace.events.clear()
+        losses: list[torch.Tensor] = []
+        inputs = (batch.input_ids.to(device),) if pm.has_first else ()
+        target = batch.labels.to(device) if pm.has_last else None
+        with GatheredStep(pm.modules()):
+            pm.schedule.step(*inputs, target=target, losses=losses, trace=trace)
+        if not losses:
+            return torch.zeros((), device=device)
+        return torch.stack([l.detach().float() for l in losses]).sum()
+
+    def norm_fn() -> float:
+        return clip_grad_norm(pm.other_params, config.optimizer.max_grad_norm, pm.expert_params,
+                              ep_group, pp_group, device)
+
+    return _run(config, optimizer, scheduler, device,
+                lambda s: data.rank_batch(s, coords["dp"], coords["cp"], dims.cp), step_fn,
+                norm_fn, distributed=True, log=None)
+
+
+def _named_params(pm: Any) -> dict[str, Any]:
+    return {f"S{s}.{n}": p for s, part in sorted(pm.parts.items())
+            for n, p in part.named_parameters()}
+
+
+def _param_diff(baseline: Any, overlapped: Any) -> tuple[float, int]:
+    """Worst relative L2 difference of this rank's parameter shards between the two models."""
+    from overlap_runtime.testing import rel_l2
+
+    a, b = _named_params(baseline), _named_params(overlapped)
+    if a.keys() != b.keys():
+        raise RuntimeError(f"the baseline and the overlapped model differ in parameters: "
+                           f"{sorted(a.keys() ^ b.keys())[:5]}")
+
+    def local(p: Any) -> Any:
+        to_local = getattr(p, "to_local", None)
+        return (to_local() if to_local is not None else p).detach()
+
+    worst = 0.0
+    for name in a:
+        worst = _worse(worst, rel_l2(local(b[name]), local(a[name])))
+    return worst, len(a)
+
+
+def _moe_layers_per_chunk(config: Any) -> int:
+    """Decoder (= MoE) layers per pipeline chunk, as the task-graph pairing models them (the
+    mean over stages when the split is uneven)."""
+    from overlap_runtime.models.pipeline_split import split_layers
+
+    pl = config.train.pipeline
+    stages = config.train.accelerator.pp * pl.virtual_stages
+    counts = [len(r) for r in split_layers(config.model.num_hidden_layers, stages,
+                                           pl.layers_per_stage)]
+    return max(1, round(statistics.fmean(counts)))
+
+
+def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | None:
+    """The demo on this rank of the initialised default process group.
+
+    Returns the report on global rank 0 (losses, checks, overlap figures, trace events), None
+    elsewhere. Raises whatever the training raises (a mismatch is reported, not raised).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from overlap_runtime.graph import chrome_trace, simulate
+    from overlap_runtime.moe.task_nodes import (measured_a2a_overlap, moe_overlap_pair_task_graph,
+                                                node_costs_from_trace, predicted_a2a_overlap)
+    from overlap_runtime.ops import comm
+    from overlap_runtime.pipeline import ExecutionTrace, gather_traces
+    from overlap_runtime.schedules import ActionKind
+    from overlap_runtime.trainer.build import build_parallel_model
+
+    device = torch.device(device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    acc = config.train.accelerator
+    if acc.resolved_world_size != world:
+        raise ValueError(f"train.accelerator.world_size={acc.resolved_world_size} but the process "
+                         f"group has {world} ranks")
+    dims = acc.parallel_dims()
+    dims.build_meshes(device.type)
+    coords = dims.coordinates(rank)
+    ep_group = dims.mesh("ep").get_group()
+
+    runs: dict[str, dict[str, Any]] = {}
+    models: dict[str, Any] = {}
+    try:
+        for name, overlap_b_f in (("baseline", False), ("overlap", True)):
+            data = config.model_dump()
+            data["train"]["pipeline"]["overlap_b_f"] = overlap_b_f
+            cfg = type(config).model_validate(data)
+            pm = models[name] = build_parallel_model(cfg, dims, device, coords["pp"])
+            trace = ExecutionTrace(rank=rank)
+            _instrument(pm, trace)
+            t0 = time.perf_counter()
+            steps = _train(cfg, pm, dims, coords, device, trace)
+            runs[name] = {"steps": [dataclasses.asdict(s) for s in steps],
+                          "wall_s": time.perf_counter() - t0,
+                          "events": [dataclasses.replace(e, rank=rank) for e in trace.events]}
+        ovl = models["overlap"]
+        if ovl.overlap is None:
+            raise RuntimeError("the overlapped model has no CommComputeOverlap: the demo needs "
+                               "ep > 1, pp > 1 and overlap_b_f")
+        launches = ovl.overlap.coordinator.serializer.check_launch_order(ep_group, timeout_s)
+        param_err, n_params = _param_diff(models["baseline"], ovl)
+        paired = sum(1 for a in ovl.schedule.program if a.kind is ActionKind.OVERLAP_B_F)
+        num_parameters = ovl.num_parameters
+    finally:
+        for pm in models.values():
+            pm.close()
+
+    row = torch.tensor([[rank, coords["pp"], coords["ep"], launches, param_err, n_params,
+                         paired]], dtype=torch.float64)
+    with torch.no_grad():
+        rows = comm.all_gather(row, 0, None, timeout_s).tolist()
+    gathered = {name: gather_traces(ExecutionTrace(rank=rank, events=r["events"]), None,
+                                    timeout_s) for name, r in runs.items()}
+    if rank != 0:
+        return None
+    layers = _moe_layers_per_chunk(config)
+    costs = node_costs_from_trace(gathered["baseline"], layers)
+    sim = simulate(moe_overlap_pair_task_graph(costs, layers=layers, ep_size=dims.ep))
+    sim_serial = simulate(moe_overlap_pair_task_graph(costs, layers=layers, ep_size=dims.ep,
+                                                      overlap=False))
+    return {
+        "world": world, "num_parameters": num_parameters,
+        "ranks": [{"rank": int(r[0]), "pp_rank": int(r[1]), "ep_rank": int(r[2]),
+                   "launches": int(r[3]), "param_err": r[4], "param_tensors": int(r[5]),
+                   "paired_steps": int(r[6])} for r in rows],
+        "steps": {name: r["steps"] for name, r in runs.items()},
+        "run_wall_s": {name: r["wall_s"] for name, r in runs.items()},
+        "layers_per_chunk": layers,
+        "measured": measured_a2a_overlap(gathered["overlap"]),
+        "measured_all": measured_a2a_overlap(gathered["overlap"], paired_only=False),
+        "predicted": predicted_a2a_overlap(sim), "predicted_pair_s": sim.makespan,
+        "predicted_serial_pair_s": sim_serial.makespan,
+        "costs": dataclasses.asdict(costs.resolved()),
+        "events": gathered["overlap"],
+        "sim_trace": chrome_trace(sim, time_scale=1e6),  # seconds -> microseconds
+    }
+
+
+def _spawned_rank(rank: int, world: int, config_dict: dict[str, Any],
+                  timeout_s: float) -> dict[str, Any] | None:
+    """Entry point of a spawned rank."""
+    from overlap_runtime.trainer.config import config_from_dict
+
+    config = config_from_dict(config_dict)
+    return demo_rank(config, config.train.accelerator.device, timeout_s)
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _worse(a: float, b: float) -> float:
+    """The larger error; NaN (a non-finite value on either side) counts as infinitely bad."""
+    import math
+
+    if math.isnan(a) or math.isnan(b):
+        return math.inf
+    return max(a, b)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _rel(a: float, b: float) -> float:
+    import math
+
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def print_header(config: Any, label: str, how: str) -> None:
+    """The job's description and the schedule grid (before the ranks run)."""
+    from overlap_runtime.graph import format_grid
+    from overlap_runtime.schedules import compile_spec
+    from overlap_runtime.trainer.config import schedule_spec
+
+    m, acc, pl = config.model, config.train.accelerator, config.train.pipeline
+    dims = acc.parallel_dims()
+    types = m.layer_types
+    n_gdn = types.count("linear_attention")
+    shared = " + a shared expert" if m.shared_expert_intermediate_size else ""
+    print(f"overlap-runtime demo: the trainer on PP={dims.pp} x EP={dims.ep}, {dims.world_size} "
+          f"{acc.device} ranks {how}")
+    print(f"config: {label}")
+    print(f"  model: Qwen3.5-style hybrid, {m.num_hidden_layers} decoder layers ({n_gdn} GDN + "
+          f"{len(types) - n_gdn} attention), hidden {m.hidden_size}, every MLP a MoE: "
+          f"{m.num_experts} experts, {m.num_experts_per_tok} per token{shared}")
+    print(f"  layout: {dims.describe()}; FSDP2 over dp_shard x cp")
+    from overlap_runtime.models.pipeline_split import split_layers
+
+    counts = sorted({len(r) for r in split_layers(m.num_hidden_layers, dims.pp * pl.virtual_stages,
+                                                  pl.layers_per_stage)})
+    per_chunk = "/".join(map(str, counts))
+    print(f"  pipeline: {pl.schedule}, {_n(pl.virtual_stages, 'chunk')} per rank "
+          f"({per_chunk} decoder layer{'' if counts == [1] else 's'} each), {pl.microbatches} "
+          f"microbatches of {config.data.batch_size // pl.microbatches} x "
+          f"{config.data.seq_len} tokens, OVERLAP_B_F; {_n(config.train.steps, 'step')}, "
+          f"{config.train.precision}, AdamW lr {config.optimizer.lr:g}, seed {config.train.seed}")
+    compiled = compile_spec(schedule_spec(config))
+    programs = {r: [str(a) for a in acts if a is not None and not a.is_comm]
+                for r, acts in compiled.lowered.items()}
+    print("schedule (compute steps per pipeline rank; every EP replica runs the same):")
+    print(format_grid(programs))
+    print(f"training it twice in the same ranks from seed {config.train.seed}: the baseline "
+          f"(overlap_b_f: false), then overlap_b_f: true ...", flush=True)
+
+
+def write_merged_trace(events: list[Any], predicted: dict[str, Any], path: str) -> None:
+    """Measured execution trace (a process per rank, a track per thread) plus the simulated
+    OVERLAP_B_F pairing (``graph.chrome_trace`` dict; a process per EP rank, pid 100+) in one
+    Chrome trace file."""
+    from overlap_runtime.pipeline.exec_trace import chrome_trace_events
+
+    measured = chrome_trace_events(events)
+    for ev in predicted["traceEvents"]:
+        ev["pid"] = 100 + ev["pid"]
+        if ev.get("name") == "process_name":
+            ev["args"]["name"] = f"predicted OVERLAP_B_F pair, EP rank {ev['pid'] - 100}"
+    measured["traceEvents"].extend(predicted["traceEvents"])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(measured, fh)
+
+
+def print_report(report: dict[str, Any], out: str, wall_s: float) -> int:
+    """Print the results and write the merged trace; 0 when the runs agree, else 1."""
+    base, ovl = report["steps"]["baseline"], report["steps"]["overlap"]
+    print(f"\n{'step':>4}  {'loss overlap_b_f':>16}  {'loss baseline':>14}  {'rel diff':>8}  "
+          f"{'grad_norm overlap_b_f':>21}  {'grad_norm baseline':>18}  step ms overlap / baseline")
+    worst_loss = worst_norm = 0.0
+    for o, b in zip(ovl, base):
+        rl, rn = _rel(o["loss"], b["loss"]), _rel(o["grad_norm"], b["grad_norm"])
+        worst_loss, worst_norm = _worse(worst_loss, rl), _worse(worst_norm, rn)
+        print(f"{o['step']:>4}  {o['loss']:>16.8f}  {b['loss']:>14.8f}  {rl:>8.1e}  "
+              f"{o['grad_norm']:>21.8e}  {b['grad_norm']:>18.8e}  "
+              f"{o['step_time_s'] * 1e3:7.1f} / {b['step_time_s'] * 1e3:.1f}")
+    if len(ovl) != len(base):
+        worst_loss = float("inf")
+    ranks = report["ranks"]
+    worst_param = max(r["param_err"] for r in ranks)
+    n_param = sum(r["param_tensors"] for r in ranks)
+    worst = max(worst_loss, worst_norm, worst_param)
+    ok = worst <= TOL
+    print(f"vs baseline over {len(ovl)} steps: loss worst rel {worst_loss:.1e}, grad norm "
+          f"{worst_norm:.1e}; {n_param} parameter shards after the last step (all ranks) "
+          f"{worst_param:.1e}  {'ok' if ok else 'FAIL'} (tol {TOL:g})")
+    counts = sorted({r["launches"] for r in ranks})
+    paired = {r["pp_rank"]: r["paired_steps"] for r in ranks}
+    print(f"launch order: {'/'.join(map(str, counts))} EP all-to-alls per rank in the "
+          f"overlap_b_f run ({len(ovl)} steps), the same order on every rank of each EP group "
+          f"(checked on all {report['world']} ranks); OVERLAP_B_F steps per step: "
+          + ", ".join(f"{n} on pipeline rank {p}" for p, n in sorted(paired.items())))
+    m = report["measured"]
+    print(f"overlap ratio (measured, last step, all ranks): {m['share']:.1%} of all-to-all time "
+          f"inside OVERLAP_B_F steps ran while the other thread computed "
+          f"({m['hidden_s'] * 1e3:.1f} of {m['a2a_s'] * 1e3:.1f} ms, {int(m['count'])} "
+          f"all-to-alls); over the whole step: {report['measured_all']['share']:.1%}")
+    print(f"overlap ratio (predicted by the task-graph simulator from node costs measured in the "
+          f"baseline's last step, {_n(report['layers_per_chunk'], 'MoE layer')} per chunk): "
+          f"{report['predicted']:.1%}; one pairing {report['predicted_pair_s'] * 1e3:.2f} ms "
+          f"overlapped vs {report['predicted_serial_pair_s'] * 1e3:.2f} ms serial")
+    write_merged_trace(report["events"], report["sim_trace"], out)
+    print(f"merged Chrome trace (measured ranks + predicted pairing): {os.path.abspath(out)}")
+    rw = report["run_wall_s"]
+    print(f"wall {wall_s:.1f}s (training: baseline {rw['baseline']:.1f}s, overlap_b_f "
+          f"{rw['overlap']:.1f}s; {report['num_parameters']:,} parameters)")
+    if not ok:
+        print(f"demo FAILED: the overlapped run differs from the baseline (rel {worst:.2e} > "
+              f"{TOL:g})")
+        return 1
+    print("demo OK")
+    return 0
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def run(args: argparse.Namespace) -> int:
+    from overlap_runtime.launch import launched_by_torchrun
+    from overlap_runtime.trainer.config import ConfigError
+
+    if not args.timeout > 0:
+        print(f"error: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)
+        return 2
+    try:
+        torchrun = launched_by_torchrun()
+        config = load_demo_config(args.config, args.steps, args.pp, args.ep, args.timeout,
+                                  int(os.environ["WORLD_SIZE"]) if torchrun else None)
+    except (ConfigError, RuntimeError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    acc = config.train.accelerator
+    world = acc.resolved_world_size
+    label = _config_label(args.config)
+    t0 = time.perf_counter()
+    if torchrun:
+        return _run_under_torchrun(config, label, args, t0)
+
+    from overlap_runtime.launch import spawn
+
+    print_header(config, label, "spawned here (gloo)" if acc.device == "cpu" else "spawned here")
+    reports = spawn(_spawned_rank, world, args=(config.model_dump(), args.timeout),
+                    device=acc.device, timeout_s=args.timeout)
+    return print_report(reports[0], args.out, time.perf_counter() - t0)
+
+
+def _run_under_torchrun(config: Any, label: str, args: argparse.Namespace, t0: float) -> int:
+    """Every torchrun process joins the group; global rank 0 prints."""
+    import torch.distributed as dist
+
+    from overlap_runtime.launch import init_from_env
+
+    acc = config.train.accelerator
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != acc.resolved_world_size:  # before joining: every process fails the same way
+        if rank == 0:
+            print(f"error: torchrun started {world} processes but the config asks for "
+                  f"train.accelerator.world_size={acc.resolved_world_size}; start "
+                  f"--nproc-per-node {acc.resolved_world_size} or change the config",
+                  file=sys.stderr)
+        return 2
+    if rank == 0:
+        print_header(config, label, "started by torchrun")
+    ctx = init_from_env(acc.device, timeout_s=args.timeout)
+    try:
+        report = demo_rank(config, ctx.device, args.timeout)
+        return print_report(report, args.out, time.perf_counter() - t0) if report else 0
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the earlier job
+# A hand-built PP x EP model (not the trainer's) with per-tensor gradient checks of the
+# overlapped schedule against the plain one; tests/moe/test_moe_pp_ep.py runs it.
 
 
 @dataclass(frozen=True)
@@ -204,91 +742,3 @@ def pp_ep_main(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
         report["sim_trace"] = chrome_trace(sim, time_scale=1e6)  # seconds -> microseconds
     dist.barrier()
     return report
-
-
-def _worse(a: float, b: float) -> float:
-    """The larger error; NaN (a non-finite value on either side) counts as infinitely bad."""
-    import math
-
-    if math.isnan(a) or math.isnan(b):
-        return math.inf
-    return max(a, b)
-
-
-def write_merged_trace(events: list[Any], predicted: dict[str, Any], path: str) -> None:
-    """Measured execution trace (a process per rank, a track per thread) plus the simulated
-    OVERLAP_B_F pairing (``graph.chrome_trace`` dict; a process per EP rank, pid 100+) in one
-    Chrome trace file."""
-    from overlap_runtime.pipeline.exec_trace import chrome_trace_events
-
-    measured = chrome_trace_events(events)
-    for ev in predicted["traceEvents"]:
-        ev["pid"] = 100 + ev["pid"]
-        if ev.get("name") == "process_name":
-            ev["args"]["name"] = f"predicted OVERLAP_B_F pair, EP rank {ev['pid'] - 100}"
-    measured["traceEvents"].extend(predicted["traceEvents"])
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(measured, fh)
-
-
-def run(args: argparse.Namespace) -> int:
-    from overlap_runtime.launch import spawn
-    from overlap_runtime.schedules import ScheduleSpec, compile_spec
-
-    cfg = DemoConfig(pp=args.pp, ep=args.ep, chunks=args.chunks, layers=args.layers,
-                     microbatches=args.microbatches, tokens=args.tokens, hidden=args.hidden,
-                     experts=args.experts, top_k=args.top_k, steps=args.steps,
-                     timeout_s=args.timeout)
-    world = cfg.pp * cfg.ep
-    print(f"overlap-runtime demo: PP={cfg.pp} x EP={cfg.ep} on {world} CPU ranks (gloo); "
-          f"Interleaved1F1B, {cfg.chunks} chunks/rank x {cfg.layers} MoE layers, "
-          f"{cfg.microbatches} microbatches x {cfg.tokens} tokens, hidden {cfg.hidden}, "
-          f"{cfg.experts} experts top-{cfg.top_k} + shared expert, {cfg.steps} steps")
-    spec = ScheduleSpec(kind="interleaved_1f1b", pp_size=cfg.pp, num_microbatches=cfg.microbatches,
-                        virtual_stages=cfg.chunks, overlap_b_f=True, overlap_p2p=True)
-    compiled = compile_spec(spec)
-    from overlap_runtime.graph import format_grid
-    programs = {r: [str(a) for a in acts if a is not None and not a.is_comm]
-                for r, acts in compiled.lowered.items()}
-    print("schedule (compute steps per pipeline rank; every EP replica runs the same):")
-    print(format_grid(programs))
-    t0 = time.perf_counter()
-    reports = spawn(pp_ep_main, world, args=(cfg,), timeout_s=cfg.timeout_s)
-    wall = time.perf_counter() - t0
-    print("\nstep  pipeline(ep)  loss overlap_b_f   loss baseline     rel diff   "
-          "wall overlap / baseline")
-    for rep in reports:
-        if not rep["has_last"]:
-            continue
-        for k, st in enumerate(rep["steps"]):
-            lo, lb = st["overlap"]["loss"], st["baseline"]["loss"]
-            print(f"{k:>4}  {rep['ep_rank']:>12}  {lo:>16.8f}  {lb:>14.8f}  "
-                  f"{abs(lo - lb) / abs(lb):>10.2e}   {st['overlap']['wall_s']:.3f}s / "
-                  f"{st['baseline']['wall_s']:.3f}s")
-    worst = max(max(r["errs"].values()) for r in reports)
-    worst_name = max(((k, v) for r in reports for k, v in r["errs"].items()), key=lambda kv: kv[1])[0]
-    n_grads = sum(len(r["errs"]) for r in reports)
-    ok = worst <= TOL
-    print(f"loss and {n_grads} gradient tensors (all ranks, all steps) vs baseline: worst rel "
-          f"{worst:.2e} ({worst_name})  {'ok' if ok else 'FAIL'} (tol {TOL:g})")
-    print(f"launch order: {reports[0]['launches']} EP all-to-alls per rank, same order on every "
-          f"rank of each EP group (checked on all {world} ranks); "
-          f"{reports[0]['paired_steps']} OVERLAP_B_F steps per rank per step")
-    m = reports[0]["measured"]
-    print(f"overlap ratio (measured, last step, all ranks): {m['share']:.1%} of all-to-all time "
-          f"inside OVERLAP_B_F steps ran while the other thread computed "
-          f"({m['hidden_s'] * 1e3:.1f} of {m['a2a_s'] * 1e3:.1f} ms, {int(m['count'])} "
-          f"all-to-alls); over the whole step: {reports[0]['measured_all']['share']:.1%}")
-    r0 = reports[0]
-    print(f"overlap ratio (predicted by the task-graph simulator from node costs measured in the "
-          f"baseline run): {r0['predicted']:.1%}; one pairing {r0['predicted_pair_s'] * 1e3:.2f} "
-          f"ms overlapped vs {r0['predicted_serial_pair_s'] * 1e3:.2f} ms serial")
-    write_merged_trace(r0["events"], r0["sim_trace"], args.out)
-    print(f"merged Chrome trace (measured ranks + predicted pairing): {os.path.abspath(args.out)}")
-    print(f"wall {wall:.1f}s")
-    if not ok:
-        print(f"demo FAILED: overlapped run differs from the baseline (rel {worst:.2e} > {TOL:g})")
-        return 1
-    print("demo OK")
-    return 0

@@ -40,7 +40,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,30 @@ class RankContext:
     local_rank: int
     device: torch.device
     backend: str
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torchrun started this process: ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` all set.
+
+    A command that would spawn its own ranks joins torchrun's group instead
+    (:func:`init_from_env`) when this is True. ``environ`` defaults to ``os.environ``.
+
+    Raises:
+        RuntimeError: only some of the three are set (naming which), a half-configured
+            environment that neither spawning nor joining would handle correctly.
+    """
+    env = os.environ if environ is None else environ
+    present = [k for k in TORCHRUN_ENV if k in env]
+    if present and len(present) < len(TORCHRUN_ENV):
+        missing = [k for k in TORCHRUN_ENV if k not in env]
+        raise RuntimeError(
+            f"torchrun environment incomplete: {present} set but {missing} not; start the "
+            f"command with torchrun, or unset {present} to let it spawn its own ranks"
+        )
+    return bool(present)
 
 
 def _die_with_parent(expected_parent: int | None = None) -> None:
