@@ -1,31 +1,23 @@
 """``overlap-runtime demo``: the trainer on PP=2 x EP=2 with OVERLAP_B_F, checked against itself.
 
-The main job, end to end. The trainer (``overlap_runtime.trainer``) trains the Qwen3.5-style
-hybrid (Gated DeltaNet + attention, every MLP a MoE) from a YAML config, by default
-:data:`DEFAULT_CONFIG_YAML` (= ``configs/demo_pp2_ep2.yaml``): pp=2 x dp_shard=2 with EP=2
-borrowed from dp_shard, FSDP2, Interleaved 1F1B with two chunks per rank and ``overlap_b_f``.
-On every rank (4 CPU ranks spawned here on gloo, or torchrun's) the same config is trained twice
-from the same seed:
+The trainer trains the Qwen3.5-style hybrid (Gated DeltaNet + attention, every MLP a MoE) from a
+YAML config, by default :data:`DEFAULT_CONFIG_YAML` (= ``configs/demo_pp2_ep2.yaml``): pp=2 x
+dp_shard=2 with EP=2 borrowed from dp_shard, FSDP2, Interleaved 1F1B with two chunks per rank.
+On every rank (4 CPU ranks spawned here on gloo, or torchrun's) the config is trained twice from
+the same seed, each time by ``trainer.loop.train_distributed`` (which builds meshes and model):
 
 * the **baseline**: ``train.pipeline.overlap_b_f: false`` (plain all-to-alls, no coordinator);
 * the **overlapped run**: ``overlap_b_f: true``: in each OVERLAP_B_F step the backward of one
   microbatch (worker thread) and the forward of another (caller thread) hand the EP all-to-alls
-  back and forth through the HookCoordinator.
+  back and forth through the HookCoordinator (``debug=True``: its launch log is kept).
 
-Printed: the schedule grid, each step's loss and grad norm beside the baseline's (equal within
-:data:`TOL` relative; every parameter after the last step too), the launch-order check on every
-EP group, the measured share of all-to-all time hidden behind the other thread's compute (from
-the last step's execution trace), the share the task-graph simulator predicts from node costs
-measured in the baseline's last step, and one merged Chrome trace (measured ranks beside the
-predicted pairing).
-
-The steps run through the trainer's own pieces (``build_parallel_model``, ``GatheredStep``,
-``clip_grad_norm``, the loop's ``_run``); what ``train_distributed`` cannot do yet, this module
-adds on the built model: the execution trace handed to ``schedule.step`` and to the MoE
-dispatchers, and the serializer's launch log (see :func:`_instrument`).
-
-The end of the file keeps the earlier hand-built PP x EP job (:func:`pp_ep_main`), which
-``tests/moe/test_moe_pp_ep.py`` runs for per-tensor gradient checks; the command no longer uses it.
+Both runs get an ``ExecutionTrace`` (``trace=``; the last step is kept) and hand their built
+model to ``on_model=``. Printed: the schedule grid, each step's loss and grad norm beside the
+baseline's (equal within :data:`TOL` relative; every parameter after the last step too), the
+launch-order check on every EP group, the measured share of all-to-all time hidden behind the
+other thread's compute (last step's trace), the share the task-graph simulator predicts from node
+costs measured in the baseline's last step, and one merged Chrome trace (measured and predicted).
+The earlier hand-built PP x EP job is ``tests/moe/_pp_ep_job.py`` (tests/moe/test_moe_pp_ep.py).
 """
 
 from __future__ import annotations
@@ -33,11 +25,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 TOL = 1e-6
@@ -202,78 +194,27 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
-def _config_label(config_path: str | None) -> str:
-    return f"{DEFAULT_CONFIG_NAME} (embedded default)" if config_path is None else config_path
-
-
 # ----------------------------------------------------------------------------- on every rank
 
 
-def _instrument(pm: Any, trace: Any) -> None:
-    """What ``build_parallel_model`` has no parameter for (yet): every MoE dispatcher records
-    its all-to-all, hook and expert spans into ``trace``, and the HookCoordinator's serializer
-    keeps its launch log (``HookCoordinator(debug=True)`` would, the trainer builds it without),
-    so :meth:`CommSerializer.check_launch_order` can compare the ranks."""
+def _ep_group(pm: Any) -> Any:
+    """The process group every MoE dispatcher of ``pm`` all-to-alls over (its launch log's key)."""
     from overlap_runtime.moe.parallel import moe_layers
 
-    for part in pm.modules():
-        for moe in moe_layers(part):
-            moe.dispatcher.trace = trace
-    if pm.overlap is not None:
-        serializer = pm.overlap.coordinator.serializer
-        if not hasattr(serializer, "_debug"):
-            raise RuntimeError("CommSerializer has no _debug flag any more: the demo turns on the "
-                               "launch log through it (overlap_runtime/demo.py, _instrument)")
-        serializer._debug = True
-
-
-def _train(config: Any, pm: Any, dims: Any, coords: dict[str, int], device: Any,
-           trace: Any) -> list[Any]:
-    """``config.train.steps`` steps of ``pm`` as ``train_distributed`` runs them, with
-    ``trace`` given to ``schedule.step`` and cleared before each step (it keeps the last)."""
-    import torch
-
-    from overlap_runtime.trainer.data import TextDataset
-    from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
-    from overlap_runtime.trainer.grad_norm import clip_grad_norm
-    from overlap_runtime.trainer.loop import _optimizer, _run
-
-    optimizer, scheduler = _optimizer(pm.parameters(), config)
-    data = TextDataset(config.data.seq_len, config.data.batch_size, dims.dp, config.train.seed,
-                       config.data.corpus)
-    ep_group = dims.mesh("ep").get_group()
-    pp_group = dims.mesh("pp").get_group()
-
-    def step_fn(batch: Any) -> Any:
-        trace.events.clear()
-        losses: list[torch.Tensor] = []
-        inputs = (batch.input_ids.to(device),) if pm.has_first else ()
-        target = batch.labels.to(device) if pm.has_last else None
-        with GatheredStep(pm.modules()):
-            pm.schedule.step(*inputs, target=target, losses=losses, trace=trace)
-        if not losses:
-            return torch.zeros((), device=device)
-        return torch.stack([l.detach().float() for l in losses]).sum()
-
-    def norm_fn() -> float:
-        return clip_grad_norm(pm.other_params, config.optimizer.max_grad_norm, pm.expert_params,
-                              ep_group, pp_group, device)
-
-    return _run(config, optimizer, scheduler, device,
-                lambda s: data.rank_batch(s, coords["dp"], coords["cp"], dims.cp), step_fn,
-                norm_fn, distributed=True, log=None)
-
-
-def _named_params(pm: Any) -> dict[str, Any]:
-    return {f"S{s}.{n}": p for s, part in sorted(pm.parts.items())
-            for n, p in part.named_parameters()}
+    groups = {id(m.dispatcher.group): m.dispatcher.group
+              for part in pm.modules() for m in moe_layers(part)}
+    if len(groups) != 1:
+        raise RuntimeError(f"the overlapped model's MoE layers use {len(groups)} EP groups; the "
+                           f"demo checks the launch order on exactly one")
+    return next(iter(groups.values()))
 
 
 def _param_diff(baseline: Any, overlapped: Any) -> tuple[float, int]:
     """Worst relative L2 difference of this rank's parameter shards between the two models."""
     from overlap_runtime.testing import rel_l2
 
-    a, b = _named_params(baseline), _named_params(overlapped)
+    a, b = ({f"S{s}.{n}": p for s, part in sorted(pm.parts.items())
+             for n, p in part.named_parameters()} for pm in (baseline, overlapped))
     if a.keys() != b.keys():
         raise RuntimeError(f"the baseline and the overlapped model differ in parameters: "
                            f"{sorted(a.keys() ^ b.keys())[:5]}")
@@ -315,45 +256,39 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
     from overlap_runtime.ops import comm
     from overlap_runtime.pipeline import ExecutionTrace, gather_traces
     from overlap_runtime.schedules import ActionKind
-    from overlap_runtime.trainer.build import build_parallel_model
+    from overlap_runtime.trainer.loop import train_distributed
 
     device = torch.device(device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    acc = config.train.accelerator
-    if acc.resolved_world_size != world:
-        raise ValueError(f"train.accelerator.world_size={acc.resolved_world_size} but the process "
-                         f"group has {world} ranks")
-    dims = acc.parallel_dims()
-    dims.build_meshes(device.type)
+    # sizes and coordinates only: train_distributed checks the world size and builds the meshes
+    dims = config.train.accelerator.parallel_dims()
     coords = dims.coordinates(rank)
-    ep_group = dims.mesh("ep").get_group()
 
     runs: dict[str, dict[str, Any]] = {}
     models: dict[str, Any] = {}
-    try:
-        for name, overlap_b_f in (("baseline", False), ("overlap", True)):
-            data = config.model_dump()
-            data["train"]["pipeline"]["overlap_b_f"] = overlap_b_f
-            cfg = type(config).model_validate(data)
-            pm = models[name] = build_parallel_model(cfg, dims, device, coords["pp"])
-            trace = ExecutionTrace(rank=rank)
-            _instrument(pm, trace)
-            t0 = time.perf_counter()
-            steps = _train(cfg, pm, dims, coords, device, trace)
-            runs[name] = {"steps": [dataclasses.asdict(s) for s in steps],
-                          "wall_s": time.perf_counter() - t0,
-                          "events": [dataclasses.replace(e, rank=rank) for e in trace.events]}
-        ovl = models["overlap"]
-        if ovl.overlap is None:
-            raise RuntimeError("the overlapped model has no CommComputeOverlap: the demo needs "
-                               "ep > 1, pp > 1 and overlap_b_f")
-        launches = ovl.overlap.coordinator.serializer.check_launch_order(ep_group, timeout_s)
-        param_err, n_params = _param_diff(models["baseline"], ovl)
-        paired = sum(1 for a in ovl.schedule.program if a.kind is ActionKind.OVERLAP_B_F)
-        num_parameters = ovl.num_parameters
-    finally:
-        for pm in models.values():
-            pm.close()
+    started: dict[str, float] = {}
+    for name, overlap_b_f in (("baseline", False), ("overlap", True)):
+        data = config.model_dump()
+        data["train"]["pipeline"]["overlap_b_f"] = overlap_b_f
+        cfg = type(config).model_validate(data)
+        trace = ExecutionTrace(rank=rank)
+
+        def on_model(pm: Any, name: str = name) -> None:
+            models[name] = pm
+            started[name] = time.perf_counter()  # the training, without the build
+
+        result = train_distributed(cfg, device, lambda line: None, trace=trace,
+                                   on_model=on_model, debug=True)
+        runs[name] = {"steps": [dataclasses.asdict(s) for s in result.steps],
+                      "wall_s": time.perf_counter() - started[name],
+                      "events": [dataclasses.replace(e, rank=rank) for e in trace.events]}
+    ovl = models["overlap"]  # closed by train_distributed; its log and parameters stay readable
+    if ovl.overlap is None:
+        raise RuntimeError("the overlapped model has no CommComputeOverlap: the demo needs "
+                           "ep > 1, pp > 1 and overlap_b_f")
+    launches = ovl.overlap.coordinator.serializer.check_launch_order(_ep_group(ovl), timeout_s)
+    param_err, n_params = _param_diff(models["baseline"], ovl)
+    paired = sum(1 for a in ovl.schedule.program if a.kind is ActionKind.OVERLAP_B_F)
 
     row = torch.tensor([[rank, coords["pp"], coords["ep"], launches, param_err, n_params,
                          paired]], dtype=torch.float64)
@@ -369,7 +304,7 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
     sim_serial = simulate(moe_overlap_pair_task_graph(costs, layers=layers, ep_size=dims.ep,
                                                       overlap=False))
     return {
-        "world": world, "num_parameters": num_parameters,
+        "world": world, "num_parameters": ovl.num_parameters,
         "ranks": [{"rank": int(r[0]), "pp_rank": int(r[1]), "ep_rank": int(r[2]),
                    "launches": int(r[3]), "param_err": r[4], "param_tensors": int(r[5]),
                    "paired_steps": int(r[6])} for r in rows],
@@ -400,8 +335,6 @@ def _spawned_rank(rank: int, world: int, config_dict: dict[str, Any],
 
 def _worse(a: float, b: float) -> float:
     """The larger error; NaN (a non-finite value on either side) counts as infinitely bad."""
-    import math
-
     if math.isnan(a) or math.isnan(b):
         return math.inf
     return max(a, b)
@@ -412,8 +345,6 @@ def _n(count: int, noun: str) -> str:
 
 
 def _rel(a: float, b: float) -> float:
-    import math
-
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
     return abs(a - b) / max(abs(b), 1e-30)
@@ -422,6 +353,7 @@ def _rel(a: float, b: float) -> float:
 def print_header(config: Any, label: str, how: str) -> None:
     """The job's description and the schedule grid (before the ranks run)."""
     from overlap_runtime.graph import format_grid
+    from overlap_runtime.models.pipeline_split import split_layers
     from overlap_runtime.schedules import compile_spec
     from overlap_runtime.trainer.config import schedule_spec
 
@@ -437,8 +369,6 @@ def print_header(config: Any, label: str, how: str) -> None:
           f"{len(types) - n_gdn} attention), hidden {m.hidden_size}, every MLP a MoE: "
           f"{m.num_experts} experts, {m.num_experts_per_tok} per token{shared}")
     print(f"  layout: {dims.describe()}; FSDP2 over dp_shard x cp")
-    from overlap_runtime.models.pipeline_split import split_layers
-
     counts = sorted({len(r) for r in split_layers(m.num_hidden_layers, dims.pp * pl.virtual_stages,
                                                   pl.layers_per_stage)})
     per_chunk = "/".join(map(str, counts))
@@ -542,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     acc = config.train.accelerator
     world = acc.resolved_world_size
-    label = _config_label(args.config)
+    label = f"{DEFAULT_CONFIG_NAME} (embedded default)" if args.config is None else args.config
     t0 = time.perf_counter()
     if torchrun:
         return _run_under_torchrun(config, label, args, t0)
@@ -578,167 +508,3 @@ def _run_under_torchrun(config: Any, label: str, args: argparse.Namespace, t0: f
         return print_report(report, args.out, time.perf_counter() - t0) if report else 0
     finally:
         dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------- the earlier job
-# A hand-built PP x EP model (not the trainer's) with per-tensor gradient checks of the
-# overlapped schedule against the plain one; tests/moe/test_moe_pp_ep.py runs it.
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """Sizes of the PP x EP job (all ranks build the same model from it)."""
-
-    pp: int = 2
-    ep: int = 2
-    chunks: int = 2
-    layers: int = 2
-    microbatches: int = 8
-    tokens: int = 16
-    hidden: int = 32
-    experts: int = 4
-    top_k: int = 2
-    steps: int = 3
-    lr: float = 0.05
-    timeout_s: float = 120.0
-
-
-def build_chunk(cfg: DemoConfig, stage: int) -> Any:
-    """Chunk ``stage`` of the model: ``cfg.layers`` blocks (mixer + MoE), seeded by stage."""
-    import torch
-    from torch import nn
-
-    from overlap_runtime.moe import MoE
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm1 = nn.RMSNorm(cfg.hidden)
-            self.mixer = nn.Linear(cfg.hidden, cfg.hidden)
-            self.norm2 = nn.RMSNorm(cfg.hidden)
-            self.moe = MoE(cfg.hidden, cfg.hidden, cfg.experts, cfg.top_k,
-                           shared_ffn_hidden=cfg.hidden, aux_loss_coef=1e-2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = x + torch.tanh(self.mixer(self.norm1(x)))
-            return x + self.moe(self.norm2(x))
-
-    torch.manual_seed(1000 + stage)
-    return nn.Sequential(*[Block() for _ in range(cfg.layers)])
-
-
-def _data(cfg: DemoConfig, step: int, ep_rank: int) -> tuple[Any, Any]:
-    import torch
-
-    g = torch.Generator().manual_seed(7919 * step + 31 * ep_rank + 1)
-    shape = (cfg.microbatches, cfg.tokens, cfg.hidden)
-    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-
-
-def pp_ep_main(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
-    """One rank of the job; returns its report (rank 0's includes the merged trace events)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
-    from overlap_runtime.graph import simulate
-    from overlap_runtime.moe import OverlapExpertParallel, make_overlap_b_f_callback
-    from overlap_runtime.moe.task_nodes import (measured_a2a_overlap, moe_overlap_pair_task_graph,
-                                                node_costs_from_trace, predicted_a2a_overlap)
-    from overlap_runtime.pipeline import (ExecutionTrace, PipelineStage, ScheduleInterleaved1F1B,
-                                          TensorMeta, gather_traces)
-    from overlap_runtime.schedules import ActionKind
-    from overlap_runtime.testing import rel_l2
-
-    if cfg.pp * cfg.ep != world:
-        raise ValueError(f"pp {cfg.pp} x ep {cfg.ep} != {world} ranks")
-    mesh = init_device_mesh("cpu", (cfg.pp, cfg.ep), mesh_dim_names=("pp", "ep"))
-    pp_group, ep_group = mesh["pp"].get_group(), mesh["ep"].get_group()
-    pp_rank, ep_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
-    num_stages = cfg.pp * cfg.chunks
-    my_stages = [s for s in range(num_stages) if s % cfg.pp == pp_rank]  # loop placement
-
-    coordinator = HookCoordinator(timeout_s=cfg.timeout_s, debug=True)
-    overlap = CommComputeOverlap(coordinator, "cpu")
-    trace = ExecutionTrace()
-    chunks = {}
-    for s in my_stages:
-        chunk = build_chunk(cfg, s)
-        OverlapExpertParallel(coordinator, tag_prefix=f"S{s}.", trace=trace,
-                              timeout_s=cfg.timeout_s).apply(chunk, mesh["ep"])
-        chunks[s] = chunk
-    meta = TensorMeta((1, cfg.tokens, cfg.hidden), torch.float32)
-    stages = [PipelineStage(chunks[s], s, num_stages, "cpu", pp_group,
-                            input_meta=meta if s > 0 else None) for s in my_stages]
-    for st in stages:  # every boundary is [1, tokens, hidden] fp32: no metadata exchange
-        if not st.is_last:
-            st.output_meta = meta
-    params = [(f"S{s}.{n}", p) for s in my_stages for n, p in chunks[s].named_parameters()]
-
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(out, target)
-
-    common = dict(loss_fn=loss_fn, overlap_p2p=True, group=pp_group, timeout_s=cfg.timeout_s)
-    base = ScheduleInterleaved1F1B(stages, cfg.microbatches, overlap_b_f=False, **common)
-    ovl = ScheduleInterleaved1F1B(stages, cfg.microbatches, overlap_b_f=True, **common)
-    ovl.register_custom_function(ActionKind.OVERLAP_B_F, make_overlap_b_f_callback(overlap, "cpu"))
-    has_first, has_last = 0 in my_stages, (num_stages - 1) in my_stages
-
-    errs: dict[str, float] = {}
-    steps: list[dict[str, Any]] = []
-    base_events: list[Any] = []
-    ovl_events: list[Any] = []
-    for step in range(cfg.steps):
-        x, y = _data(cfg, step, ep_rank)
-        runs = {}
-        for name, sched in (("baseline", base), ("overlap", ovl)):
-            for _, p in params:
-                p.grad = None
-            trace.events.clear()
-            losses: list[torch.Tensor] = []
-            dist.barrier()
-            t0 = time.perf_counter()
-            sched.step(*((x,) if has_first else ()), target=y if has_last else None,
-                       losses=losses, trace=trace)
-            wall = time.perf_counter() - t0
-            runs[name] = {"grads": {n: p.grad.detach().clone() for n, p in params},
-                          "loss": float(torch.stack(losses).mean()) if losses else None,
-                          "wall_s": wall, "events": [dataclasses.replace(e, rank=rank)
-                                                      for e in trace.events]}
-        for n, g in runs["overlap"]["grads"].items():
-            errs[n] = _worse(errs.get(n, 0.0), rel_l2(g, runs["baseline"]["grads"][n]))
-        if has_last:
-            lb, lo = runs["baseline"]["loss"], runs["overlap"]["loss"]
-            errs["loss"] = _worse(errs.get("loss", 0.0), abs(lo - lb) / max(abs(lb), 1e-30))
-        steps.append({k: {"loss": v["loss"], "wall_s": v["wall_s"]} for k, v in runs.items()})
-        base_events, ovl_events = runs["baseline"]["events"], runs["overlap"]["events"]
-        with torch.no_grad():  # one SGD step from the (identical) overlapped gradients
-            for _, p in params:
-                p.add_(p.grad, alpha=-cfg.lr)
-
-    launches = coordinator.serializer.check_launch_order(ep_group)
-    overlap.close()
-    gathered: dict[str, list[Any]] = {}
-    for name, evs in (("baseline", base_events), ("overlap", ovl_events)):
-        t = ExecutionTrace(rank=rank, events=evs)
-        gathered[name] = gather_traces(t, None, cfg.timeout_s)
-    measured = measured_a2a_overlap(gathered["overlap"])
-    measured_all = measured_a2a_overlap(gathered["overlap"], paired_only=False)
-    costs = node_costs_from_trace(gathered["baseline"], cfg.layers)
-    sim = simulate(moe_overlap_pair_task_graph(costs, layers=cfg.layers, ep_size=cfg.ep))
-    sim_serial = simulate(moe_overlap_pair_task_graph(costs, layers=cfg.layers, ep_size=cfg.ep,
-                                                      overlap=False))
-    paired = sum(1 for a in ovl.program if a.kind is ActionKind.OVERLAP_B_F)
-    report = {"rank": rank, "pp_rank": pp_rank, "ep_rank": ep_rank, "errs": errs,
-              "steps": steps, "launches": launches, "paired_steps": paired,
-              "measured": measured, "measured_all": measured_all,
-              "predicted": predicted_a2a_overlap(sim), "predicted_pair_s": sim.makespan,
-              "predicted_serial_pair_s": sim_serial.makespan,
-              "costs": dataclasses.asdict(costs.resolved()), "has_last": has_last}
-    if rank == 0:
-        report["events"] = gathered["overlap"]
-        from overlap_runtime.graph import chrome_trace
-        report["sim_trace"] = chrome_trace(sim, time_scale=1e6)  # seconds -> microseconds
-    dist.barrier()
-    return report

@@ -121,6 +121,26 @@ def test_torchrun_detection(monkeypatch: pytest.MonkeyPatch,
     assert "torchrun environment incomplete" in capfd.readouterr().err
 
 
+def test_train_command_shares_the_torchrun_detection(monkeypatch: pytest.MonkeyPatch,
+                                                      capfd: pytest.CaptureFixture[str]) -> None:
+    # `overlap-runtime train` decides spawn vs join with launch.launched_by_torchrun too: a
+    # half-set torchrun environment is a one-line error, not a join that waits for a rendezvous
+    import overlap_runtime.launch as launch
+
+    def no_ranks(*a: object, **k: object) -> None:
+        raise AssertionError("ranks started or a group joined")
+
+    monkeypatch.setattr(launch, "spawn", no_ranks)
+    monkeypatch.setattr(launch, "init_from_env", no_ranks)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert main(["train", str(ROOT / "configs" / "tiny_cp4_p2p.yaml")]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: torchrun environment incomplete: ['RANK'] set") and \
+        err.count("\n") == 1, err
+
+
 # ----------------------------------------------------------------------------- the verdict
 
 

@@ -40,6 +40,7 @@ from overlap_runtime.context_parallel import ContextParallel, LinearAttentionCon
 from overlap_runtime.context_parallel.ulysses import ulysses_kv_heads
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from overlap_runtime.moe import ExpertParallel, MoE, OverlapExpertParallel
+from overlap_runtime.moe.dispatcher import SpanSink
 
 __all__ = [
     "FULL_ATTENTION_CP_MODES",
@@ -193,13 +194,16 @@ def apply_fsdp(
 
 
 def parallelize_qwen3_5_ep(model: nn.Module, ep_mesh: DeviceMesh, *, coordinator: Any = None,
-                           tag_prefix: str = "", timeout_s: float | None = None) -> nn.Module:
+                           tag_prefix: str = "", timeout_s: float | None = None,
+                           trace: SpanSink | None = None) -> nn.Module:
     """Shard the routed experts of every MoE layer of ``model`` (or of a pipeline stage) over
     the 1-D ``ep_mesh``: each EP rank keeps ``num_experts / ep`` consecutive experts and gets an
     all-to-all dispatcher over the EP group (``moe.ExpertParallel``). With a ``coordinator``
     (a ``HookCoordinator``) the layers also get the A/B/C/D(/D_LAST) sync hooks, so the
     OVERLAP_B_F callback can interleave two microbatches' all-to-alls
     (``moe.OverlapExpertParallel``; ``tag_prefix`` names the stage, e.g. ``"S2."``).
+    ``trace`` (a span sink such as a ``pipeline.ExecutionTrace``, or None) receives every
+    dispatcher's all-to-all, hook and expert spans.
 
     With ``ep_mesh.size() == 1`` the model is returned untouched.
     """
@@ -209,9 +213,10 @@ def parallelize_qwen3_5_ep(model: nn.Module, ep_mesh: DeviceMesh, *, coordinator
     if ep_mesh.size() == 1:
         return model
     if coordinator is not None:
-        style: Any = OverlapExpertParallel(coordinator, tag_prefix=tag_prefix, timeout_s=timeout_s)
+        style: Any = OverlapExpertParallel(coordinator, tag_prefix=tag_prefix, trace=trace,
+                                           timeout_s=timeout_s)
     else:
-        style = ExpertParallel(tag_prefix=tag_prefix, timeout_s=timeout_s)
+        style = ExpertParallel(tag_prefix=tag_prefix, trace=trace, timeout_s=timeout_s)
     return style.apply(model, ep_mesh)
 
 

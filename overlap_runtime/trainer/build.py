@@ -29,7 +29,7 @@ device therefore uses ``moe_aux_loss_coef: 0`` (docs/training.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from overlap_runtime.moe import MoE
 from overlap_runtime.trainer.config import TrainConfig, schedule_spec
 from overlap_runtime.trainer.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from overlap_runtime.pipeline import ExecutionTrace
 
 __all__ = ["ParallelModel", "build_model", "build_parallel_model", "ce_sum"]
 
@@ -128,7 +131,8 @@ def _split_params(modules: list[nn.Module]) -> tuple[list[nn.Parameter], list[nn
 
 
 def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.device,
-                         rank_of_pp: int) -> ParallelModel:
+                         rank_of_pp: int, *, debug: bool = False,
+                         trace: ExecutionTrace | None = None) -> ParallelModel:
     """Build this rank's part of the model, parallel over ``dims`` (meshes already built).
 
     Args:
@@ -136,6 +140,11 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
         dims: the layout, after ``dims.build_meshes``.
         device: this rank's device.
         rank_of_pp: this rank's coordinate on the pipeline dimension.
+        debug: build the HookCoordinator (OVERLAP_B_F with EP) with ``debug=True``: it keeps
+            its hook events and its serializer the launch log of every EP all-to-all, which
+            ``serializer.check_launch_order`` compares across ranks.
+        trace: handed to every MoE dispatcher (ep > 1), which records its all-to-all, hook
+            and expert spans into it; None: no spans.
     """
     acc, pl = config.train.accelerator, config.train.pipeline
     model = build_model(config, device)
@@ -160,11 +169,12 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
         if spec is not None and pl.overlap_b_f:
             from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
 
-            coordinator = HookCoordinator(timeout_s=acc.comm_timeout_s or 300.0)
+            coordinator = HookCoordinator(timeout_s=acc.comm_timeout_s or 300.0, debug=debug)
             overlap = CommComputeOverlap(coordinator, device)
         for s, part in parts.items():
             parallelize_qwen3_5_ep(part, dims.mesh("ep"), coordinator=coordinator,
-                                   tag_prefix=f"S{s}.", timeout_s=acc.comm_timeout_s)
+                                   tag_prefix=f"S{s}.", timeout_s=acc.comm_timeout_s,
+                                   trace=trace)
 
     mp_policy = None
     if config.train.precision == "bf16":

@@ -1,18 +1,18 @@
 """``overlap-runtime train CONFIG.yaml``: FSDP2 + CP training of the Qwen3.5-style model.
 
 Without torchrun's environment it spawns ``train.accelerator.world_size`` ranks itself (the
-embedded CPU default, gloo); under ``torchrun`` (``RANK`` set) every process joins the group
-with ``launch.init_from_env``. Rank 0 prints one progress line per step (loss, grad norm,
-tokens/s). ``--compare-single`` then trains the single-device baseline on the same data and
-prints the largest loss and grad-norm differences; ``--metrics PATH`` (or ``train.metrics``)
-writes everything as JSON.
+embedded CPU default, gloo); under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set:
+``launch.launched_by_torchrun``; only some of them set is an error, exit code 2) every process
+joins the group with ``launch.init_from_env``. Rank 0 prints one progress line per step (loss,
+grad norm, tokens/s). ``--compare-single`` then trains the single-device baseline on the same
+data and prints the largest loss and grad-norm differences; ``--metrics PATH`` (or
+``train.metrics``) writes everything as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -73,6 +73,7 @@ def _report(config: Any, result: Any, baseline: Any, metrics_path: str | None) -
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from overlap_runtime.launch import launched_by_torchrun
     from overlap_runtime.trainer.config import ConfigError, load_config
     from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
 
@@ -94,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
     acc = config.train.accelerator
     log = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
 
-    if "RANK" in os.environ:  # started by torchrun
+    try:
+        torchrun = launched_by_torchrun()
+    except RuntimeError as exc:  # RANK, WORLD_SIZE, LOCAL_RANK only partly set
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if torchrun:
         import torch.distributed as dist
 
         from overlap_runtime.launch import init_from_env

@@ -29,7 +29,7 @@ import copy
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,14 @@ from torch import nn
 
 from overlap_runtime import platform
 from overlap_runtime.models.parallelize import parameter_count
-from overlap_runtime.trainer.build import build_model, build_parallel_model, ce_sum
+from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.config import ConfigError, TrainConfig, config_from_dict
 from overlap_runtime.trainer.data import Batch, TextDataset
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
 from overlap_runtime.trainer.grad_norm import clip_grad_norm
+
+if TYPE_CHECKING:
+    from overlap_runtime.pipeline import ExecutionTrace
 
 __all__ = [
     "StepMetrics",
@@ -132,13 +135,25 @@ def _check_finite(m: StepMetrics) -> None:
 
 
 def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
-                      log: Log | None = None) -> TrainResult:
+                      log: Log | None = None, *, trace: ExecutionTrace | None = None,
+                      on_model: Callable[[ParallelModel], None] | None = None,
+                      debug: bool = False) -> TrainResult:
     """Training on this rank of the initialised default process group, any layout.
+
+    Every call builds its own meshes and model, so it can run several times in the same ranks
+    (the demo trains a baseline and the overlapped run this way).
 
     Args:
         config: the validated configuration (``train.accelerator`` gives the degrees).
         device: this rank's device (``cuda:<local rank>`` under torchrun on GPUs).
         log: called with each progress line on global rank 0 (None: print).
+        trace: an execution trace, cleared at the start of every step (so it keeps the last
+            one), handed to ``schedule.step`` (pp > 1) and to every MoE dispatcher (ep > 1).
+        on_model: called with this rank's :class:`ParallelModel` right after it is built (before
+            the first step); the model is closed when training ends but stays readable (its
+            parameters, schedule and coordinator).
+        debug: build the HookCoordinator (OVERLAP_B_F with EP) with its launch log on, for
+            ``serializer.check_launch_order`` after training.
 
     Returns:
         The run's metrics (identical on every rank).
@@ -159,7 +174,13 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
                           f"{exc}") from None
     dims.build_meshes(device.type)
     coords = dims.coordinates(rank)
-    pm = build_parallel_model(config, dims, device, coords["pp"])
+    pm = build_parallel_model(config, dims, device, coords["pp"], debug=debug, trace=trace)
+    if on_model is not None:
+        try:
+            on_model(pm)
+        except BaseException:
+            pm.close()  # the overlap worker thread must not outlive a failing callback
+            raise
     optimizer, scheduler = _optimizer(pm.parameters(), config)
     data = TextDataset(config.data.seq_len, config.data.batch_size, dims.dp, config.train.seed,
                        config.data.corpus)
@@ -168,6 +189,8 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
     pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
 
     def step_fn(batch: Batch) -> torch.Tensor:
+        if trace is not None:
+            trace.events.clear()
         if pm.schedule is None:
             model = pm.parts[0]
             logits = model(batch.input_ids.to(device), batch.position_ids.to(device))
@@ -178,7 +201,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
         inputs = (batch.input_ids.to(device),) if pm.has_first else ()
         target = batch.labels.to(device) if pm.has_last else None
         with GatheredStep(pm.modules()):
-            pm.schedule.step(*inputs, target=target, losses=losses)
+            pm.schedule.step(*inputs, target=target, losses=losses, trace=trace)
         if not losses:
             return torch.zeros((), device=device)
         return torch.stack([l.detach().float() for l in losses]).sum()

@@ -2,20 +2,21 @@
 
 2 chunks per rank, 2 MoE layers per chunk (with shared experts), 8 microbatches. The same model
 and data run once without ``overlap_b_f`` (baseline) and once with it and
-``make_overlap_b_f_callback``; the rank function is the demo's (``overlap_runtime.demo``).
+``make_overlap_b_f_callback``; the rank function is the hand-built job of ``_pp_ep_job.py`` (the
+demo's until it became a training run).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from overlap_runtime.demo import DemoConfig, pp_ep_main
+from _pp_ep_job import PPEPConfig, pp_ep_main
 from overlap_runtime.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
 TOL = 1e-6
-CFG = DemoConfig(pp=2, ep=2, chunks=2, layers=2, microbatches=8, tokens=8, hidden=16,
+CFG = PPEPConfig(pp=2, ep=2, chunks=2, layers=2, microbatches=8, tokens=8, hidden=16,
                  experts=4, top_k=2, steps=1, timeout_s=90.0)
 
 
