@@ -113,15 +113,18 @@ def run(args: argparse.Namespace) -> int:
             return 2
         dist.barrier()
         if ctx.rank != 0:
+            dist.destroy_process_group()  # every rank leaves the group (torchrun aborts otherwise)
             return 0
         baseline = train_single(config, ctx.device) if args.compare_single else None
         _report(config, result, baseline, metrics_path)
         dist.destroy_process_group()
         return 0
 
-    print(f"spawning {acc.resolved_world_size} {acc.device} ranks: cp={acc.cp}, "
-          f"dp={config.dp}, linear_attention_cp_mode={acc.linear_attention_cp_mode}, "
-          f"full_attention_cp_mode={acc.full_attention_cp_mode}", flush=True)
+    dims = acc.parallel_dims()
+    print(f"spawning {acc.resolved_world_size} {acc.device} ranks: {dims.describe()}, "
+          f"dp={dims.dp}, linear_attention_cp_mode={acc.linear_attention_cp_mode}, "
+          f"full_attention_cp_mode={acc.full_attention_cp_mode}"
+          + (f", pipeline {config.train.pipeline.schedule}" if dims.pp > 1 else ""), flush=True)
     result = spawn_training(config, quiet=args.quiet)
     baseline = None
     if args.compare_single:

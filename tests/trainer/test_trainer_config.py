@@ -42,6 +42,19 @@ def test_shipped_configs_load(name: str, cp: int, world: int, mode: str) -> None
     assert cfg.data.seq_len % cp == 0
 
 
+@pytest.mark.parametrize("name,layout", [
+    ("tiny_4d_pp2_ep2_cp2", (8, 2, 2, 2, 2, "interleaved_1f1b")),
+    ("demo_pp2_ep2", (4, 2, 2, 1, 2, "interleaved_1f1b")),
+])
+def test_shipped_4d_configs_load(name: str, layout: tuple[Any, ...]) -> None:
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    dims = cfg.train.accelerator.parallel_dims()
+    got = (dims.world_size, dims.pp, dims.dp_shard, dims.cp, dims.ep,
+           cfg.train.pipeline.schedule)
+    assert got == layout
+    assert cfg.model.mlp == "moe"
+
+
 def test_gpu_config_is_local_16k_bf16() -> None:
     cfg = load_config(REPO / "configs" / "gpu_cp2_16k.yaml")
     assert cfg.data.seq_len // cfg.train.accelerator.cp == 16384
