@@ -94,6 +94,22 @@ def _check_rank(cp_size: int, cp_rank: int) -> None:
         raise ValueError(f"cp_rank {cp_rank} out of range for cp_size {cp_size}")
 
 
+def _seq_dim(x: torch.Tensor, seq_dim: int, fn: str) -> int:
+    """``seq_dim`` as a non-negative dim of ``x``; out of range raises IndexError as torch does.
+
+    (A bare ``seq_dim % x.dim()`` would wrap an out-of-range dim onto another dim and return
+    the wrong slice, or a misleading length error.) Negative dims in ``[-ndim, -1]`` count from
+    the end.
+    """
+    ndim = x.dim()
+    if not -ndim <= seq_dim < ndim:
+        raise IndexError(
+            f"{fn}: seq_dim={seq_dim} is out of range for a tensor of ndim {ndim} "
+            f"(shape {tuple(x.shape)}); expected a dim in [{-ndim}, {ndim - 1}]"
+        )
+    return seq_dim % ndim
+
+
 def shard_positions(seq_len: int, cp_size: int, cp_rank: int, load_balance: LoadBalance = "zigzag",
                     device: torch.device | str | None = None) -> torch.Tensor:
     """Global positions (position ids) of the tokens rank ``cp_rank`` holds, in local order.
@@ -128,8 +144,9 @@ def shard_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1
 
     Works for any tensor (tokens ``[B, S]``, hidden ``[B, S, C]``, q ``[B, S, H, D]``, an
     ``[B, 1, S, S]`` mask with ``seq_dim=2``) and any dtype; differentiable (index_select).
+    A ``seq_dim`` outside ``[-x.dim(), x.dim() - 1]`` raises IndexError (no wrap-around).
     """
-    dim = seq_dim % x.dim()
+    dim = _seq_dim(x, seq_dim, "shard_sequence")
     pos = shard_positions(x.shape[dim], cp_size, cp_rank, load_balance, x.device)
     if load_balance is None:  # a view, no copy
         return x.narrow(dim, int(pos[0]), pos.numel())
@@ -139,9 +156,9 @@ def shard_sequence(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1
 def reorder_to_sequence(x: torch.Tensor, cp_size: int, seq_dim: int = 1,
                         load_balance: LoadBalance = "zigzag") -> torch.Tensor:
     """Rank-ordered concatenation of shards (what a gather returns) -> true sequence order."""
+    dim = _seq_dim(x, seq_dim, "reorder_to_sequence")
     if load_balance is None:
         return x
-    dim = seq_dim % x.dim()
     perm = sequence_permutation(x.shape[dim], cp_size, load_balance, x.device)
     return x.index_select(dim, torch.argsort(perm))
 
@@ -149,9 +166,9 @@ def reorder_to_sequence(x: torch.Tensor, cp_size: int, seq_dim: int = 1,
 def reorder_to_shards(x: torch.Tensor, cp_size: int, seq_dim: int = 1,
                       load_balance: LoadBalance = "zigzag") -> torch.Tensor:
     """True sequence order -> rank-ordered concatenation of shards (inverse of the above)."""
+    dim = _seq_dim(x, seq_dim, "reorder_to_shards")
     if load_balance is None:
         return x
-    dim = seq_dim % x.dim()
     return x.index_select(dim, sequence_permutation(x.shape[dim], cp_size, load_balance, x.device))
 
 
@@ -160,7 +177,7 @@ def unshard_sequence(shards: Sequence[torch.Tensor], seq_dim: int = 1,
     """Rebuild the full sequence from every rank's shard (``shards[r]`` from rank ``r``)."""
     if not shards:
         raise ValueError("unshard_sequence: no shards given")
-    dim = seq_dim % shards[0].dim()
+    dim = _seq_dim(shards[0], seq_dim, "unshard_sequence")
     lengths = {s.shape[dim] for s in shards}
     if len(lengths) != 1:
         raise ValueError(f"unshard_sequence: shards differ in length along dim {dim}: "
@@ -178,7 +195,7 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, seq
     """
     from overlap_runtime.ops import comm
 
-    dim = seq_dim % x.dim()
+    dim = _seq_dim(x, seq_dim, "gather_sequence")  # before the collective, on every rank
     full = comm.all_gather(x, dim, group, timeout_s)
     return reorder_to_sequence(full, comm.group_size(group), dim, load_balance)
 

@@ -34,6 +34,12 @@ the projections have no bias), their ``g`` and ``beta`` are set to 0 (the GDN st
 ``beta = 0, g = 0`` leaves the state unchanged) and their output is zeroed. Padding may sit
 anywhere (left, right, between documents of one row); a padded row gives the real tokens exactly
 the output of the unpadded sequence.
+
+Every mask is applied as a select (``torch.where(mask != 0, x, 0)``), never as a product: a
+padded slot may hold anything, NaN or inf included (uninitialised buffers, a previous layer's
+garbage in a pad), and ``NaN * 0 = NaN`` would reach every later token through the conv and the
+state. With the select the output and every gradient are exactly those of the same sequence with
+zeros in the padded slots.
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, LocalGDNMixe
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
 __all__ = ["GatedDeltaNet", "GDNProjections"]
+
+
+def _keep(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` mask (any dtype, 0 = padding) -> ``[B, T, 1]`` bool, True at real tokens."""
+    return (mask != 0).unsqueeze(-1)
 
 
 @dataclass(frozen=True)
@@ -222,7 +233,8 @@ class GatedDeltaNet(nn.Module):
             a, b: ``[B, T, hv]`` logits of the heads ``value_heads`` (all heads when None).
             value_heads: int64 indices into A_log / dt_bias.
             mask: ``[B, T]`` 1 for real tokens, 0 for padding: padded positions get
-                ``g = beta = 0`` (an identity GDN step).
+                ``g = beta = 0`` (an identity GDN step), selected, so whatever the logits or
+                parameters give there (NaN, inf) is replaced.
 
         Returns:
             ``(g [B, T, hv] fp32 (float64 for float64 a), beta [B, T, hv] in b's dtype)``.
@@ -234,9 +246,10 @@ class GatedDeltaNet(nn.Module):
         gate_dtype = torch.promote_types(a.dtype, torch.float32)  # g is never half precision
         g = -a_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + dt_bias.to(gate_dtype))
         beta = torch.sigmoid(b)
-        if mask is not None:
-            g = g * mask[..., None].to(g.dtype)
-            beta = beta * mask[..., None].to(beta.dtype)
+        if mask is not None:  # select, never multiply: NaN * 0 = NaN (module docstring)
+            keep = _keep(mask)
+            g = torch.where(keep, g, 0.0)
+            beta = torch.where(keep, beta, 0.0)
         return g, beta
 
     def core(
@@ -261,18 +274,20 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """Gated norm and out projection: o, z ``[B, T, HV, V]`` -> ``[B, T, hidden]``.
 
-        ``mask`` ``[B, T]`` zeroes padded positions of the result.
+        ``mask`` ``[B, T]`` zeroes padded positions of the result (a select: exact zeros even
+        where ``o`` or ``z`` is NaN there).
         """
         batch, seq_len = o.shape[:2]
         out = self.out_proj(self.norm(o, z).reshape(batch, seq_len, self.value_dim))
-        return out if mask is None else out * mask[..., None].to(out.dtype)
+        return out if mask is None else torch.where(_keep(mask), out, 0.0)
 
     @staticmethod
     def mask_input(hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Zero padded positions of ``[B, T, hidden]`` (``mask`` ``[B, T]``, 1 = real)."""
+        """Zero padded positions of ``[B, T, hidden]`` (``mask`` ``[B, T]``, 1 = real): a
+        select, so a NaN or inf in a padded slot becomes an exact 0 (and gets gradient 0)."""
         if mask is None:
             return hidden_states
-        return hidden_states * mask[..., None].to(hidden_states.dtype)
+        return torch.where(_keep(mask), hidden_states, 0.0)
 
     # -- the layer --------------------------------------------------------------------------
     def forward(

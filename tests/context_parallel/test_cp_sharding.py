@@ -94,3 +94,34 @@ def test_sequence_length_errors_name_values() -> None:
     with pytest.raises(ValueError, match="'labels' has sequence length 15 along dim 1 but "
                                          "'tokens' has 16"):
         shard_batch({"tokens": torch.zeros(1, 16), "labels": torch.zeros(1, 15)}, 2, 0)
+
+
+@pytest.mark.parametrize("load_balance", ["zigzag", None])
+def test_out_of_range_seq_dim_raises_index_error(load_balance) -> None:
+    """An out-of-range ``seq_dim`` raises IndexError naming it and the tensor's ndim, as torch
+    does, instead of wrapping around (``seq_dim % ndim``) to another dim; negative dims within
+    range keep working."""
+    from overlap_runtime.context_parallel.sharding import gather_sequence
+
+    x = torch.arange(2 * 8 * 4).reshape(2, 8, 4)
+    msg = r"seq_dim=(3|-4|5) .*ndim 3"
+    for bad in (3, -4, 5):  # wrapped before: 3 -> 0, -4 -> 2, 5 -> 2
+        with pytest.raises(IndexError, match=msg):
+            shard_sequence(x, 2, 0, bad, load_balance)
+        with pytest.raises(IndexError, match=msg):
+            reorder_to_sequence(x, 2, bad, load_balance)
+        with pytest.raises(IndexError, match=msg):
+            reorder_to_shards(x, 2, bad, load_balance)
+        with pytest.raises(IndexError, match=msg):
+            unshard_sequence([x, x], bad, load_balance)
+        with pytest.raises(IndexError, match=msg):  # raised before any collective
+            gather_sequence(x, None, bad, load_balance)
+    # negative dims in range are the same dims as their positive forms
+    for r in range(2):
+        assert torch.equal(shard_sequence(x, 2, r, -2, load_balance),
+                           shard_sequence(x, 2, r, 1, load_balance))
+    assert torch.equal(reorder_to_shards(x, 2, -2, load_balance), reorder_to_shards(x, 2, 1, load_balance))
+    assert torch.equal(reorder_to_sequence(x, 2, -2, load_balance),
+                       reorder_to_sequence(x, 2, 1, load_balance))
+    assert torch.equal(unshard_sequence([shard_sequence(x, 2, r, -2, load_balance) for r in range(2)],
+                                        -2, load_balance), x)

@@ -113,3 +113,90 @@ def test_mixer_protocol_and_shape_errors() -> None:
         m(torch.randn(1, 8, 32), attention_mask=torch.ones(1, 7))
     with pytest.raises(ValueError, match=r"hidden_states must be \[B, T, hidden=32\], got \[1, 8, 16\]"):
         m(torch.randn(1, 8, 16))
+
+
+def _nan_padding_case(mask_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """B=2, T=150 (three chunks, the last partial): row 0 padded at its end and in two gaps (one
+    on a chunk boundary), row 1 left-padded. Returns (x with zeros at the pads, x with NaN /
+    +inf / -inf at the pads, mask of ``mask_dtype``)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 150, 32, generator=gen)
+    keep = torch.ones(2, 150, dtype=torch.bool)
+    keep[0, 10] = False
+    keep[0, 60:70] = False       # across the chunk boundary at 64
+    keep[0, 140:] = False
+    keep[1, :33] = False
+    pad = ~keep
+    x_zero = torch.where(pad[..., None], 0.0, x)
+    poison = torch.full_like(x, float("nan"))
+    poison[1, :5] = float("inf")
+    poison[1, 5:9] = -float("inf")
+    x_bad = torch.where(pad[..., None], poison, x)
+    return x_zero, x_bad, keep.to(mask_dtype)
+
+
+def _run(m: GatedDeltaNet, x: torch.Tensor, mask: torch.Tensor, w: torch.Tensor):
+    m.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(True)
+    y = m(xr, attention_mask=mask)
+    (y * w).sum().backward()
+    return y.detach(), xr.grad, {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool, torch.int64])
+def test_nan_in_padded_slots_changes_nothing(mask_dtype: torch.dtype) -> None:
+    """NaN / inf hidden states at padded positions (mask 0) give exactly the output, input
+    gradient and parameter gradients of the same sequence with zeros there: the masks select
+    (``torch.where``), they do not multiply (``NaN * 0 = NaN`` made every row from the first
+    padded NaN on NaN)."""
+    torch.manual_seed(3)
+    m = GatedDeltaNet(32, 2, 4, 8, 8)
+    with torch.no_grad():
+        m.A_log.uniform_(-5.0, -3.0)  # slow decay: a leaked NaN would travel far
+    x_zero, x_bad, mask = _nan_padding_case(mask_dtype)
+    w = torch.randn(2, 150, 32, generator=torch.Generator().manual_seed(6))
+    y0, dx0, g0 = _run(m, x_zero, mask, w)
+    y1, dx1, g1 = _run(m, x_bad, mask, w)
+    assert torch.isfinite(y0).all()
+    assert torch.equal(y1, y0), f"{(~torch.isfinite(y1)).any(-1).sum().item()} rows non-finite"
+    assert torch.equal(dx1, dx0)
+    for n in g0:
+        assert torch.equal(g1[n], g0[n]), n
+    pad = mask == 0
+    assert torch.count_nonzero(y1[pad]) == 0 and torch.count_nonzero(dx1[pad]) == 0
+
+
+def test_mask_pieces_select_not_multiply() -> None:
+    """Each place the layer applies the mask (input, the gates g and beta, the output) gives
+    exact zeros at padded positions whatever they hold (NaN, inf), and leaves real positions
+    bit for bit as they are."""
+    torch.manual_seed(4)
+    m = GatedDeltaNet(32, 2, 4, 8, 8)
+    mask = torch.ones(2, 12)
+    mask[0, 3] = 0
+    mask[1, :4] = 0
+    pad = mask == 0
+    nan = float("nan")
+
+    x = torch.randn(2, 12, 32)
+    x_bad = x.masked_fill(pad[..., None], nan)
+    xm = m.mask_input(x_bad, mask)
+    assert torch.equal(xm[pad], torch.zeros_like(xm[pad]))
+    assert torch.equal(xm[~pad], x[~pad])
+
+    a = torch.randn(2, 12, 4).masked_fill(pad[..., None], float("inf"))  # softplus(inf) = inf
+    b = torch.randn(2, 12, 4).masked_fill(pad[..., None], nan)
+    with torch.no_grad():
+        m.A_log[1] = nan  # a NaN parameter reaches real tokens too, but no padded one
+    g, beta = m.gates(a, b, mask=mask)
+    g_ref, beta_ref = m.gates(a, b)
+    assert torch.equal(g[pad], torch.zeros_like(g[pad])) and torch.equal(beta[pad], torch.zeros_like(beta[pad]))
+    assert torch.equal(g[~pad][:, [0, 2, 3]], g_ref[~pad][:, [0, 2, 3]])
+    assert torch.equal(beta[~pad], beta_ref[~pad])
+
+    o = torch.randn(2, 12, 4, 8).masked_fill(pad[..., None, None], nan)
+    z = torch.randn(2, 12, 4, 8)
+    out = m.finish(o, z, mask)
+    out_ref = m.finish(o, z)
+    assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+    assert torch.equal(out[~pad], out_ref[~pad])
