@@ -10,7 +10,8 @@ leaves orphans:
 * each child reports through its own pipe; the parent waits on pipes and process sentinels at
   once, so a child that raises, exits or crashes is seen at once;
 * on the first failure every other child is killed and :class:`RankFailedError` carries the
-  failing rank's traceback;
+  failing rank's traceback (``failure_grace_s`` first gives the others that long to end on their
+  own, and collects their errors: how a job fails, seen from every rank);
 * at the deadline the parent asks the survivors for their Python stacks (``faulthandler`` on
   SIGUSR1), kills them, and raises :class:`RanksTimeoutError` naming the ranks still running
   with their stacks;
@@ -51,15 +52,56 @@ DEFAULT_SPAWN_TIMEOUT_S = 300.0
 DEFAULT_STORE_HOST = "127.0.0.1"
 STORE_HOST_ENV = "OVERLAP_RUNTIME_STORE_HOST"
 _PR_SET_PDEATHSIG = 1
+_SETTLE_S = 1.0  # after a first failure, how long a death may take to be seen (see spawn)
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank ended badly.
+
+    Attributes:
+        rank: the rank.  exc_type: the exception's class name (None when the rank died without
+        a result).  message: ``str(exception)``, or how it died.  traceback: the rank's
+        traceback ("" when it died).  exit_code: the process's exit code when it died (negative:
+        killed by that signal).  after_s: seconds after the job's first failure that the parent
+        saw it (0 for the first).
+    """
+
+    rank: int
+    exc_type: str | None
+    message: str
+    traceback: str = ""
+    exit_code: int | None = None
+    after_s: float = 0.0
+
+    @property
+    def died(self) -> bool:
+        return self.exc_type is None
+
+    def summary(self) -> str:
+        """One line: ``rank 0 raised TrainStepError: <first line>`` / ``rank 2 ... died ...``."""
+        if self.died:
+            return self.message
+        first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+        return f"rank {self.rank} raised {self.exc_type}: {first}"
 
 
 class RankFailedError(RuntimeError):
-    """A rank raised or died; ``rank`` and ``child_traceback`` say which and where."""
+    """A rank raised or died; ``rank`` and ``child_traceback`` say which and where.
 
-    def __init__(self, rank: int, message: str, child_traceback: str = "") -> None:
+    ``failures`` holds every rank that failed before the job ended (the first one and, with
+    ``spawn(failure_grace_s=...)``, those that failed in the grace period after it), by rank;
+    ``unfinished`` the ranks still running when the job was killed.
+    """
+
+    def __init__(self, rank: int, message: str, child_traceback: str = "",
+                 failures: dict[int, RankFailure] | None = None,
+                 unfinished: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.rank = rank
         self.child_traceback = child_traceback
+        self.failures = dict(failures or {})
+        self.unfinished = list(unfinished)
 
 
 class RanksTimeoutError(TimeoutError):
@@ -287,6 +329,39 @@ def _context() -> Any:
     return _CTX
 
 
+def _rank_failed(failures: dict[int, RankFailure], results: dict[int, Any], world_size: int,
+                 grace_s: float) -> RankFailedError:
+    """The job's RankFailedError: the first failure's message and traceback, then (with a grace
+    period) one line per other rank: how it ended and when.
+
+    The head is the first failure, except that a rank that died without a result within
+    ``_SETTLE_S`` of it comes first: a death makes its peers fail within milliseconds (their
+    connections to it close), and the parent may read their errors before it sees the death."""
+    head = min(failures.values(),
+               key=lambda f: (not (f.died and f.after_s <= _SETTLE_S), f.after_s, f.rank))
+    if head.died:
+        message = head.message
+    else:
+        message = (f"rank {head.rank} of {world_size} raised {head.exc_type}: {head.message}\n"
+                   f"--- rank {head.rank} traceback ---\n{head.traceback}")
+    unfinished = sorted(set(range(world_size)) - set(failures) - set(results))
+    if grace_s > 0:
+        lines = []
+        for r in range(world_size):
+            if r == head.rank:
+                continue
+            if r in failures:
+                f = failures[r]
+                lines.append(f"  +{f.after_s:.2f}s {f.summary()}")
+            elif r in results:
+                lines.append(f"  rank {r} finished")
+            else:
+                lines.append(f"  rank {r} still running after the {grace_s:g}s grace: killed")
+        message += (f"\n--- the other ranks within {grace_s:g}s of rank {head.rank}'s failure ---\n"
+                    + "\n".join(lines))
+    return RankFailedError(head.rank, message, head.traceback, failures, unfinished)
+
+
 def _kill_all(procs: Sequence[Any], grace_s: float = 2.0) -> None:
     for p in procs:
         if p.is_alive():
@@ -369,6 +444,7 @@ def spawn(
     env: dict[str, str] | None = None,
     num_threads: int = 1,
     store_host: str | None = None,
+    failure_grace_s: float = 0.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
 
@@ -384,9 +460,16 @@ def spawn(
         store_host: address the rendezvous store listens on; default the environment variable
             ``OVERLAP_RUNTIME_STORE_HOST``, else ``127.0.0.1`` (loopback: no other machine can
             reach it). ``0.0.0.0`` or ``::`` listen on every interface.
+        failure_grace_s: after the first rank fails, how long the others may take to end on
+            their own (their own errors, e.g. a peer-failure or timeout naming what they waited
+            for, are collected in ``RankFailedError.failures``) before every rank still running
+            is killed. 0 (default): kill at once once a rank died, else after at most 1 s (a
+            rank's death and its peers' "connection closed" errors race to the parent; the
+            death is reported as the failure).
 
     Raises:
-        RankFailedError: a rank raised (its traceback is in the message) or died.
+        RankFailedError: a rank raised (its traceback is in the message) or died; with a grace
+            period the message ends with one line per other rank.
         RanksTimeoutError: ranks were still running after ``timeout_s`` (named, with stacks).
         ValueError: a bad argument (named), e.g. a ``store_host`` that does not resolve.
     """
@@ -394,6 +477,8 @@ def spawn(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if not failure_grace_s >= 0:
+        raise ValueError(f"failure_grace_s must be >= 0, got {failure_grace_s}")
     be = backend or backend_for(device)
     ctx = _context()
     store, store_addr = _host_store(
@@ -422,10 +507,30 @@ def spawn(
             procs.append(p)
             conns[parent_conn] = r
         results: dict[int, Any] = {}
+        failures: dict[int, RankFailure] = {}
+        first: list[float] = []  # monotonic time of the first failure, once there is one
         sentinels = {p.sentinel: r for r, p in enumerate(procs)}
         deadline = time.monotonic() + timeout_s
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
+
+        def failed(r: int, exc_type: str | None, message: str, tb: str = "") -> None:
+            now = time.monotonic()
+            if not first:
+                first.append(now)
+            failures[r] = RankFailure(r, exc_type, message, tb, procs[r].exitcode,
+                                      round(now - first[0], 3))
+
+        # After the first failure the others get failure_grace_s to end on their own, and at least
+        # _SETTLE_S: a rank that dies makes its peers fail within milliseconds, and the parent may
+        # read one of their errors before it sees the death, which is the root (_rank_failed).
+        after_first = max(failure_grace_s, _SETTLE_S)
+        while len(results) + len(failures) < world_size:
+            now = time.monotonic()
+            if first:
+                remaining = min(deadline, first[0] + after_first) - now
+                if remaining <= 0:
+                    break
+            else:
+                remaining = deadline - now
             if remaining <= 0:
                 running = sorted(set(range(world_size)) - set(results))
                 stacks = {}
@@ -454,30 +559,30 @@ def spawn(
                         kind, payload = obj.recv()
                     except EOFError:
                         procs[r].join(2.0)
-                        _kill_all(procs)
-                        raise RankFailedError(r, _death_message(r, world_size, procs[r].exitcode)) from None
+                        failed(r, None, _death_message(r, world_size, procs[r].exitcode))
+                        continue
                     if kind == "error":
-                        _kill_all(procs)
                         exc_type, exc_msg, tb = payload
-                        raise RankFailedError(
-                            r,
-                            f"rank {r} of {world_size} raised {exc_type}: {exc_msg}\n"
-                            f"--- rank {r} traceback ---\n{tb}",
-                            tb,
-                        )
+                        failed(r, exc_type, exc_msg, tb)
+                        continue
                     results[r] = torch.load(io.BytesIO(payload), weights_only=False)
                 elif obj in sentinels:
                     r = sentinels.pop(obj)
                     procs[r].join(0.1)
-                    if r not in results and not any(c_r == r for c_r in conns.values()):
+                    if r in results or r in failures or not any(c_r == r for c_r in conns.values()):
                         continue
-                    if r not in results:
-                        # Give the pipe a moment: the result may be in flight behind the exit.
-                        c = next(c for c, c_r in conns.items() if c_r == r)
-                        if c.poll(1.0):
-                            continue
-                        _kill_all(procs)
-                        raise RankFailedError(r, _death_message(r, world_size, procs[r].exitcode))
+                    # Give the pipe a moment: the result may be in flight behind the exit.
+                    c = next(c for c, c_r in conns.items() if c_r == r)
+                    if c.poll(1.0):
+                        continue
+                    del conns[c]
+                    c.close()
+                    failed(r, None, _death_message(r, world_size, procs[r].exitcode))
+            if first and failure_grace_s <= 0 and any(f.died for f in failures.values()):
+                break
+        if failures:
+            _kill_all(procs)
+            raise _rank_failed(failures, results, world_size, failure_grace_s)
         return [results[r] for r in range(world_size)]
     finally:
         _kill_all(procs)

@@ -3,7 +3,9 @@
 ``run_ranks(fn, world_size)`` spawns ``world_size`` CPU ranks on gloo, runs
 ``fn(rank, world_size, *args)`` on each and returns their results in rank order. A rank that
 raises fails the test with its traceback; a hang fails it at ``timeout_s`` naming the ranks still
-running (with their Python stacks); every child is killed either way.
+running (with their Python stacks); every child is killed either way. ``failure_grace_s`` lets
+the other ranks end on their own for that long after the first failure, so a test can read every
+rank's error in ``RankFailedError.failures``.
 
 ``rel_l2(a, b)`` is the project's accuracy measure, ``||a - b|| / ||b||`` in float64.
 """
@@ -14,11 +16,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from overlap_runtime.launch import RankFailedError, RanksTimeoutError, spawn
+from overlap_runtime.launch import RankFailedError, RankFailure, RanksTimeoutError, spawn
 
 DEFAULT_TEST_TIMEOUT_S = 120.0
 
-__all__ = ["run_ranks", "rel_l2", "assert_close_rel", "RankFailedError", "RanksTimeoutError"]
+__all__ = ["run_ranks", "rel_l2", "assert_close_rel", "RankFailedError", "RankFailure",
+           "RanksTimeoutError"]
 
 
 def run_ranks(
@@ -27,9 +30,11 @@ def run_ranks(
     timeout_s: float = DEFAULT_TEST_TIMEOUT_S,
     args: Sequence[Any] = (),
     env: dict[str, str] | None = None,
+    failure_grace_s: float = 0.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo CPU ranks; see module doc."""
-    return spawn(fn, world_size, args=args, backend="gloo", device="cpu", timeout_s=timeout_s, env=env)
+    return spawn(fn, world_size, args=args, backend="gloo", device="cpu", timeout_s=timeout_s,
+                 env=env, failure_grace_s=failure_grace_s)
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -106,6 +106,50 @@ def test_a_rank_that_dies_is_reported_with_its_exit_code() -> None:
     assert "exit code 3" in str(info.value)
 
 
+def _fail_in_turn(rank: int, world: int) -> str:
+    if rank == 0:
+        raise ValueError("rank 0 first")
+    if rank == 1:
+        time.sleep(1.5)  # after the 1 s that spawn always waits for a death
+        raise KeyError("rank 1 after it")
+    if rank == 2:
+        time.sleep(0.2)
+        return "rank 2 finished"
+    time.sleep(60)  # rank 3 never ends on its own
+    return "never"
+
+
+def test_failure_grace_collects_the_other_ranks_errors_then_kills_the_rest() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_fail_in_turn, 4, timeout_s=60, failure_grace_s=3.0)
+    err, wall = info.value, time.monotonic() - t0
+    assert err.rank == 0 and sorted(err.failures) == [0, 1] and err.unfinished == [3], str(err)
+    assert err.failures[0].exc_type == "ValueError" and err.failures[0].after_s == 0
+    assert err.failures[1].exc_type == "KeyError" and 1.0 < err.failures[1].after_s < 3.0
+    msg = str(err)
+    assert msg.startswith("rank 0 of 4 raised ValueError: rank 0 first")
+    assert "--- the other ranks within 3s of rank 0's failure ---" in msg
+    assert "rank 1 raised KeyError: 'rank 1 after it'" in msg and "rank 2 finished" in msg
+    assert "rank 3 still running after the 3s grace: killed" in msg
+    assert wall < 20
+
+
+def _raise_then_die(rank: int, world: int) -> None:
+    if rank == 0:  # e.g. "connection closed" at a peer that died: seen first, but a consequence
+        raise RuntimeError("peer closed the connection")
+    time.sleep(0.2)
+    os._exit(5)
+
+
+def test_a_death_right_after_another_failure_is_reported_as_the_failure() -> None:
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_raise_then_die, 2, timeout_s=60)
+    assert info.value.rank == 1 and info.value.failures[1].died, str(info.value)
+    assert str(info.value).startswith("rank 1 of 2 died with exit code 5")
+    assert info.value.failures[0].exc_type == "RuntimeError"
+
+
 def _ctx_from_env(rank: int, world: int) -> tuple[int, int, int, str]:
     ctx = init_from_env(device="cpu")  # already initialised by spawn: must just describe it
     return ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend

@@ -273,8 +273,15 @@ class HookCoordinator:
             self.condition.notify_all()
 
     def fail(self, side: Side, error: BaseException) -> bool:
-        """Record ``side``'s exception and wake the peer; True when it is the run's first."""
+        """Record ``side``'s exception and wake the peer; True when it is the run's first.
+
+        Called in the failing thread: the all-to-alls whose launch lock it still holds (a
+        reverse all-to-all that raised) are added to ``error`` as notes, naming the tag and the
+        group's global ranks."""
         side = Side(side)
+        for launch in self.serializer.held_by(threading.get_ident()):
+            error.add_note(f"[overlap_runtime] the {side.value} thread failed with {launch} "
+                           f"in flight")
         with self.condition:
             first = self._state.failure is None
             if first:

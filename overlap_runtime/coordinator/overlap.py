@@ -45,6 +45,7 @@ import torch
 from overlap_runtime.coordinator.coordinator import HookCoordinator, Side
 from overlap_runtime.coordinator.errors import (
     CoordinatorAborted,
+    CoordinatorError,
     CoordinatorProtocolError,
     CoordinatorTimeout,
     WaitSite,
@@ -129,6 +130,22 @@ def _serve_one_job(state: _WorkerState) -> bool:
             state.job = None
             state.cond.notify_all()
     return True
+
+
+def _in_chain(err: BaseException, cls: type[BaseException]) -> bool:
+    """``err`` is a ``cls``, or wraps one through ``__cause__`` (e.g. a pipeline action error)."""
+    seen = 0
+    cur: BaseException | None = err
+    while cur is not None and seen < 16:
+        if isinstance(cur, cls):
+            return True
+        cur, seen = cur.__cause__, seen + 1
+    return False
+
+
+def _is_abort(err: BaseException) -> bool:
+    """``err`` is (or wraps) the induced CoordinatorAborted."""
+    return _in_chain(err, CoordinatorAborted)
 
 
 class CommComputeOverlap:
@@ -275,12 +292,20 @@ class CommComputeOverlap:
             side, primary = failure
         else:  # e.g. the join timeout, recorded after the run's first failure
             side, primary = next(iter(errors.items()))
+        if _in_chain(primary, CoordinatorTimeout):
+            # A side that ran out of time waiting for the token or a hand-over waited for the
+            # other side; if that side failed on its own (e.g. a receive or an all-to-all that
+            # timed out), its error is the cause, whichever of the two deadlines passed first.
+            for other_side, err in errors.items():
+                if err is not primary and not _in_chain(err, CoordinatorError):
+                    side, primary = other_side, err
+                    break
         thread = (threading.current_thread().name if side == "forward"
                   else (self._thread.name if self._thread else "?"))
         primary.add_note(f"[overlap_runtime] raised in the {side} thread {thread!r} of "
                          f"CommComputeOverlap run {run}")
         for other_side, err in errors.items():
-            if err is primary or isinstance(err, CoordinatorAborted):
+            if err is primary or _is_abort(err):
                 continue
             primary.add_note(f"[overlap_runtime] the {other_side} thread also raised "
                              f"{type(err).__name__}: {str(err).splitlines()[0]}")

@@ -121,6 +121,22 @@ def _group_label(group: dist.ProcessGroup | None) -> str:
     return str(getattr(group, "group_name", None) or f"group@{id(group):x}")
 
 
+def _group_ranks(key: Any) -> str:
+    """The global ranks of a group key, for error messages (``?`` when unknown)."""
+    try:
+        if key == "default":
+            return str(list(range(dist.get_world_size())))
+        return str(dist.get_process_group_ranks(key))
+    except Exception:  # noqa: BLE001 - only a message; the group may be gone
+        return "?"
+
+
+def describe_launch(ticket: _Ticket) -> str:
+    """``all-to-all 'S3.L1.combine' (backward) on group '2' (global ranks [2, 3])``."""
+    return (f"all-to-all {ticket.tag!r} ({ticket.direction}) on group {ticket.label!r} "
+            f"(global ranks {_group_ranks(ticket.key)})")
+
+
 class CommSerializer:
     """Per-group launch lock and (in debug mode) launch log; see the module doc.
 
@@ -190,6 +206,13 @@ class CommSerializer:
         with self._guard.condition:
             self._holders.clear()
             self._guard.condition.notify_all()
+
+    def held_by(self, thread_ident: int) -> list[str]:
+        """Descriptions of the launches whose lock ``thread_ident`` holds (in flight, or failed
+        before their release: a reverse all-to-all that raised never reaches it)."""
+        with self._guard.condition:
+            tickets = [t for t in self._holders.values() if t.thread_ident == thread_ident]
+        return [describe_launch(t) for t in tickets]
 
     def in_flight(self, group: dist.ProcessGroup | None = None) -> str | None:
         """Description of the launch holding ``group``'s lock, or None."""
@@ -281,9 +304,14 @@ class SerializedHandle:
         return self._handle.completed
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Complete the all-to-all (bounded) and release the lock, even if the wait raises."""
+        """Complete the all-to-all (bounded) and release the lock, even if the wait raises (a
+        failed wait gets a note naming the launch and the group's ranks)."""
         try:
             self._handle.wait(timeout_s)
+        except (comm.CommTimeoutError, comm.CommFailedError) as exc:
+            if self._ticket is not None:
+                exc.add_note(f"[overlap_runtime] waiting for {describe_launch(self._ticket)}")
+            raise
         finally:
             ticket, self._ticket = self._ticket, None
             self._serializer.release(ticket)

@@ -2,7 +2,8 @@
 and split backward), ``PipelineSchedule.step`` (executes this rank's lowered program over
 torch.distributed), the public ``ActionContext`` that the built-in executor and user callbacks
 (``register_custom_function``) share, the deferred-W queue, the execution trace and the
-saved-activation meter.
+saved-activation meter, and the step's errors (``PipelineError``: ``PipelineTimeout``,
+``PipelinePeerFailed``, ``PipelineActionError``, each with its ``ActionSite``).
 
 May import: torch (``torch.distributed`` included), ``overlap_runtime.schedules`` (the pure IR,
 spec and compiler whose output it runs), ``overlap_runtime.graph`` and ``overlap_runtime.ops``.
@@ -27,7 +28,11 @@ _EXPORTS = {
     "ScheduleInterleaved1F1B": "schedule",
     "ActionContext": "context",
     "ActionFn": "context",
-    "PipelineTimeout": "context",
+    "ActionSite": "errors",
+    "PipelineActionError": "errors",
+    "PipelineError": "errors",
+    "PipelinePeerFailed": "errors",
+    "PipelineTimeout": "errors",
     "DeferredLinear": "deferred_w",
     "DeferredWQueue": "deferred_w",
     "FlushWhileWaiting": "flush",
@@ -45,7 +50,9 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .context import ActionContext, ActionFn, PipelineTimeout
+    from .context import ActionContext, ActionFn
+    from .errors import (ActionSite, PipelineActionError, PipelineError, PipelinePeerFailed,
+                         PipelineTimeout)
     from .deferred_w import DeferredLinear, DeferredWQueue
     from .exec_trace import ExecutionTrace, gather_traces, measured_bubble, write_execution_trace
     from .flush import FlushWhileWaiting

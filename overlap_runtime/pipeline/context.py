@@ -19,8 +19,11 @@ point-to-point (bounded by the schedule's timeout; a stall raises :class:`Pipeli
     ``ctx.recv_completed(kind, stage, mb)``  poll: True / False (in flight) / None (not posted)
     ``ctx.input_recv(action)``   the receive a compute action consumes, or None
     ``ctx.send(action, wait=False)``  send SEND_F/SEND_B's tensor; ``wait_sends()`` waits all
-tracing and position
+tracing, position and failures
     ``ctx.span(name, cat)``, ``ctx.step_index``, ``ctx.current_action``
+    ``ctx.site(action=None)``     where this thread is (:class:`~.errors.ActionSite`)
+    ``ctx.action_error(exc, action=None)``  ``exc`` as a :class:`~.errors.PipelineActionError`
+    ``ctx.comm_error(exc, action, peer)``  a failed SEND/RECV as a timeout or peer failure
 
 Data: ``ctx.stages`` (this rank's stages by index), ``ctx.inputs[m]`` / ``ctx.targets[m]``
 (microbatch inputs and targets), ``ctx.losses`` / ``ctx.outputs`` (last stage, by microbatch).
@@ -29,6 +32,13 @@ Per-step state (received buffers, pending sends, local hand-offs) lives here, cr
 every step; nothing per call is kept on the schedule or the stages beyond each stage's
 per-microbatch autograd state. ``ctx.run`` may be called from a second thread (a compound
 step's other side); the bookkeeping dicts are guarded by a lock.
+
+Failures name their place (:mod:`.errors`): a pipeline wait that runs out raises
+:class:`PipelineTimeout`, one that fails early (the peer died) :class:`PipelinePeerFailed`, and
+anything else raised inside ``ctx.run(action)`` leaves it as a :class:`PipelineActionError` whose
+site is that action (the innermost one: a compound step's sub-action, with its side and thread),
+with the original exception chained. The action running in each thread is kept in a
+thread-local of the step's context, never on a module.
 """
 
 from __future__ import annotations
@@ -42,9 +52,11 @@ import torch
 import torch.distributed as dist
 
 from overlap_runtime.ops import comm
-from overlap_runtime.ops.comm import AsyncHandle, CommTimeoutError
+from overlap_runtime.ops.comm import AsyncHandle, CommFailedError, CommTimeoutError
 from overlap_runtime.schedules.ir import Action, ActionKind
 
+from .errors import (ActionSite, PipelineActionError, PipelineError, PipelinePeerFailed,
+                     PipelineTimeout, side_of)
 from .exec_trace import ExecutionTrace
 from .stage import PipelineStage
 from .tensor_meta import TensorMeta
@@ -53,18 +65,11 @@ if TYPE_CHECKING:
     from .schedule import PipelineSchedule
 
 __all__ = ["ActionContext", "ActionFn", "PipelineTimeout", "message_tag", "META_TAG"]
+# PipelineTimeout lives in .errors (with the other step errors); re-exported here as before.
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _RECV = (ActionKind.RECV_F, ActionKind.RECV_B)
 _SEND = (ActionKind.SEND_F, ActionKind.SEND_B)
-
-
-class PipelineTimeout(TimeoutError):
-    """A pipeline wait passed its timeout; names rank, step, action and peer, with the grid."""
-
-    def __init__(self, message: str, rank: int, step_index: int, action: str, peer: int | None):
-        super().__init__(message)
-        self.rank, self.step_index, self.action, self.peer = rank, step_index, action, peer
 
 
 META_TAG = 2**30 - 1  # the one-time metadata headers
@@ -109,6 +114,8 @@ class ActionContext:
     _slots: dict[tuple[ActionKind, int, int], _Slot] = field(default_factory=dict, repr=False)
     _sends: list[tuple[AsyncHandle, Action, int]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # the action ``run`` is executing in each thread (for the site of an error)
+    _running: threading.local = field(default_factory=threading.local, repr=False)
 
     # ------------------------------------------------------------------ tracing
     def span(self, name: "str | Action", cat: str) -> Any:
@@ -122,12 +129,26 @@ class ActionContext:
     # ------------------------------------------------------------------ compute
     def run(self, action: Action) -> None:
         """Run a compute action (F/B/I/W, or a compound step) through the function registered
-        for its kind, else the standard way (:meth:`run_default`). Thread-safe."""
-        fn = self.schedule.custom_functions.get(action.kind)
-        if fn is not None:
-            fn(action, self)
-        else:
-            self.run_default(action)
+        for its kind, else the standard way (:meth:`run_default`). Thread-safe.
+
+        An exception other than a :class:`PipelineError` leaves as a
+        :class:`PipelineActionError` naming ``action`` (its site: rank, program step, stage,
+        microbatch, compound step and side, thread), the original chained as ``__cause__``.
+        """
+        prev = getattr(self._running, "action", None)
+        self._running.action = action
+        try:
+            fn = self.schedule.custom_functions.get(action.kind)
+            if fn is not None:
+                fn(action, self)
+            else:
+                self.run_default(action)
+        except PipelineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - wrapped with its site, cause chained
+            raise self.action_error(exc, action) from exc
+        finally:
+            self._running.action = prev
 
     def run_default(self, action: Action) -> None:
         """The built-in behaviour, ignoring registered functions: a compound step runs its
@@ -255,8 +276,11 @@ class ActionContext:
         with self._lock:
             if key in self._slots:
                 raise RuntimeError(f"rank {self.rank}: {action} was posted twice in one step")
-        handle = comm.irecv(buf, peer, self.schedule.group, tag=self._tag(action),
-                            timeout_s=self.schedule.timeout_s, what=str(action))
+        try:
+            handle = comm.irecv(buf, peer, self.schedule.group, tag=self._tag(action),
+                                timeout_s=self.schedule.timeout_s, what=str(action))
+        except RuntimeError as exc:  # gloo refuses to post on a pair a dead peer closed
+            raise self.comm_error(exc, action, peer) from exc
         with self._lock:
             self._slots[key] = _Slot(buf, handle, peer, action)
 
@@ -305,8 +329,11 @@ class ActionContext:
                              f"the receiver expects {expect}")
         peer = self.peer(action)
         # The handle keeps the sent payload alive until waited (``AsyncHandle.keep_alive``).
-        handle = comm.isend(tensor, peer, self.schedule.group, tag=self._tag(action),
-                            timeout_s=self.schedule.timeout_s, what=str(action))
+        try:
+            handle = comm.isend(tensor, peer, self.schedule.group, tag=self._tag(action),
+                                timeout_s=self.schedule.timeout_s, what=str(action))
+        except RuntimeError as exc:  # gloo refuses to post on a pair a dead peer closed
+            raise self.comm_error(exc, action, peer) from exc
         if wait:
             self._wait(handle, action, peer)
         else:
@@ -323,6 +350,46 @@ class ActionContext:
             self._wait(handle, action, peer)
             if self.trace is not None:
                 self.trace.record(f"wait {action}", "comm", t0, time.time_ns())
+
+    # ------------------------------------------------------------------ failures
+    def site(self, action: Action | None = None) -> ActionSite:
+        """Where this thread is in the step: ``action`` (default: the action :meth:`run` is
+        executing in this thread, else the program's current action), the program position,
+        the compound step and side, the thread."""
+        program_action = self.current_action
+        act = action if action is not None else getattr(self._running, "action", None)
+        if act is None:
+            act = program_action
+        side = None
+        if program_action is not None and program_action.is_compound and act is not None \
+                and act != program_action:
+            side = side_of(act.kind.value)
+        name = str(act) if act is not None else "(no action)"
+        return ActionSite(
+            rank=self.schedule.global_rank, group_rank=self.rank, step_index=self.step_index,
+            program_length=len(self.schedule.program), action=name,
+            program_action=str(program_action) if program_action is not None else name,
+            stage=act.stage if act is not None else None,
+            microbatch=act.microbatch if act is not None else None,
+            side=side, thread=threading.current_thread().name)
+
+    def action_error(self, exc: BaseException, action: Action | None = None) -> PipelineActionError:
+        """``exc`` as a :class:`PipelineActionError` at :meth:`site` (``raise ... from exc``)."""
+        return PipelineActionError(self.site(action), exc)
+
+    def comm_error(self, exc: BaseException, waited: Action, peer: int) -> PipelineError:
+        """A failed post or wait of ``waited`` (a SEND/RECV with group rank ``peer``) as a
+        :class:`PipelineTimeout` (``exc`` a CommTimeoutError) or :class:`PipelinePeerFailed`."""
+        site = self.site()
+        gpeer = comm.global_rank(self.schedule.group, peer)
+        at = f"{site.who()}: {site.where()}, waiting for {waited} " \
+             f"{'from' if waited.kind in _RECV else 'to'} rank {gpeer}"
+        if isinstance(exc, CommTimeoutError):
+            mark = (self.rank, min(self.step_index, len(self.schedule.program) - 1))
+            return PipelineTimeout(f"pipeline timeout after {self.schedule.timeout_s:.1f}s on "
+                                   f"{at} ({exc})\n{self.schedule.grid(mark)}",
+                                   site, gpeer, str(waited))
+        return PipelinePeerFailed(f"pipeline peer failed: {at}: {exc}", site, gpeer, str(waited))
 
     # ------------------------------------------------------------------ internals
     def _compute_key(self, action: Action, kinds: tuple[ActionKind, ...]) -> tuple[int, int]:
@@ -347,11 +414,11 @@ class ActionContext:
         return message_tag(action.kind, action.stage, action.microbatch,  # type: ignore[arg-type]
                            spec.num_stages, spec.num_microbatches)
 
-    def _wait(self, handle: AsyncHandle, action: Action, peer: int | None) -> None:
+    def _wait(self, handle: AsyncHandle, action: Action, peer: int) -> None:
         try:
             handle.wait()
-        except CommTimeoutError as exc:
-            raise self.schedule.timeout_error(self.rank, self.step_index, action, peer, exc) from exc
+        except (CommTimeoutError, CommFailedError) as exc:
+            raise self.comm_error(exc, action, peer) from exc
 
 
 class _NullSpan:

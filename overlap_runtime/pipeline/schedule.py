@@ -16,7 +16,9 @@ Point-to-point, two modes (``spec.overlap_p2p``):
   for every peer we post its receives up to, not past, its next send that has not been issued.
 
 Every wait is bounded by ``timeout_s``; a stall raises :class:`PipelineTimeout` naming the rank,
-step index, action and peer, with the rank x step grid.
+step index, action and peer, with the rank x step grid; a wait that fails early (the peer died)
+raises :class:`PipelinePeerFailed`; anything else raised inside an action leaves ``step`` as a
+:class:`PipelineActionError` naming the action (see :mod:`.errors`).
 
 Custom functions: ``register_custom_function(kind, fn)`` for F, B, I, W, OVERLAP_B_F and
 OVERLAP_F_B; ``fn(action, ctx)`` with ``ctx`` an :class:`ActionContext`. Without one, a compound
@@ -27,6 +29,7 @@ step runs its sub-actions in order. The executor below drives the step through t
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,12 +37,13 @@ import torch.distributed as dist
 
 from overlap_runtime.graph.grid import format_grid
 from overlap_runtime.ops import comm
-from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S, CommTimeoutError
+from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S, CommFailedError, CommTimeoutError
 from overlap_runtime.schedules.compile import compile_spec
 from overlap_runtime.schedules.ir import Action, ActionKind
 from overlap_runtime.schedules.spec import ScheduleSpec
 
-from .context import META_TAG, ActionContext, ActionFn, PipelineTimeout
+from .context import META_TAG, ActionContext, ActionFn
+from .errors import ActionSite, PipelineError, PipelinePeerFailed, PipelineTimeout
 from .exec_trace import ExecutionTrace
 from .stage import PipelineStage
 from .tensor_meta import HEADER_LEN, TensorMeta, decode_meta, encode_meta
@@ -78,6 +82,7 @@ class PipelineSchedule:
         self.loss_scale = 1.0 / spec.num_microbatches if scale_grads else 1.0
         self.custom_functions: dict[ActionKind, ActionFn] = {}
         self.rank = dist.get_rank(group)
+        self.global_rank = dist.get_rank()
         world = dist.get_world_size(group)
         if world != spec.pp_size:
             raise ValueError(f"the pipeline group has {world} ranks but spec.pp_size is {spec.pp_size}")
@@ -113,14 +118,6 @@ class PipelineSchedule:
                     for r, acts in self.compiled.lowered.items()}
         return format_grid(programs, {mark} if mark else set())
 
-    def timeout_error(self, rank: int, step_index: int, action: Action, peer: int | None,
-                      cause: Exception) -> PipelineTimeout:
-        peer_txt = f", waiting for rank {peer}" if peer is not None else ""
-        return PipelineTimeout(
-            f"pipeline timeout after {self.timeout_s:.1f}s on rank {rank} at step {step_index}: "
-            f"{action}{peer_txt} ({cause})\n{self.grid((rank, step_index))}",
-            rank, step_index, str(action), peer)
-
     def step(self, *inputs: torch.Tensor, target: Any = None,
              losses: list[torch.Tensor] | None = None,
              trace: ExecutionTrace | None = None) -> torch.Tensor | None:
@@ -154,6 +151,7 @@ class PipelineSchedule:
         ctx = ActionContext(self, self.rank, self.stages, mb_inputs, mb_targets, {}, trace)
         try:
             self._execute(ctx)
+            ctx.step_index, ctx.current_action = len(self.program), None  # the end of the step
             # W tasks still pending (B's whose dW a flush callback deferred) finish the step
             for queue in {id(st.deferred_w): st.deferred_w for st in self.stages.values()
                           if st.deferred_w is not None}.values():
@@ -161,9 +159,12 @@ class PipelineSchedule:
                     with ctx.span("W drain", "compute"):
                         queue.drain(during="end of step", step=len(self.program))
             ctx.wait_sends()
-        except BaseException:
+        except BaseException as exc:
             for st in self.stages.values():
                 st.clear()
+            if isinstance(exc, Exception) and not isinstance(exc, PipelineError):
+                # raised by the executor itself (a send, a receive post): named at its action
+                raise ctx.action_error(exc) from exc
             raise
         leftover = {s: sorted(st.microbatches) for s, st in self.stages.items() if st.microbatches}
         if leftover:
@@ -262,9 +263,14 @@ class PipelineSchedule:
         try:
             # On cuda/npu the wait is device-side; ``header.cpu()`` in the caller then synchronises.
             post(t, peer, self.group, tag=META_TAG, timeout_s=self.timeout_s, what=what).wait()
-        except CommTimeoutError as exc:
-            raise PipelineTimeout(f"pipeline timeout on rank {self.rank}: {what} ({op} with rank "
-                                  f"{peer}): {exc}", self.rank, -1, what, peer) from exc
+        except (CommTimeoutError, CommFailedError) as exc:
+            site = ActionSite(self.global_rank, self.rank, -1, len(self.program), what, what,
+                              None, None, None, threading.current_thread().name)
+            gpeer = comm.global_rank(self.group, peer)
+            cls = PipelineTimeout if isinstance(exc, CommTimeoutError) else PipelinePeerFailed
+            kind = "pipeline timeout" if cls is PipelineTimeout else "pipeline peer failed"
+            raise cls(f"{kind} on {site.who()}: {what} ({op} with rank {gpeer}): {exc}", site,
+                      gpeer, what) from exc
 
 
 def _split_inputs(inputs: Sequence[torch.Tensor], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:

@@ -41,6 +41,7 @@ from overlap_runtime.models.parallelize import parameter_count
 from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.config import ConfigError, TrainConfig, config_from_dict
 from overlap_runtime.trainer.data import Batch, TextDataset
+from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
 from overlap_runtime.trainer.grad_norm import clip_grad_norm
 
@@ -308,8 +309,9 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
         platform.synchronize(device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        share = step_fn(batch)
-        grad_norm = norm_fn()
+        with step_context(step + 1):  # a failure names rank, step, stage, action (errors.py)
+            share = step_fn(batch)
+            grad_norm = norm_fn()
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -9,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap_runtime.pipeline import (ExecutionTrace, PipelineSchedule, PipelineStage,
-                                      Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                      gather_traces, measured_bubble, write_execution_trace)
+from overlap_runtime.pipeline import (ExecutionTrace, PipelineActionError, PipelineSchedule,
+                                      PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                      ScheduleInterleaved1F1B, gather_traces, measured_bubble,
+                                      write_execution_trace)
 from overlap_runtime.schedules import ActionKind, ScheduleSpec
 from overlap_runtime.testing import RankFailedError, rel_l2, run_ranks
 
@@ -135,6 +137,8 @@ def test_a_rank_that_raises_mid_step_fails_the_job_fast() -> None:
     with pytest.raises(RankFailedError, match="stage failure on purpose") as info:
         run_ranks(_raises_mid_step, 2, timeout_s=60)
     assert info.value.rank == 1 and time.monotonic() - t0 < 30
+    assert str(info.value).startswith("rank 1 of 2 raised PipelineActionError: rank 1 (pipeline "
+                                      "rank 1): stage 1, action 1F2 (thread 'MainThread')")
 
 
 def _stalled_peer(rank: int, world: int) -> str:
@@ -153,7 +157,10 @@ def test_a_stalled_peer_becomes_a_pipeline_timeout_naming_rank_step_action_peer(
         run_ranks(_stalled_peer, 2, timeout_s=60)
     msg = str(info.value)
     assert info.value.rank == 0
-    assert "PipelineTimeout" in msg and "on rank 0 at step" in msg and "waiting for rank 1" in msg
+    assert "raised PipelineTimeout: pipeline timeout after 1.5s on rank 0 (pipeline rank 0): " \
+           "stage 0, action 0" in msg
+    assert re.search(r"schedule step \d+ of 16, waiting for 0(SEND|RECV)_[FB]\d (to|from) rank 1 ",
+                     msg), msg
     assert "<-- here" in msg  # the grid with the stalled step marked
 
 
@@ -208,8 +215,10 @@ def _shape_mismatch(rank: int, world: int) -> str:
     # second step with a wider batch: microbatch activations no longer match the agreed shape
     try:
         sched.step(torch.zeros(2 * BATCH, HIDDEN), target=torch.zeros(2 * BATCH, HIDDEN))
-    except ValueError as exc:
-        return f"ValueError: {exc}"
+    except PipelineActionError as exc:  # raised in 0F0: the original is the cause
+        assert isinstance(exc.cause, ValueError) and exc.__cause__ is exc.cause
+        assert exc.site.action == "0F0" and exc.site.stage == 0, exc.site
+        return f"ValueError: {exc.cause}"
     except (RuntimeError, TimeoutError) as exc:  # the receiver: its peer stopped
         return f"peer failed: {type(exc).__name__}"
     return "NO ERROR"
