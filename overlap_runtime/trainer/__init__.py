@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "build_parallel_model": "build",
     "ParallelDims": "parallel_dims",
     "PipelineConfig": "config",
+    "TrainStepError": "errors",
     "compare_runs": "loop",
     "format_step": "loop",
     "spawn_training": "loop",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from .build import build_model, build_parallel_model
     from .parallel_dims import ParallelDims
     from .config import PipelineConfig
+    from .errors import TrainStepError
     from .loop import (
         StepMetrics,
         TrainResult,
