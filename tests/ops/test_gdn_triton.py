@@ -36,7 +36,7 @@ def _run_case(case: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, str(HERE / "_gdn_triton_cases.py"), case], env=env,
-                          capture_output=True, text=True, timeout=240, cwd=str(HERE))
+                          capture_output=True, text=True, timeout=480, cwd=str(HERE))
     assert proc.returncode == 0, f"case {case} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, gate_gap, gate_split, mm, mma
+from .common import autotune_configs, gate_floored, mm, mma
 
 __all__ = ["dqkwg_kernel", "wy_kkt_bwd_kernel"]
 
@@ -78,26 +78,26 @@ def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, 
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
-    hi, lo = gate_split(tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0))
+    # padded tokens (t >= T) take the last token's gamma: every exponent below stays <= 0 (with
+    # gamma 0 there, 0 - gamma_j overflowed to inf once a partial chunk's gates summed below
+    # -88, and inf * 0 = NaN reached dk)
+    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, T - 1)) * HV + i_hv)
     last = tl.minimum(t0 + BT, T) - 1
-    hi_c, lo_c = gate_split(tl.load(gamma + (i_b * T + last) * HV + i_hv))
-    # padded tokens (t >= T) load gamma 0: keep them out of the exponents, where 0 - gamma_j
-    # would overflow to inf (and inf * 0 = NaN) once the chunk's gates sum below -88
-    valid = m_t[:, None] & m_t[None, :]
-    causal = (o_i[:, None] >= o_i[None, :]) & valid
-    gap = gate_gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :])
-    b_p = tl.where(causal, b_p * tl.exp(tl.where(causal, gap, 0.0)), 0.0) * scale
-    later = (o_i[None, :] >= o_i[:, None]) & valid
-    gap_t = gate_gap(hi[None, :], lo[None, :], hi[:, None], lo[:, None])
-    b_pt = tl.where(later, b_pt * tl.exp(tl.where(later, gap_t, 0.0)), 0.0) * scale
-    b_dq = b_dq * (scale * tl.exp(hi))[:, None] + mm(b_p.to(DT), b_k)
+    g_last = tl.load(gamma + (i_b * T + last) * HV + i_hv)
+    causal = o_i[:, None] >= o_i[None, :]
+    b_p = tl.where(causal, b_p * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0)),
+                   0.0) * scale
+    later = o_i[None, :] >= o_i[:, None]
+    b_pt = tl.where(later, b_pt * tl.exp(tl.where(later, b_gam[None, :] - b_gam[:, None], 0.0)),
+                    0.0) * scale
+    b_dq = b_dq * (scale * tl.exp(b_gam))[:, None] + mm(b_p.to(DT), b_k)
     b_dko = mm(b_pt.to(DT), b_q)
-    b_dkt = b_dkt * tl.where(m_t, tl.exp(gate_gap(hi_c, lo_c, hi, lo)), 0.0)[:, None]
+    b_dkt = b_dkt * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
     b_qf = b_q.to(tl.float32)
     b_kf = b_k.to(tl.float32)
     b_tail = tl.sum(b_kf * b_dkt, axis=1)
     b_dgam = tl.sum(b_qf * b_dq, axis=1) - tl.sum(b_kf * b_dko, axis=1) - b_tail
-    end_term = tl.sum(b_tail, axis=0) + tl.exp(hi_c) * tl.sum(b_hdh, axis=0)
+    end_term = tl.sum(b_tail, axis=0) + tl.exp(g_last) * tl.sum(b_hdh, axis=0)
     b_dgam += tl.where(o_t == last, end_term, 0.0)
     off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
     tl.store(dq + off_k, b_dq, mask=m_t[:, None])
@@ -140,8 +140,9 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
     p_at = ainv + ((i_b * T + o_t[None, :]) * HV + i_hv) * BT + o_i[:, None]
     b_atd = tl.load(p_at, mask=m_t[None, :], other=0.0).to(DT)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    hi, lo = gate_split(tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0))
-    b_eg = tl.exp(hi)
+    # padded tokens take the last token's gamma (no positive exponent, as in dqkwg)
+    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, T - 1)) * HV + i_hv)
+    b_eg = tl.exp(b_gam)
     b_bk = b_beta * b_eg
     b_dai = tl.zeros([BT, BT], dtype=tl.float32)  # gradient of Ainv
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -176,10 +177,8 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
     lower = o_i[:, None] > o_i[None, :]
     b_at = tl.load(p_at, mask=m_t[None, :], other=0.0)
     b_dm = mm(b_at, mm(tl.where(lower, b_dai, 0.0), b_at))
-    valid = lower & m_t[:, None] & m_t[None, :]  # padded tokens kept out of the exponent
-    b_decay = tl.exp(tl.where(valid, gate_gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :]),
-                              0.0))
-    b_dm = tl.where(valid, -b_dm * b_decay, 0.0)
+    b_decay = tl.exp(tl.where(lower, b_gam[:, None] - b_gam[None, :], 0.0))
+    b_dm = tl.where(lower & m_t[:, None] & m_t[None, :], -b_dm * b_decay, 0.0)
     # A = strict_lower(diag(beta) K K^T * Gamma): beta and gamma parts from dA * A
     b_z = b_dm * b_kk
     b_db += tl.sum(b_z, axis=1)
@@ -209,8 +208,8 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
     for s in range(SLOTS):
         b_dgam += tl.load(dg_part + s * B * T * HV + off, mask=m_t, other=0.0)
     # dg_i = sum_{j >= i} dgamma_j inside the chunk (gamma is the chunk-local cumsum of g);
-    # 0 where the forward floored g (the floor's derivative; exp(g) is 0 in fp32 there anyway)
+    # 0 where the forward floored g (the floor's derivative; the true one is below fp32's
+    # resolution there, common.py)
     b_dg = tl.sum(b_dgam, axis=0) - tl.cumsum(b_dgam, axis=0) + b_dgam
-    b_g = tl.load(g + off, mask=m_t, other=0.0)
-    b_dg = tl.where(b_g < -128.0, 0.0, b_dg)
+    b_dg = tl.where(gate_floored(tl.load(g + off, mask=m_t, other=0.0)), 0.0, b_dg)
     tl.store(dg + off, b_dg, mask=m_t)

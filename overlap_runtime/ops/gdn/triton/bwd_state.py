@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, gate_gap, gate_split, mm, mma
+from .common import autotune_configs, mm, mma
 
 __all__ = ["dv_local_kernel", "bwd_scan_kernel"]
 
@@ -41,12 +41,14 @@ def dv_local_kernel(q, k, gamma, do, dv_local, scale, T, H: tl.constexpr, HV: tl
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
-    hi, lo = gate_split(tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0))
+    # padded tokens (t >= T) take the last token's gamma, so no exponent is positive (gamma 0
+    # there overflowed to inf once a partial chunk's gates summed below -88: inf * 0 = NaN)
+    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, T - 1)) * HV + i_hv)
     # (K Q^T)[j, i] for i >= j: the transposed intra-chunk attention, built directly
-    later = (o_i[None, :] >= o_i[:, None]) & m_t[:, None] & m_t[None, :]  # no padded token
+    later = o_i[None, :] >= o_i[:, None]
     b_kq = mm(b_k, tl.trans(b_q))
-    gap = gate_gap(hi[None, :], lo[None, :], hi[:, None], lo[:, None])
-    b_kq = tl.where(later, b_kq * tl.exp(tl.where(later, gap, 0.0)), 0.0) * scale
+    b_kq = tl.where(later, b_kq * tl.exp(tl.where(later, b_gam[None, :] - b_gam[:, None], 0.0)),
+                    0.0) * scale
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
@@ -81,23 +83,21 @@ def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, s
         if STORE:
             base = ((i_b * NT + n) * HV + i_hv).to(tl.int64) * (K * V)
             tl.store(dhs + base + o_k[:, None] * V + o_v[None, :], b_dh.to(DT))
-        hi, lo = gate_split(tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0))
-        hi_c, lo_c = gate_split(tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, T) - 1) * HV
-                                        + i_hv))
+        b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+        g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, T) - 1) * HV + i_hv)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_dv = (mm(b_k, b_dh.to(DT)) * tl.where(m_t, tl.exp(gate_gap(hi_c, lo_c, hi, lo)),
-                                                 0.0)[:, None]
+        b_dv = (mm(b_k, b_dh.to(DT)) * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
                 + tl.load(dv_local + off_v, mask=m_t[:, None], other=0.0))
         if STORE:
             tl.store(dv2 + off_v, b_dv.to(dv2.dtype.element_ty), mask=m_t[:, None])
         b_qt = tl.load(q + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
                        mask=m_t[None, :], other=0.0)
-        b_qt = (b_qt * (tl.exp(hi) * scale)[None, :]).to(DT)
+        b_qt = (b_qt * (tl.exp(b_gam) * scale)[None, :]).to(DT)
         b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
         b_wt = tl.load(w + ((i_b * T + o_t[None, :]) * HV + i_hv) * K + o_k[:, None],
                        mask=m_t[None, :], other=0.0)
-        b_dh = mma(b_qt, b_do, b_dh * tl.exp(hi_c))
+        b_dh = mma(b_qt, b_do, b_dh * tl.exp(g_last))
         b_dh = mma(b_wt, (-b_dv).to(DT), b_dh)
     tl.store(dh_start + ((i_bh * NS + i_s) * K + o_k[:, None]) * V + o_v[None, :], b_dh)

@@ -19,15 +19,18 @@ import triton
 import triton.language as tl
 
 __all__ = ["INTERPRET", "IS_CUDA", "mm", "mma", "mm_f32x3", "autotune_configs", "CHUNK",
-           "GATE_FLOOR", "gate_floor", "gate_split", "gate_gap", "num_sms", "choose_segments"]
+           "GATE_FLOOR", "gate_floor", "gate_floored", "num_sms", "choose_segments"]
 
 CHUNK = 64
 
-# Gates below -GATE_FLOOR are raised to it before the in-chunk cumsum: exp(-128) = 2.6e-56 is 0
-# in fp32 (the smallest fp32 denormal is exp(-103.3)), and every decay factor that contains such
-# a gate is at most exp(-128), so no fp32 value changes; -inf (a state reset) and -1e38 become
-# finite, and the cumsum of at most 64 gates stays within 64 * 128 in magnitude.
-GATE_FLOOR = 128.0
+# Gates below -GATE_FLOOR are raised to it before the fp32 in-chunk cumsum. exp(-20) = 2.1e-9 is
+# 29x below half an ulp of 1 (6e-8): a decay that contains a floored gate changes what it
+# multiplies by less than one fp32 rounding of the sum it enters. The floor is kept this small
+# because the gaps gamma_i - gamma_j are differences of fp32 cumsums: after one floored gate
+# |gamma| ~ 20 + the chunk's own gates, rounded to ~1e-6 (4x a chunk without reset), and each
+# further one in the same chunk adds 20 (docs/gdn.md, "Extreme gates", has the figures).
+# -inf (a state reset) and -1e38 become finite; a NaN gate stays NaN.
+GATE_FLOOR = tl.constexpr(20.0)
 
 # TRITON_INTERPRET is read by triton when a kernel is decorated, so it is fixed for the life of
 # the process; the kernels read this constexpr at compile time.
@@ -79,25 +82,13 @@ def mm_f32x3(a, b):
 def gate_floor(g):
     """``g`` (fp32) with gates below ``-GATE_FLOOR`` raised to it; NaN stays NaN (a ``where``
     on ``g < floor``, not ``maximum``, which would return the floor for a NaN)."""
-    return tl.where(g < -128.0, -128.0, g)
+    return tl.where(g < -GATE_FLOOR, -GATE_FLOOR, g)
 
 
 @triton.jit
-def gate_split(gam):
-    """The float64 in-chunk gate cumsum ``gam`` as ``(hi, lo)`` fp32 with ``hi + lo = gam``
-    to float64 accuracy (``hi`` is ``gam`` rounded to fp32, ``lo`` the rest)."""
-    hi = gam.to(tl.float32)
-    lo = (gam - hi.to(tl.float64)).to(tl.float32)
-    return hi, lo
-
-
-@triton.jit
-def gate_gap(hi_a, lo_a, hi_b, lo_b):
-    """``gam_a - gam_b`` (broadcasting) from the split cumsums, in fp32 but without the
-    cancellation of ``fp32(gam_a) - fp32(gam_b)``: ``hi_a - hi_b`` is rounded once, relative to
-    the gap itself, and the low parts restore what rounding the cumsums to fp32 lost. The
-    error is ~eps |gap| + eps^2 |gam| (|gam| <= 64 * GATE_FLOOR), as for a direct sum."""
-    return (hi_a - hi_b) + (lo_a - lo_b)
+def gate_floored(g):
+    """Where :func:`gate_floor` changed ``g`` (its derivative is 0 there; False for NaN)."""
+    return g < -GATE_FLOOR
 
 
 def autotune_configs(pairs: tuple[tuple[int, int], ...] = ((2, 2), (4, 1), (4, 2), (8, 1), (8, 2))

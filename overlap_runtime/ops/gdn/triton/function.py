@@ -11,11 +11,11 @@ Forward (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS`` segments):
                           from its true entering state, in parallel   grid (blocks, NS, B*HV)
     output                o                                               grid (V/BV, NT, B*HV)
 
-Saved for backward: q, k (and their normalised copies and 1/norm), v, g, beta, gamma (float64),
-Ainv, w, u, the state entering each segment, the segment transitions M_s, and the per-chunk
-states and residuals of the forward scan (``[B, NT, HV, K, V]`` and ``[B, T, HV, V]`` in the input dtype:
-at T = 32K, H = 32, K = V = 128, bf16 that is 0.8 GB, and it spares the backward a whole
-sequential walk - about 4% of forward+backward on an H200).
+Saved for backward: q, k (and their normalised copies and 1/norm), v, g (for dg = 0 where it
+was floored), beta, gamma, Ainv, w, u, the state entering each segment, the segment transitions
+M_s, and the per-chunk states and residuals of the forward scan (``[B, NT, HV, K, V]`` and
+``[B, T, HV, V]`` in the input dtype: at T = 32K, H = 32, K = V = 128, bf16 that is 0.8 GB,
+and it spares the backward a whole sequential walk - about 4% of forward+backward on an H200).
 
 Backward::
 

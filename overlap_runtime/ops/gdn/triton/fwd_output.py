@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, gate_gap, gate_split, mm
+from .common import autotune_configs, mm
 
 __all__ = ["output_kernel"]
 
@@ -32,16 +32,15 @@ def output_kernel(q, k, gamma, states, v_new, o, scale, T, NT, H: tl.constexpr,
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
-    hi, lo = gate_split(tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0))
+    # padded tokens (t >= T) take the last token's gamma: no exponent is positive
+    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, T - 1)) * HV + i_hv)
     base = ((i_b * NT + i_n) * HV + i_hv).to(tl.int64) * (K * V)
     b_h = tl.load(states + base + o_k[:, None] * V + o_v[None, :])
-    b_o = mm(b_q, b_h) * tl.exp(hi)[:, None]
-    # padded tokens (t >= T) load gamma 0: keep them out of the exponent, where 0 - gamma_j
-    # would overflow to inf (and inf * 0 = NaN) once the chunk's gates sum below -88
-    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_o = mm(b_q, b_h) * tl.exp(b_gam)[:, None]
+    causal = o_i[:, None] >= o_i[None, :]
     b_s = mm(b_q, tl.trans(b_k))
-    gap = gate_gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :])
-    b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, gap, 0.0)), 0.0)
+    b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0)),
+                   0.0)
     off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
     b_vn = tl.load(v_new + off_v, mask=m_t[:, None], other=0.0)
     b_o = (b_o + mm(b_s.to(DT), b_vn)) * scale

@@ -6,10 +6,9 @@ Per chunk of ``BT = 64`` tokens (``gamma`` the gate cumsum inside the chunk)::
     Ainv = (I + A)^-1                                                     unit lower triangular
     u = Ainv diag(beta) V,   w = Ainv diag(beta exp(gamma)) K             the WY factors
 
-Gates: g is raised to ``-GATE_FLOOR`` where lower (common.py: exact in fp32) and ``gamma`` is
-summed and stored in float64; every kernel splits it into fp32 ``(hi, lo)`` and forms gaps
-``gamma_i - gamma_j`` with :func:`gate_gap`, never as a difference of fp32 cumsums, which
-cancels catastrophically after one large gate (docs/gdn.md, "Extreme gates").
+Gates are raised to ``-GATE_FLOOR`` (-20) where lower before the fp32 cumsum (common.py): -inf
+(a reset) and -1e38 become finite, and the cumsum stays small enough that the differences
+``gamma_i - gamma_j`` every kernel forms keep fp32 accuracy (docs/gdn.md, "Extreme gates").
 
 ``kkt_solve_kernel`` (grid ``(NT, B * HV)``) writes gamma and Ainv; it builds A in 16 x 16
 blocks, inverts the four diagonal blocks by forward substitution (row by row, in registers)
@@ -25,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, autotune_configs, gate_floor, gate_gap, gate_split, mm, mm_f32x3
+from .common import CHUNK, autotune_configs, gate_floor, mm, mm_f32x3
 
 __all__ = ["kkt_solve", "wy_forward"]
 
@@ -33,7 +32,7 @@ __all__ = ["kkt_solve", "wy_forward"]
 @triton.jit
 def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, H: tl.constexpr, HV: tl.constexpr,
                K: tl.constexpr):
-    """Rows ``row0 .. row0 + 15``: keys ``[16, K]`` (storage dtype), g (floored, see common.py)
+    """Rows ``row0 .. row0 + 15``: keys ``[16, K]`` (storage dtype), g (floored, common.py)
     and beta ``[16]`` fp32."""
     o_t = row0 + tl.arange(0, 16)
     m_t = o_t < T
@@ -45,17 +44,16 @@ def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, H: tl.constexpr, HV: tl.cons
 
 
 @triton.jit
-def _kkt_block(k_i, k_j, hi_i, lo_i, hi_j, lo_j, beta_i, DIAG: tl.constexpr):
-    """Block (i, j) of ``A`` from the split cumsums ``(hi, lo)``; on the diagonal only the
-    strictly lower part (exponent masked)."""
+def _kkt_block(k_i, k_j, gam_i, gam_j, beta_i, DIAG: tl.constexpr):
+    """Block (i, j) of ``A``; on the diagonal only the strictly lower part (exponent masked)."""
     s = mm(k_i, tl.trans(k_j))
-    gap = gate_gap(hi_i[:, None], lo_i[:, None], hi_j[None, :], lo_j[None, :])
     if DIAG:
         o = tl.arange(0, 16)
         low = o[:, None] > o[None, :]
-        return tl.where(low, s * tl.exp(tl.where(low, gap, 0.0)) * beta_i[:, None], 0.0)
+        gap = tl.where(low, gam_i[:, None] - gam_j[None, :], 0.0)
+        return tl.where(low, s * tl.exp(gap) * beta_i[:, None], 0.0)
     else:
-        return s * tl.exp(gap) * beta_i[:, None]
+        return s * tl.exp(gam_i[:, None] - gam_j[None, :]) * beta_i[:, None]
 
 
 @triton.jit
@@ -96,8 +94,8 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, T, H: tl.constexpr, HV: tl.constex
     k1, g1, b1 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 16, T, H, HV, K)
     k2, g2, b2 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 32, T, H, HV, K)
     k3, g3, b3 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 48, T, H, HV, K)
-    # chunk-local cumsum of the (floored) gate in float64, block by block
-    g0, g1, g2, g3 = g0.to(tl.float64), g1.to(tl.float64), g2.to(tl.float64), g3.to(tl.float64)
+    # chunk-local cumsum of the (floored) gate, block by block; the offsets of the earlier
+    # blocks are summed as scalars and added once (one rounding per token, shared by a block)
     s0, s1, s2 = tl.sum(g0, axis=0), tl.sum(g1, axis=0), tl.sum(g2, axis=0)
     c0 = tl.cumsum(g0, axis=0)
     c1 = tl.cumsum(g1, axis=0) + s0
@@ -108,20 +106,16 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, T, H: tl.constexpr, HV: tl.constex
     _store_gamma(gamma, c2, i_b, i_hv, t0 + 32, T, HV)
     _store_gamma(gamma, c3, i_b, i_hv, t0 + 48, T, HV)
 
-    h0, l0 = gate_split(c0)
-    h1, l1 = gate_split(c1)
-    h2, l2 = gate_split(c2)
-    h3, l3 = gate_split(c3)
-    a00 = _kkt_block(k0, k0, h0, l0, h0, l0, b0, True)
-    a11 = _kkt_block(k1, k1, h1, l1, h1, l1, b1, True)
-    a22 = _kkt_block(k2, k2, h2, l2, h2, l2, b2, True)
-    a33 = _kkt_block(k3, k3, h3, l3, h3, l3, b3, True)
-    a10 = _kkt_block(k1, k0, h1, l1, h0, l0, b1, False)
-    a20 = _kkt_block(k2, k0, h2, l2, h0, l0, b2, False)
-    a21 = _kkt_block(k2, k1, h2, l2, h1, l1, b2, False)
-    a30 = _kkt_block(k3, k0, h3, l3, h0, l0, b3, False)
-    a31 = _kkt_block(k3, k1, h3, l3, h1, l1, b3, False)
-    a32 = _kkt_block(k3, k2, h3, l3, h2, l2, b3, False)
+    a00 = _kkt_block(k0, k0, c0, c0, b0, True)
+    a11 = _kkt_block(k1, k1, c1, c1, b1, True)
+    a22 = _kkt_block(k2, k2, c2, c2, b2, True)
+    a33 = _kkt_block(k3, k3, c3, c3, b3, True)
+    a10 = _kkt_block(k1, k0, c1, c0, b1, False)
+    a20 = _kkt_block(k2, k0, c2, c0, b2, False)
+    a21 = _kkt_block(k2, k1, c2, c1, b2, False)
+    a30 = _kkt_block(k3, k0, c3, c0, b3, False)
+    a31 = _kkt_block(k3, k1, c3, c1, b3, False)
+    a32 = _kkt_block(k3, k2, c3, c2, b3, False)
 
     t00 = _unit_lower_inverse(a00)
     t11 = _unit_lower_inverse(a11)
@@ -166,7 +160,7 @@ def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, T, H: tl.constexpr, HV: tl.cons
     b_a = tl.load(ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + tl.arange(0, BT)[None, :],
                   mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         off = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
@@ -192,12 +186,12 @@ def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_he
         g: ``[B, T, HV]`` fp32 log decay (any value <= 0, -inf included); beta: ``[B, T, HV]``.
 
     Returns:
-        ``(gamma [B, T, HV] float64, ainv [B, T, HV, 64] fp32)``; gamma is the in-chunk cumsum
-        of the gates floored at ``-GATE_FLOOR`` (module docstring).
+        ``(gamma [B, T, HV] fp32, ainv [B, T, HV, 64] fp32)``; gamma is the in-chunk cumsum of
+        the gates floored at ``-GATE_FLOOR`` (common.py).
     """
     batch, seq_len, heads, key_dim = k.shape
     num_chunks = triton.cdiv(seq_len, CHUNK)
-    gamma = torch.empty(batch, seq_len, num_value_heads, device=k.device, dtype=torch.float64)
+    gamma = torch.empty(batch, seq_len, num_value_heads, device=k.device, dtype=torch.float32)
     ainv = torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device,
                        dtype=torch.float32)
     kkt_solve_kernel[(num_chunks, batch * num_value_heads)](

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, gate_gap, gate_split, mm, mm_f32x3, mma
+from .common import autotune_configs, mm, mm_f32x3, mma
 
 __all__ = ["fwd_scan_kernel", "chain_kernel"]
 
@@ -70,13 +70,12 @@ def fwd_scan_kernel(k, w, u, gamma, h_init, states, v_new, h_end, m_sum, s_sum,
         b_v = b_u.to(tl.float32) - mm(b_w, b_h.to(DT))
         if STORE:
             tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_t[:, None])
-        hi, lo = gate_split(tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0))
-        hi_c, lo_c = gate_split(tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, T) - 1) * HV
-                                        + i_hv))
-        b_vs = b_v * tl.where(m_t, tl.exp(gate_gap(hi_c, lo_c, hi, lo)), 0.0)[:, None]
+        b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
+        g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, T) - 1) * HV + i_hv)
+        b_vs = b_v * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
         b_kt = tl.load(k + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
                        mask=m_t[None, :], other=0.0)
-        b_h = mma(b_kt, b_vs.to(DT), b_h * tl.exp(hi_c))
+        b_h = mma(b_kt, b_vs.to(DT), b_h * tl.exp(g_last))
     if SUMMARY:
         tl.store(m_sum + ((i_bh * NS + i_s) * K + o_k[:, None]) * K + col_m[None, :], b_h,
                  mask=(o_k[:, None] < K) & is_m[None, :])
