@@ -305,12 +305,13 @@ class SerializedHandle:
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Complete the all-to-all (bounded) and release the lock, even if the wait raises (a
-        failed wait gets a note naming the launch and the group's ranks)."""
+        failed wait's message names the launch: its tag, direction, group and global ranks)."""
         try:
             self._handle.wait(timeout_s)
         except (comm.CommTimeoutError, comm.CommFailedError) as exc:
-            if self._ticket is not None:
-                exc.add_note(f"[overlap_runtime] waiting for {describe_launch(self._ticket)}")
+            if self._ticket is not None and exc.args:
+                # in the message itself, not a note: str(exc) is what logs and rank reports show
+                exc.args = (f"{describe_launch(self._ticket)}: {exc.args[0]}", *exc.args[1:])
             raise
         finally:
             ticket, self._ticket = self._ticket, None

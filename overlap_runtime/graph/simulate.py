@@ -52,15 +52,16 @@ class CostModel:
     kinds: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # finite: an infinite cost makes an infinite makespan, whose timeline cannot be drawn
         for name in ("F", "B", "I", "W", "comm_latency", "message_bytes"):
             value = getattr(self, name)
-            if not value >= 0:
-                raise ValueError(f"CostModel.{name}={value} must be >= 0")
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"CostModel.{name}={value} must be a finite number >= 0")
         if not self.comm_bandwidth > 0:
             raise ValueError(f"CostModel.comm_bandwidth={self.comm_bandwidth} must be > 0")
         for k, value in self.kinds.items():
-            if not value >= 0:
-                raise ValueError(f"CostModel.kinds[{k!r}]={value} must be >= 0")
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"CostModel.kinds[{k!r}]={value} must be a finite number >= 0")
 
     def compute_cost(self, kind: str) -> float:
         if kind in self.kinds:

@@ -31,6 +31,8 @@ _EXPORTS = {
     "register_schedule_kind": "registry",
     "schedule_kinds": "registry",
     "ScheduleSpec": "spec",
+    "ScheduleTooLargeError": "spec",
+    "MAX_SCHEDULE_ACTIONS": "spec",
     "build_schedule": "build",
     "LoweringError": "lowering",
     "lower": "lowering",
@@ -55,4 +57,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from .lowering import LoweringError, lower
     from .registry import get_schedule_kind, register_schedule_kind, schedule_kinds
     from .rules import ScheduleValidationError
-    from .spec import ScheduleSpec
+    from .spec import MAX_SCHEDULE_ACTIONS, ScheduleSpec, ScheduleTooLargeError

@@ -12,6 +12,7 @@ prints the steps x ranks grid of the lowered schedule, the simulated timeline an
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 __all__ = ["add_arguments", "run"]
@@ -63,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from .registry import get_schedule_kind
     from .spec import ScheduleSpec
 
+    for flag in ("--cost-f", "--cost-b", "--cost-i", "--cost-w", "--comm-latency"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not (math.isfinite(value) and value >= 0):
+            print(f"error: {flag}={value} must be a finite number >= 0", file=sys.stderr)
+            return 2
     try:
         if args.spec:
             spec = ScheduleSpec.from_file(args.spec)

@@ -57,8 +57,24 @@ class ScheduleKind:
 
 
 def stages_of_rank(spec: "ScheduleSpec", rank: int) -> list[int]:
-    """Global stages of ``rank`` ordered by chunk (chunk 0 first)."""
-    return [s for s in range(spec.num_stages) if spec.stage_to_rank(s) == rank]
+    """Global stages of ``rank`` ordered by chunk (chunk 0 first).
+
+    Chunk ``c`` holds stages ``c * pp .. c * pp + pp - 1``, one per rank, so the stage of
+    ``rank`` in chunk ``c`` is found from the placement directly: O(virtual_stages) per rank,
+    not O(stages) (scanning every stage for every rank made building quadratic in ``pp``).
+    """
+    p = spec.pp_size
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} is outside 0..{p - 1}")
+    out = []
+    for c in range(spec.virtual_stages):
+        pos = p - 1 - rank if spec.placement == "v" and c % 2 == 1 else rank
+        stage = c * p + pos
+        if spec.stage_to_rank(stage) != rank:  # a placement this inversion does not know
+            raise ValueError(f"placement {spec.placement!r} puts stage {stage} on rank "
+                             f"{spec.stage_to_rank(stage)}, not on rank {rank}")
+        out.append(stage)
+    return out
 
 
 def interleave_1f1b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action | None]:

@@ -98,41 +98,67 @@ def lower(
     plans = _message_plans(stage_to_rank, num_stages)
     trusted = Action._trusted
 
-    def ready(a: Action) -> bool:
+    def missing(a: Action) -> tuple[ActionKind, int, int] | None:
+        """The first input of ``a`` not produced yet, or ``None`` when ``a`` can run."""
         s, k, m = a.stage, a.kind, a.microbatch
         if k is _F:
-            return s == 0 or (_F, s - 1, m) in done
+            key = (_F, s - 1, m)
+            return None if s == 0 or key in done else key
         if k is _B or k is _I:
-            return (_F, s, m) in done and (s == last or (_B, s + 1, m) in done)
-        return (_B, s, m) in done  # W after I
+            key = (_F, s, m)
+            if key not in done:
+                return key
+            key = (_B, s + 1, m)
+            return None if s == last or key in done else key
+        key = (_B, s, m)  # W after I
+        return None if key in done else key
 
-    active = [r for r in queues if queues[r]]
-    while active:
+    # Rounds, event-driven: a rank whose next step waits for an input is parked under that
+    # input and looked at again only in the round after it is produced (a rank that ran a step
+    # is looked at in the next round). Scanning every rank in every round was O(ranks x
+    # rounds), quadratic in pp; this is O(actions) and gives the same rounds, so the same lists.
+    waiting: dict[tuple[ActionKind, int, int], list[int]] = {}
+    candidates = sorted(r for r in queues if queues[r])
+    while candidates:
         produced: list[tuple[ActionKind, int, int]] = []
         messages: list[tuple[tuple[int, ...], int, _Plan]] = []
-        progressed = False
-        for r in active:
+        ran: list[int] = []
+        for r in candidates:
             a = queues[r][pos[r]]
             leaves = a.sub_actions or (a,)
-            if not all(ready(x) for x in leaves):
+            blocked = None
+            for x in leaves:
+                blocked = missing(x)
+                if blocked is not None:
+                    break
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(r)
                 continue
-            progressed = True
             pos[r] += 1
             out[r].append(a)
+            if pos[r] < len(queues[r]):
+                ran.append(r)
             for x in leaves:
                 k = x.kind
                 produced.append((_B if k is _I else k, x.stage, x.microbatch))
                 plan = plans.get((_B if k is _I else k, x.stage))
                 if plan is not None:
                     messages.append((plan.order, x.microbatch, plan))
-        if not progressed:
+        if not produced:
             raise _stuck_error(schedule, queues, pos, done, last)
         done.update(produced)
+        woken = ran
+        for key in produced:
+            parked = waiting.pop(key, None)
+            if parked:
+                woken.extend(parked)
+        candidates = sorted(set(woken))
         messages.sort()
         for _, m, plan in messages:
             out[plan.src].append(trusted(plan.send_stage, plan.send_kind, m))
             out[plan.dst].append(trusted(plan.recv_stage, plan.recv_kind, m))
-        active = [r for r in active if pos[r] < len(queues[r])]
+    if any(pos[r] < len(queues[r]) for r in queues):  # parked on inputs nobody produces
+        raise _stuck_error(schedule, queues, pos, done, last)
     return out
 
 

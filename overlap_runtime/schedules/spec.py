@@ -16,9 +16,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .registry import get_schedule_kind
 
-__all__ = ["ScheduleSpec", "stage_to_rank"]
+__all__ = ["ScheduleSpec", "stage_to_rank", "MAX_SCHEDULE_ACTIONS", "ScheduleTooLargeError"]
 
 Placement = Literal["loop", "v"]
+
+MAX_SCHEDULE_ACTIONS = 1_000_000
+"""The most compute actions a :class:`ScheduleSpec` may describe: ``pp_size * virtual_stages *
+num_microbatches`` times 2 (F, B) or 3 (F, I, W with ``split_backward``). Lowering adds up to
+two SEND/RECV actions per compute action, and compiling, proving and simulating cost time and
+memory linear in all of them: about a minute and several GB at this limit on a CI-class CPU
+(pp=250, m=400, 200K compute actions: about 10-20 s, 0.8 GB). Past it a spec is refused at
+construction, before any work, with :class:`ScheduleTooLargeError` (inside pydantic's
+``ValidationError``)."""
+
+
+class ScheduleTooLargeError(ValueError):
+    """A spec whose schedule would hold more than :data:`MAX_SCHEDULE_ACTIONS` compute actions."""
 
 
 def stage_to_rank(stage: int, pp_size: int, placement: str = "loop") -> int:
@@ -53,6 +66,9 @@ class ScheduleSpec(BaseModel):
       compute where the program lists them.
     - ``split_backward``: replace each B by I (input grad) then W (weight grad).
     - ``placement``: ``loop`` or ``v`` (see :func:`stage_to_rank`).
+
+    Size: at most :data:`MAX_SCHEDULE_ACTIONS` compute actions (``num_actions``); a larger spec
+    (``pp_size=10**6``, say) fails at construction with :class:`ScheduleTooLargeError`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -74,6 +90,15 @@ class ScheduleSpec(BaseModel):
 
     @model_validator(mode="after")
     def _rules(self) -> "ScheduleSpec":
+        if self.num_actions > MAX_SCHEDULE_ACTIONS:
+            per = "3 (F, I, W)" if self.split_backward else "2 (F, B)"
+            raise ScheduleTooLargeError(
+                f"ScheduleTooLargeError: pp_size={self.pp_size} x virtual_stages="
+                f"{self.virtual_stages} x num_microbatches={self.num_microbatches} x {per} = "
+                f"{self.num_actions:,} compute actions, above MAX_SCHEDULE_ACTIONS = "
+                f"{MAX_SCHEDULE_ACTIONS:,} (rule: a schedule is compiled, proved and simulated "
+                "action by action; at this size that takes minutes and many GB)"
+            )
         info = get_schedule_kind(self.kind)
         v = self.virtual_stages
         if v < info.min_virtual or (info.max_virtual is not None and v > info.max_virtual):
@@ -113,6 +138,11 @@ class ScheduleSpec(BaseModel):
     def num_stages(self) -> int:
         """Global stages: ``pp_size * virtual_stages``."""
         return self.pp_size * self.virtual_stages
+
+    @property
+    def num_actions(self) -> int:
+        """Compute actions (F, B or F, I, W per stage and microbatch) of the schedule."""
+        return self.num_stages * self.num_microbatches * (3 if self.split_backward else 2)
 
     def stage_to_rank(self, stage: int) -> int:
         """Rank that holds ``stage`` under this spec's placement."""

@@ -47,12 +47,16 @@ default).
 
 from __future__ import annotations
 
+import codecs
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
+from overlap_runtime.context_parallel.gdn.common import TRITON_CHUNK
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config
 from overlap_runtime.trainer.data import VOCAB_SIZE as BYTE_VOCAB_SIZE
 from overlap_runtime.trainer.parallel_dims import ParallelDims
@@ -129,6 +133,13 @@ class DataConfig(_Strict):
     seq_len: int = Field(256, ge=2, description="global tokens per sequence")
     batch_size: int = Field(1, ge=1, description="sequences per data-parallel rank per step")
 
+    @field_validator("corpus")
+    @classmethod
+    def _corpus_is_text(cls, corpus: str | None) -> str | None:
+        if corpus is not None:
+            _check_corpus(corpus)
+        return corpus
+
 
 class OptimizerConfig(_Strict):
     """AdamW (``optimizer``) with linear warmup to a constant ``lr``."""
@@ -140,6 +151,14 @@ class OptimizerConfig(_Strict):
     weight_decay: float = Field(0.01, ge=0)
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip threshold; None: no clip")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_0_1(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):  # NaN fails too
+            raise ValueError(f"optimizer.betas={betas}: each beta must be in [0, 1) (AdamW's "
+                             "moving-average factors)")
+        return betas
 
 
 class TrainSection(_Strict):
@@ -199,6 +218,7 @@ class TrainConfig(_Strict):
         if self.data.seq_len % acc.cp:
             errors.append(f"data.seq_len={self.data.seq_len} is not a multiple of "
                           f"train.accelerator.cp={acc.cp} (contiguous split)")
+        errors.extend(_gdn_length_problems(self))
         if acc.cp > 1 and acc.linear_attention_cp_mode == "ulysses" and has_gdn:
             if m.linear_num_value_heads % acc.cp or (
                 m.linear_num_key_heads % acc.cp and acc.cp % m.linear_num_key_heads
@@ -264,6 +284,67 @@ def _pipeline_problems(config: "TrainConfig") -> list[str]:
         for err in exc.errors():
             out.append(f"train.pipeline (schedule {pl.schedule!r}, pp={acc.pp}): "
                        f"{err['msg'].removeprefix('Value error, ')}")
+    return out
+
+
+_CORPUS_PREFIX = 1 << 20  # bytes of data.corpus checked for UTF-8 at load
+
+
+def _check_corpus(corpus: str) -> None:
+    """``data.corpus`` names a readable, non-empty regular file of UTF-8 text (its first MiB is
+    decoded; a whitespace-only file counts as empty, as in ``trainer.data.load_corpus``)."""
+    p = Path(corpus)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise ValueError(f"data.corpus={corpus!r}: no such file") from None
+    except OSError as exc:
+        raise ValueError(f"data.corpus={corpus!r}: cannot stat it: {exc}") from None
+    if not stat.S_ISREG(mode):
+        what = ("a directory" if stat.S_ISDIR(mode) else "a character device"
+                if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise ValueError(f"data.corpus={corpus!r} is not a regular file ({what}); it must name "
+                         "a UTF-8 text file")
+    try:
+        with p.open("rb") as f:
+            head = f.read(_CORPUS_PREFIX)
+            whole = not f.read(1)
+    except OSError as exc:
+        raise ValueError(f"data.corpus={corpus!r}: cannot read it: {exc}") from None
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=whole)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"data.corpus={corpus!r} is not UTF-8 text ({exc.reason} at byte "
+                         f"{exc.start})") from None
+    if whole and not text.strip():
+        raise ValueError(f"data.corpus={corpus!r}: the file is empty"
+                         + (" (only whitespace)" if head else ""))
+
+
+def _gdn_length_problems(config: "TrainConfig") -> list[str]:
+    """Rules on each CP rank's share of a sequence that the GDN context-parallel mixers check
+    before any communication (``context_parallel.gdn.common``: ``check_halo``,
+    ``check_backend_before_comm``), checked here at load instead of after the ranks start.
+    With cp == 1 no CP mixer is installed and neither applies."""
+    acc, m = config.train.accelerator, config.model
+    if acc.cp == 1 or "linear_attention" not in m.layer_types or config.data.seq_len % acc.cp:
+        return []  # (a seq_len that cp does not divide has its own error)
+    local = config.data.seq_len // acc.cp
+    per_rank = (f"data.seq_len={config.data.seq_len} / train.accelerator.cp={acc.cp} = {local} "
+                f"tokens per CP rank")
+    out: list[str] = []
+    halo = m.linear_conv_kernel_dim - 1
+    if acc.linear_attention_cp_mode in ("p2p", "all_gather") and local < halo:
+        # Ulysses gathers the whole sequence before the conv; the other modes pass a halo
+        out.append(f"{per_rank} is shorter than the GDN conv halo model.linear_conv_kernel_dim "
+                   f"- 1 = {halo} (train.accelerator.linear_attention_cp_mode="
+                   f"{acc.linear_attention_cp_mode!r}): each rank must hold at least the halo")
+    if acc.linear_attention_gdn_backend == "triton" and local % TRITON_CHUNK:
+        out.append(f"{per_rank} is not a multiple of the chunk size {TRITON_CHUNK} "
+                   f"(train.accelerator.linear_attention_gdn_backend='triton'): pad data.seq_len "
+                   f"to a multiple of {TRITON_CHUNK} * cp = {TRITON_CHUNK * acc.cp}")
     return out
 
 

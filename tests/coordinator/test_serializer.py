@@ -20,6 +20,7 @@ from overlap_runtime.coordinator import (
     LaunchOrderMismatch,
 )
 from overlap_runtime.coordinator.serializer import LaunchRecord, compare_launch_logs
+from overlap_runtime.ops.comm import CommTimeoutError
 from overlap_runtime.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,3 +117,28 @@ def test_serializer_on_two_ranks() -> None:
         assert count == 5
         assert mismatch is not None and mismatch[0] == 1
         assert "differs-on-rank-0" in mismatch[1] and "differs-on-rank-1" in mismatch[1]
+
+
+def _late_peer_serialized(rank: int, world: int, async_op: bool) -> str:
+    if rank == 1:
+        time.sleep(3.0)  # never joins the all-to-all within rank 0's timeout
+        return "slept"
+    ser = CommSerializer(timeout_s=20)
+    x = torch.zeros(2, 1)
+    try:
+        if async_op:
+            handle, _ = ser.all_to_all_single(x, tag="L3.dispatch", async_op=True, timeout_s=0.5)
+            handle.wait()
+        else:
+            ser.all_to_all_single(x, tag="L3.dispatch", timeout_s=0.5)
+    except CommTimeoutError as exc:
+        assert ser.in_flight() is None  # the lock is given back
+        return str(exc)
+    return "no timeout"
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_serialized_all_to_all_timeout_names_its_tag(async_op: bool) -> None:
+    msg = run_ranks(_late_peer_serialized, 2, args=(async_op,), timeout_s=60)[0]
+    assert "all-to-all 'L3.dispatch' (forward) on group 'default'" in msg, msg
+    assert "global ranks [0, 1]" in msg and "0.5s" in msg, msg

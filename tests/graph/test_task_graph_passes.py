@@ -178,6 +178,19 @@ def test_missing_cost_is_named() -> None:
         CostModel(F=-1)
 
 
+@pytest.mark.parametrize("fields, needle", [
+    (dict(F=float("inf")), "CostModel.F=inf must be a finite number >= 0"),
+    (dict(B=float("nan")), "CostModel.B=nan must be a finite number >= 0"),
+    (dict(comm_latency=float("inf")), "CostModel.comm_latency=inf"),
+    (dict(kinds={"expert": float("inf")}), "CostModel.kinds['expert']=inf"),
+])
+def test_costs_must_be_finite(fields: dict, needle: str) -> None:
+    with pytest.raises(ValueError) as info:
+        CostModel(**fields)
+    assert needle in str(info.value)
+    CostModel(comm_bandwidth=float("inf"))  # free bandwidth stays the default
+
+
 def test_chrome_trace_and_timeline(tmp_path) -> None:  # type: ignore[no-untyped-def]
     g = two_rank_exchange(send_first_on_both=False)
     matching = validate_graph(g)

@@ -57,3 +57,14 @@ def test_plot_writes_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert main(["schedule", "--pp", "2", "--microbatches", "3", "--trace", "", "--no-grid",
                  "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flag, value", [("--cost-f", "inf"), ("--cost-b", "nan"),
+                                         ("--cost-i", "-1"), ("--cost-w", "-inf"),
+                                         ("--comm-latency", "inf")])
+def test_costs_must_be_finite_and_non_negative(flag: str, value: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    rc = main(["schedule", "--pp", "2", "--microbatches", "2", "--trace", "", "--no-grid",
+               f"{flag}={value}"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"{flag}={float(value)}" in err and "finite number >= 0" in err, err

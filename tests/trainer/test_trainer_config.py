@@ -159,3 +159,61 @@ def test_load_config_file_errors(tmp_path: Path) -> None:
     wrong.write_text("train:\n  accelerator:\n    cp: 2\n    pp: 8\n")
     with pytest.raises(ConfigError, match=r"wrong.yaml(.|\n)*train.accelerator.pp=8"):
         load_config(wrong)
+
+
+# -- checked at load, not after the ranks start (#28 item 10) ------------------------------------
+
+
+def test_corpus_must_be_a_non_empty_regular_text_file(tmp_path: Path) -> None:
+    def err(corpus: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            config_from_dict({"data": {"corpus": corpus}})
+        return str(info.value)
+
+    assert "data.corpus: data.corpus='/dev/null' is not a regular file" in err("/dev/null")
+    assert f"data.corpus={str(tmp_path)!r} is not a regular file (a directory)" in err(
+        str(tmp_path))
+    assert "no such file" in err(str(tmp_path / "missing.txt"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert f"data.corpus={str(empty)!r}: the file is empty" in err(str(empty))
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\t\n")
+    assert "the file is empty" in err(str(blank))
+    binary = tmp_path / "bytes.bin"
+    binary.write_bytes(b"ab\xff\xfe\x00cd")
+    assert "is not UTF-8 text" in err(str(binary))
+    text = tmp_path / "ok.txt"
+    text.write_text("some prose\n")
+    assert config_from_dict({"data": {"corpus": str(text)}}).data.corpus == str(text)
+
+
+@pytest.mark.parametrize("betas", [(1.0, 0.95), (0.9, 1.5), (-0.1, 0.95), (0.9, float("nan"))])
+def test_betas_must_lie_in_0_1(betas: tuple[float, float]) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"optimizer": {"betas": list(betas)}})
+    assert f"optimizer.betas: optimizer.betas={betas}" in str(info.value)
+    assert "each beta must be in [0, 1)" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["p2p", "all_gather"])
+def test_each_cp_rank_must_hold_the_conv_halo(mode: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"data": {"seq_len": 8}, **_acc(cp=4, linear_attention_cp_mode=mode)})
+    msg = str(info.value)
+    assert ("data.seq_len=8 / train.accelerator.cp=4 = 2 tokens per CP rank is shorter than "
+            "the GDN conv halo model.linear_conv_kernel_dim - 1 = 3") in msg, msg
+    # Ulysses gathers the whole sequence before the conv: no halo travels
+    config_from_dict({"data": {"seq_len": 8}, **_acc(cp=4, linear_attention_cp_mode="ulysses")})
+    config_from_dict({"data": {"seq_len": 12}, **_acc(cp=4, linear_attention_cp_mode=mode)})
+
+
+def test_triton_gdn_needs_whole_64_token_chunks_per_cp_rank() -> None:
+    acc = dict(cp=4, linear_attention_cp_mode="p2p", linear_attention_gdn_backend="triton")
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"data": {"seq_len": 384}, **_acc(**acc)})
+    msg = str(info.value)
+    assert ("data.seq_len=384 / train.accelerator.cp=4 = 96 tokens per CP rank is not a "
+            "multiple of the chunk size 64 (train.accelerator.linear_attention_gdn_backend="
+            "'triton'): pad data.seq_len to a multiple of 64 * cp = 256") in msg, msg
+    assert config_from_dict({"data": {"seq_len": 512}, **_acc(**acc)}).data.seq_len == 512
