@@ -116,6 +116,8 @@ class ActionContext:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # the action ``run`` is executing in each thread (for the site of an error)
     _running: threading.local = field(default_factory=threading.local, repr=False)
+    # (kind, stage, mb) of every F/B/I/W started this step: a custom function must run its own
+    _ran: set[tuple[ActionKind, int, int]] = field(default_factory=set, repr=False)
 
     # ------------------------------------------------------------------ tracing
     def span(self, name: "str | Action", cat: str) -> Any:
@@ -141,6 +143,7 @@ class ActionContext:
             fn = self.schedule.custom_functions.get(action.kind)
             if fn is not None:
                 fn(action, self)
+                self._check_ran(action, fn)
             else:
                 self.run_default(action)
         except PipelineError:
@@ -399,7 +402,23 @@ class ActionContext:
         if action.stage not in self.stages:
             raise ValueError(f"rank {self.rank}: {action}: stage {action.stage} is not on this "
                              f"rank (stages here: {sorted(self.stages)})")
+        with self._lock:
+            self._ran.add((action.kind, action.stage, action.microbatch))  # type: ignore[arg-type]
         return action.stage, action.microbatch  # type: ignore[return-value]
+
+    def _check_ran(self, action: Action, fn: Any) -> None:
+        """Raise naming the registered ``fn`` when it returned without running every leaf of
+        ``action`` (a compound step's sub-actions, or the F/B/I/W itself)."""
+        with self._lock:
+            skipped = [x for x in action.leaves()
+                       if (x.kind, x.stage, x.microbatch) not in self._ran]
+        if skipped:
+            name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+            raise RuntimeError(
+                f"rank {self.rank}: the function registered for {action.kind.value} ({name}) "
+                f"returned from {action} without running {', '.join(map(str, skipped))}: a custom "
+                "function must run each of its action's sub-actions once (ctx.run(sub), "
+                "ctx.forward / ctx.backward / ctx.backward_weight, or ctx.run_default(action))")
 
     def _take(self, store: dict[tuple[int, int], Any], key: tuple[int, int], action: Action,
               what: str) -> Any:

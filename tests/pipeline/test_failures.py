@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 import torch.distributed as dist
 
 from overlap_runtime.pipeline import (PipelineActionError, PipelinePeerFailed, PipelineSchedule,
@@ -176,3 +178,30 @@ def test_error_types_are_pipeline_errors() -> None:
     for cls in (PipelineActionError, PipelinePeerFailed, PipelineTimeout):
         assert issubclass(cls, PipelineError)
     assert issubclass(PipelineTimeout, TimeoutError)
+
+
+def _skipping_callback_rank(rank: int, world: int, mode: str) -> None:
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from test_runtime import _data, _make_schedule
+
+    sched, _, _ = _make_schedule("1f1b", world, 1, 4, True, True, timeout_s=20)
+
+    def cb(action, ctx):  # runs at most one of its two sub-actions
+        b, f = action.sub_actions
+        if mode == "forward_only":
+            ctx.run(f)
+
+    sched.register_custom_function(ActionKind.OVERLAP_B_F, cb)
+    x, y = _data()
+    sched.step(x, target=y)
+
+
+@pytest.mark.parametrize("mode", ["nothing", "forward_only"])
+def test_a_callback_that_skips_its_sub_actions_is_named(mode: str) -> None:
+    """#28 item 10: once a KeyError: (1, 0) a few steps later; now the step that skipped."""
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_skipping_callback_rank, 2, args=(mode,), timeout_s=60)
+    text = str(info.value)
+    assert "the function registered for OVERLAP_B_F (" in text and "without running" in text, text
+    assert "KeyError" not in text
