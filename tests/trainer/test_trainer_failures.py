@@ -106,20 +106,16 @@ def _inject(pm: Any, inj: Injection, microbatches: int) -> None:
 
 
 def _train_with_injection(rank: int, world: int, config: dict[str, Any], inj: Injection) -> None:
-    import overlap_runtime.trainer.loop as loop
-    from overlap_runtime.trainer import config_from_dict
+    from overlap_runtime.trainer import config_from_dict, train_distributed
 
-    real_build = loop.build_parallel_model
+    cfg = config_from_dict(config)
 
-    def build(cfg: Any, dims: Any, device: Any, pp_rank: int) -> Any:
-        pm = real_build(cfg, dims, device, pp_rank)
+    def on_model(pm: Any) -> None:  # the trainer's public hook, right after the build
         if rank == inj.rank:
             _inject(pm, inj, cfg.train.pipeline.microbatches)
-        return pm
 
-    loop.build_parallel_model = build
     try:
-        loop.train_distributed(config_from_dict(config), torch.device("cpu"), log=lambda s: None)
+        train_distributed(cfg, torch.device("cpu"), log=lambda s: None, on_model=on_model)
     except Exception as exc:
         exc.add_note(f"[test] rank {rank} ended at unix time {time.time():.3f}")
         if rank == inj.rank and inj.linger_s:
