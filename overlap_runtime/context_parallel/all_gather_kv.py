@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from overlap_runtime.context_parallel.peers import check_attention_call
 from overlap_runtime.context_parallel.sharding import (
     LoadBalance,
     check_load_balance,
@@ -114,7 +115,14 @@ def all_gather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         ``[B, S_local, Hq, D]`` in q's dtype.
+
+    Raises:
+        ValueError: on every rank, before the gather, when the ranks disagree on batch, local
+            length, heads, head dim, dtype, ``causal`` or ``load_balance``
+            (``peers.check_attention_call``), or on a bad local layout.
     """
+    check_attention_call("all_gather_kv_attention", q, k, v, group, causal, load_balance,
+                         timeout_s)
     check_load_balance(load_balance)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
         raise ValueError(f"all_gather_kv: q must be [B, S, Hq, D] and k, v [B, S, Hkv, D] with the "

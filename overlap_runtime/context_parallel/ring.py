@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from overlap_runtime.context_parallel.peers import check_attention_call
 from overlap_runtime.context_parallel.sharding import LoadBalance, check_load_balance
 from overlap_runtime.ops.comm_stats import CommStats, Phase
 from overlap_runtime.ops.attention import (
@@ -389,7 +390,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         ``[B, S_local, Hq, D]`` in q's dtype: this rank's rows of the full attention output.
+
+    Raises:
+        ValueError: on every rank, before any K/V moves, when the ranks disagree on batch,
+            local length, heads, head dim, dtype, ``causal`` or ``load_balance``
+            (``peers.check_attention_call``), or on a bad local layout.
     """
+    check_attention_call("ring_attention", q, k, v, group, causal, load_balance, timeout_s)
     check_load_balance(load_balance)
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"ring_attention: q must be [B, S, Hq, D] and k, v [B, S, Hkv, D] of one "
