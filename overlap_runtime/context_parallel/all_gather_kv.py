@@ -36,6 +36,7 @@ from overlap_runtime.ops.comm_stats import CommStats, record_backward
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.attention import (
     Backend,
+    accumulation_dtype,
     attention_block_backward,
     attention_block_forward,
     default_scale,
@@ -74,8 +75,9 @@ class _GatheredKVAttention(torch.autograd.Function):
                 blocks: list[tuple[slice, slice, bool]], scale: float,
                 backend: Backend) -> torch.Tensor:
         b, s, hq, d = q.shape
-        out = torch.zeros(b, s, hq, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+        acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs
+        out = torch.zeros(b, s, hq, d, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
         for qr, kr, blk_causal in blocks:
             blk_out, blk_lse = attention_block_forward(q[:, qr], k[:, kr], v[:, kr], blk_causal,
                                                        scale, backend)
@@ -88,9 +90,10 @@ class _GatheredKVAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        acc = accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for qr, kr, blk_causal in ctx.blocks:
             dq_b, dk_b, dv_b = attention_block_backward(
                 dout[:, qr], q[:, qr], k[:, kr], v[:, kr], out[:, qr], lse[:, :, qr], blk_causal,
