@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from overlap_runtime.context_parallel.peers import check_attention_call
 from overlap_runtime.context_parallel.sharding import (
     LoadBalance,
     check_load_balance,
@@ -35,6 +36,7 @@ from overlap_runtime.ops.comm_stats import CommStats, record_backward
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.attention import (
     Backend,
+    accumulation_dtype,
     attention_block_backward,
     attention_block_forward,
     default_scale,
@@ -73,8 +75,9 @@ class _GatheredKVAttention(torch.autograd.Function):
                 blocks: list[tuple[slice, slice, bool]], scale: float,
                 backend: Backend) -> torch.Tensor:
         b, s, hq, d = q.shape
-        out = torch.zeros(b, s, hq, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, s), float("-inf"), dtype=torch.float32, device=q.device)
+        acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs
+        out = torch.zeros(b, s, hq, d, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
         for qr, kr, blk_causal in blocks:
             blk_out, blk_lse = attention_block_forward(q[:, qr], k[:, kr], v[:, kr], blk_causal,
                                                        scale, backend)
@@ -87,9 +90,10 @@ class _GatheredKVAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        acc = accumulation_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for qr, kr, blk_causal in ctx.blocks:
             dq_b, dk_b, dv_b = attention_block_backward(
                 dout[:, qr], q[:, qr], k[:, kr], v[:, kr], out[:, qr], lse[:, :, qr], blk_causal,
@@ -114,7 +118,14 @@ def all_gather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         ``[B, S_local, Hq, D]`` in q's dtype.
+
+    Raises:
+        ValueError: on every rank, before the gather, when the ranks disagree on batch, local
+            length, heads, head dim, dtype, ``causal`` or ``load_balance``
+            (``peers.check_attention_call``), or on a bad local layout.
     """
+    check_attention_call("all_gather_kv_attention", q, k, v, group, causal, load_balance,
+                         timeout_s)
     check_load_balance(load_balance)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
         raise ValueError(f"all_gather_kv: q must be [B, S, Hq, D] and k, v [B, S, Hkv, D] with the "

@@ -4,7 +4,9 @@ Each of the ``P`` ranks holds its shard of q, k, v (``[B, S/P, H, D]``). In step
 ``me`` holds the K/V block of rank ``src = (me - s) % P``; while it computes with that block it
 already sends it on to ``me + 1`` and receives the next one from ``me - 1`` (point-to-point,
 prefetch), so the transfer hides behind the block's attention. Partial results are merged by
-online softmax in float32 (``ops.attention.merge_attention_``).
+online softmax in float32 (``ops.attention.merge_attention_``). Here and below "float32" is
+the accumulation dtype (``ops.attention.accumulation_dtype``): float64 inputs are computed,
+merged and summed in float64, not in float32.
 
 Elementwise work besides the kernels and the K/V packing: blocks return their kernel's dtype
 (``cast_float32=False``) and every sum reads it as is, in float32 arithmetic. The forward keeps
@@ -68,10 +70,12 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from overlap_runtime.context_parallel.peers import check_attention_call
 from overlap_runtime.context_parallel.sharding import LoadBalance, check_load_balance
 from overlap_runtime.ops.comm_stats import CommStats, Phase
 from overlap_runtime.ops.attention import (
     Backend,
+    accumulation_dtype,
     attention_block_backward,
     attention_block_forward,
     default_scale,
@@ -332,7 +336,8 @@ def _take(spare: dict[tuple[int, ...], torch.Tensor], like: torch.Tensor, half: 
 
 def _accumulate(acc: torch.Tensor | None, share: tuple[slice, torch.Tensor, torch.Tensor] | None,
                 half: bool, k: torch.Tensor) -> torch.Tensor:
-    """The dK/dV message ``acc + share`` (float32 ``[2, B, L, Hkv, D]``; L = half or whole).
+    """The dK/dV message ``acc + share`` (float32 ``[2, B, L, Hkv, D]``, float64 for float64
+    inputs; L = half or whole).
 
     ``acc``: the received float32 message or None; ``share``: ``(kv_rows, dk [B, n, Hkv, D],
     dv)`` in any float dtype (a kernel's bf16 gradients are read as is). Adds in place into the
@@ -351,7 +356,7 @@ def _accumulate(acc: torch.Tensor | None, share: tuple[slice, torch.Tensor, torc
             acc[0][:, ka:kb].add_(share[1])
             acc[1][:, ka:kb].add_(share[2])
         return acc
-    new = torch.empty((2, b, length, h, d), dtype=torch.float32, device=k.device)
+    new = torch.empty((2, b, length, h, d), dtype=accumulation_dtype(k.dtype), device=k.device)
     have = 0 if acc is None else acc.shape[2]
     cuts = sorted({0, length, have, ka, kb})
     for a, z in zip(cuts, cuts[1:]):
@@ -379,7 +384,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Args:
         q: local queries ``[B, S_local, Hq, D]``; k, v: ``[B, S_local, Hkv, D]``; all one dtype
-            (fp32, bf16, fp16: accumulation is float32, the result is cast back). Sharded by
+            (fp32, bf16, fp16: accumulation is float32, the result is cast back; float64:
+            computed, merged and sent (dK/dV) in float64 throughout). Sharded by
             ``load_balance`` (``sharding.shard_sequence``); every rank the same shapes.
         group: the CP process group (``cp_mesh.get_group()``); None: the default group.
         causal: causal mask over true positions.
@@ -389,7 +395,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         ``[B, S_local, Hq, D]`` in q's dtype: this rank's rows of the full attention output.
+
+    Raises:
+        ValueError: on every rank, before any K/V moves, when the ranks disagree on batch,
+            local length, heads, head dim, dtype, ``causal`` or ``load_balance``
+            (``peers.check_attention_call``), or on a bad local layout.
     """
+    check_attention_call("ring_attention", q, k, v, group, causal, load_balance, timeout_s)
     check_load_balance(load_balance)
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"ring_attention: q must be [B, S, Hq, D] and k, v [B, S, Hkv, D] of one "

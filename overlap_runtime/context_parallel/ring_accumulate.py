@@ -1,5 +1,8 @@
 """Row-piece accumulators of ring attention: float32 only where two results meet.
 
+(float32 stands for the accumulation dtype throughout, ``ops.attention.accumulation_dtype``:
+float64 when the inputs are float64, so float64 attention is summed in float64.)
+
 A rank's local rows are tracked in pieces (its two zigzag halves, :func:`_pieces`). Every block
 plan and diagonal part covers whole pieces, so for each piece the ring knows in advance how many
 contributions it will receive (:func:`_piece_counts`):
@@ -21,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from overlap_runtime.ops.attention import merge_attention_
+from overlap_runtime.ops.attention import accumulation_dtype, merge_attention_
 
 
 def _span(rows: slice, length: int) -> tuple[int, int]:
@@ -113,7 +116,7 @@ class _OutputMerger:
         span = _span(rows, self.length)
         a0 = span[0]
         if self.acc is None:
-            self.acc = torch.empty(self.diag.shape, dtype=torch.float32, device=self.diag.device)
+            self.acc = torch.empty(self.diag.shape, dtype=self.lse.dtype, device=self.diag.device)
         for a, b, (in_acc, last) in _runs(span, self.pieces,
                                           lambda i: (self.in_acc[i], self.left[i] == 1)):
             merge_attention_(self.acc[:, a:b], self.lse[:, :, a:b], blk_out[:, a - a0:b - a0],
@@ -168,7 +171,8 @@ class _GradSum:
                 self.result[:, a:b].copy_(xs)
                 continue
             if self.acc is None:
-                self.acc = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+                self.acc = torch.empty(self.shape, dtype=accumulation_dtype(self.result.dtype),
+                                       device=self.device)
             if first:
                 self.acc[:, a:b].copy_(xs)
             elif last:

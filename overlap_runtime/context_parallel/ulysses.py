@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from overlap_runtime.context_parallel.peers import check_attention_call
 from overlap_runtime.context_parallel.sharding import LoadBalance, check_load_balance
 from overlap_runtime.ops.comm_stats import CommStats, record_backward
 from overlap_runtime.ops import comm
@@ -171,7 +172,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         ``[B, S_local, Hq, D]`` in q's dtype.
+
+    Raises:
+        ValueError: on every rank, before the first all-to-all, when the ranks disagree on
+            batch, local length, heads, head dim, dtype, ``causal`` or ``load_balance``
+            (``peers.check_attention_call``), or on bad head counts / local layout.
     """
+    check_attention_call("ulysses_attention", q, k, v, group, causal, load_balance, timeout_s)
     check_load_balance(load_balance)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"ulysses: q must be [B, S, Hq, D] and k, v [B, S, Hkv, D] of one shape; "

@@ -21,8 +21,8 @@ Dispatch of ``N`` tokens, ``k`` experts each, ``E`` experts over ``P`` EP ranks 
 
 Combine is the reverse: ``received <- y[recv_inverse]`` (rank-major again), hook C, the reverse
 all-to-all (asynchronous in ``combine_start``), then in ``combine_wait``: wait, hook D (or
-D_LAST), ``slots = out[slot_inverse]`` and ``out_t = sum_k score[t, k] * slots[t, k]`` (fp32
-weights, result in y's dtype). The counts all-to-all is itself a bounded collective on the EP
+D_LAST), ``slots = out[slot_inverse]`` and ``out_t = sum_k score[t, k] * slots[t, k]`` (weighted and
+summed in fp32, or float64 when the scores or y are float64; result in y's dtype). The counts all-to-all is itself a bounded collective on the EP
 group, inside the same comm region as the tokens' one, launched through the same serializer.
 """
 
@@ -89,7 +89,8 @@ class DispatchMetadata:
         top_k: experts per token.
         slot_order / slot_inverse: ``[N*k]`` int64 permutation (and inverse) of token slots
             into expert order.
-        top_scores: ``[N, k]`` fp32 combine weights (differentiable).
+        top_scores: ``[N, k]`` fp32 combine weights (float64 for a float64 router;
+            differentiable).
         input_splits / output_splits: rows sent to / received from each EP rank.
         tokens_per_expert: rows per local expert after dispatch (length ``E_l``).
         recv_order / recv_inverse: ``[M]`` int64, rank-major to expert-major (None: identity).
@@ -407,7 +408,11 @@ class AllToAllTokenDispatcher:
         partial.consumed = True
         n, k, hidden = meta.num_tokens, meta.top_k, out.shape[-1]
         slots = out.index_select(0, meta.slot_inverse).view(n, k, hidden)
-        combined = (slots.float() * meta.top_scores.unsqueeze(-1)).sum(dim=1).to(out.dtype)
+        # fp32 at least; float64 when the layer (scores or expert output) is float64
+        acc = torch.promote_types(torch.promote_types(slots.dtype, torch.float32),
+                                  meta.top_scores.dtype)
+        combined = (slots.to(acc) * meta.top_scores.to(acc).unsqueeze(-1)).sum(dim=1)
+        combined = combined.to(out.dtype)
         return combined.view(meta.input_shape)
 
     def combine(self, expert_output: torch.Tensor, metadata: DispatchMetadata) -> torch.Tensor:

@@ -79,6 +79,9 @@ class MoE(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[..., H]`` -> same shape and dtype (and the aux loss, fp32 scalar, if asked).
 
+        A float64 layer computes in float64 throughout: router softmax, scores, aux loss and the
+        combine weighting are float64 (fp32 for bf16/fp16/fp32 layers), never a silent fp32.
+
         ``x`` is read again by the shared expert after the combine is launched: it must not be
         modified in place by anyone until the layer returns.
         """

@@ -1,11 +1,12 @@
 """Top-k softmax router with the load-balancing auxiliary loss.
 
 ``TopKRouter(hidden, num_experts, top_k)(x)`` scores every token against every expert with one
-linear layer (no bias), takes the softmax in fp32 and keeps the ``top_k`` best experts::
+linear layer (no bias), takes the softmax in fp32 (float64 for a float64 layer: never a silent
+downgrade) and keeps the ``top_k`` best experts::
 
     logits  = x @ W^T                       [N, E]   (x's dtype)
-    probs   = softmax(logits.float(), -1)   [N, E]   fp32
-    scores, indices = topk(probs, k)        [N, k]   fp32 / int64
+    probs   = softmax(logits.to(R), -1)     [N, E]   R = promote_types(x.dtype, fp32)
+    scores, indices = topk(probs, k)        [N, k]   R / int64
     scores /= scores.sum(-1)                (when ``renormalize``)
 
 Auxiliary loss (Switch Transformer / GShard form), computed from this rank's tokens only::
@@ -37,8 +38,10 @@ class RoutingResult:
 
     Attributes:
         top_indices: ``[N, k]`` int64, global expert ids, best first.
-        top_scores: ``[N, k]`` fp32, combine weights (differentiable).
-        aux_loss: scalar fp32, the load-balancing loss already multiplied by its coefficient.
+        top_scores: ``[N, k]`` fp32 (float64 for a float64 layer), combine weights
+            (differentiable).
+        aux_loss: scalar, the scores' dtype, the load-balancing loss already multiplied by its
+            coefficient.
     """
 
     top_indices: torch.Tensor
@@ -84,14 +87,17 @@ class TopKRouter(nn.Module):
         """Route ``x`` ``[N, H]`` (any float dtype); see :class:`RoutingResult`."""
         if x.dim() != 2:
             raise ValueError(f"TopKRouter: expected tokens [N, H], got shape {tuple(x.shape)}")
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        logits = self.gate(x)
+        # fp32 for bf16/fp16/fp32 layers; a float64 layer stays float64 (no silent downgrade)
+        probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         scores, indices = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize and self.top_k > 1:
             scores = scores / scores.sum(dim=-1, keepdim=True)
         return RoutingResult(indices, scores, self.aux_loss(probs, indices))
 
     def aux_loss(self, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """``coef * E * sum_e f_e P_e`` from fp32 ``probs [N, E]`` and ``indices [N, k]``."""
+        """``coef * E * sum_e f_e P_e`` from ``probs [N, E]`` (fp32 or float64) and ``indices
+        [N, k]``, in probs' dtype."""
         n = probs.shape[0]
         if self.aux_loss_coef == 0.0 or n == 0:
             return probs.sum() * 0.0  # keeps the graph (and the dtype) with no contribution

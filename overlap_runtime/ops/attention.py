@@ -10,14 +10,18 @@ Layout and dtypes
 * ``q``: ``[B, Sq, Hq, D]``; ``k``, ``v``: ``[B, Sk, Hkv, D]`` (batch, sequence, heads, head
   dim; the layout the projections produce and flash-attention's). ``Hq % Hkv == 0`` (grouped-query
   attention: query head ``h`` reads key/value head ``h // (Hq // Hkv)``). Any float dtype.
-* ``lse``: ``[B, Hq, Sq]`` float32, natural-log ``logsumexp`` over the block's keys of the scaled
-  scores ``q . k * scale`` (the layout fused kernels return).
-* Block outputs and gradients are float32 whatever the input dtype; callers accumulate in float32
-  and cast back to the input dtype once, at the end. With ``cast_float32=False`` a block returns
-  its kernel's own dtype instead (q's dtype for ``flash``/``cudnn``, whose kernels accumulate in
-  float32 and round once; float32 for ``math``): widening that to float32 adds no information, so
-  a caller that accumulates with mixed-dtype float32 ops (``acc += x``, ``torch.add(acc, x,
-  out=...)``, :func:`merge_attention_`) gets the same numbers without a cast kernel per block.
+* The *accumulation dtype* (:func:`accumulation_dtype`) is float32 for bf16, fp16 and fp32
+  inputs and float64 for float64 inputs: float64 attention is computed in float64 throughout
+  (blocks, lse, merges, gradient sums), never silently in float32.
+* ``lse``: ``[B, Hq, Sq]`` in the accumulation dtype, natural-log ``logsumexp`` over the block's
+  keys of the scaled scores ``q . k * scale`` (the layout fused kernels return).
+* Block outputs and gradients are in the accumulation dtype whatever the input dtype; callers
+  accumulate in it and cast back to the input dtype once, at the end. With
+  ``cast_float32=False`` a block returns its kernel's own dtype instead (q's dtype for
+  ``flash``/``cudnn``, whose kernels accumulate in float32 and round once; the accumulation
+  dtype for ``math``): widening that to float32 adds no information, so a caller that
+  accumulates with mixed-dtype float32 ops (``acc += x``, ``torch.add(acc, x, out=...)``,
+  :func:`merge_attention_`) gets the same numbers without a cast kernel per block.
 
 Masks
 -----
@@ -40,7 +44,8 @@ autograd graph.
 
 Backends
 --------
-``math`` (plain PyTorch, float32; the CPU path and the reference) and two CUDA kernels that
+``math`` (plain PyTorch in the accumulation dtype; the CPU path and the reference) and two CUDA
+kernels that
 return the logsumexp and take it back in their backward op (fp16/bf16, head dim a multiple of 8
 up to 256 here): ``flash`` (``aten._scaled_dot_product_flash_attention``, FlashAttention-2) and
 ``cudnn`` (``aten._scaled_dot_product_cudnn_attention``, the kernel SDPA itself prefers on
@@ -60,6 +65,7 @@ Backend = Literal["math", "flash", "cudnn"]
 
 __all__ = [
     "Backend",
+    "accumulation_dtype",
     "select_backend",
     "attention_block_forward",
     "attention_block_backward",
@@ -74,6 +80,11 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 def default_scale(head_dim: int) -> float:
     """The softmax scale used when none is given: ``head_dim ** -0.5``."""
     return 1.0 / math.sqrt(head_dim)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where attention of ``dtype`` inputs accumulates: float64 for float64, else float32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _check_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> int:
@@ -132,22 +143,24 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 def _reduce_kv(grad: torch.Tensor, group: int) -> torch.Tensor:
     """Inverse of :func:`_expand_kv` for gradients: sum the ``group`` copies of each kv head.
 
-    ``[B, S, Hkv * group, D]`` (any float dtype) -> ``[B, S, Hkv, D]``; the sum is float32 (read
-    in the input dtype, accumulated and written in float32: no separate cast) when ``group > 1``,
-    the input itself otherwise.
+    ``[B, S, Hkv * group, D]`` (any float dtype) -> ``[B, S, Hkv, D]``; the sum is in the
+    accumulation dtype (read in the input dtype, accumulated and written in float32, or float64
+    for float64: no separate cast) when ``group > 1``, the input itself otherwise.
     """
     if group == 1:
         return grad
     b, s, h, d = grad.shape
-    return grad.reshape(b, s, h // group, group, d).sum(dim=3, dtype=torch.float32)
+    return grad.reshape(b, s, h // group, group, d).sum(dim=3, dtype=accumulation_dtype(grad.dtype))
 
 
 # --------------------------------------------------------------------------- math backend
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """float32 scores ``[B, H, Sq, Sk]``, masked entries ``-inf``; q and k already expanded."""
-    s = torch.matmul(q.float().transpose(1, 2), k.float().permute(0, 2, 3, 1)) * scale
+    """Scores ``[B, H, Sq, Sk]`` in q's accumulation dtype, masked entries ``-inf``; q and k
+    already expanded."""
+    acc = accumulation_dtype(q.dtype)
+    s = torch.matmul(q.to(acc).transpose(1, 2), k.to(acc).permute(0, 2, 3, 1)) * scale
     if causal:
         n = s.shape[-1]
         keep = torch.ones(n, n, dtype=torch.bool, device=s.device).tril_()
@@ -161,7 +174,7 @@ def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     s = _math_scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)                                   # [B, H, Sq]
     p = torch.exp(s - lse.unsqueeze(-1))
-    out = torch.matmul(p, v.float().transpose(1, 2))                   # [B, H, Sq, D]
+    out = torch.matmul(p, v.to(s.dtype).transpose(1, 2))               # [B, H, Sq, D]
     return out.transpose(1, 2).contiguous(), lse
 
 
@@ -170,14 +183,15 @@ def _math_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     k, v = _expand_kv(k, group), _expand_kv(v, group)
     s = _math_scores(q, k, causal, scale)
-    p = torch.exp(s - lse.float().unsqueeze(-1))                       # [B, H, Sq, Sk]
-    do = dout.float().transpose(1, 2)                                  # [B, H, Sq, D]
+    acc = s.dtype                                                      # float32 or float64
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))                       # [B, H, Sq, Sk]
+    do = dout.to(acc).transpose(1, 2)                                  # [B, H, Sq, D]
     dv = torch.matmul(p.transpose(-1, -2), do)                         # [B, H, Sk, D]
-    dp = torch.matmul(do, v.float().permute(0, 2, 3, 1))               # [B, H, Sq, Sk]
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)       # [B, H, Sq]
+    dp = torch.matmul(do, v.to(acc).permute(0, 2, 3, 1))               # [B, H, Sq, Sk]
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)       # [B, H, Sq]
     ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.float().transpose(1, 2)) * scale           # [B, H, Sq, D]
-    dk = torch.matmul(ds.transpose(-1, -2), q.float().transpose(1, 2)) * scale
+    dq = torch.matmul(ds, k.to(acc).transpose(1, 2)) * scale           # [B, H, Sq, D]
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc).transpose(1, 2)) * scale
     return (dq.transpose(1, 2).contiguous(), _reduce_kv(dk.transpose(1, 2), group).contiguous(),
             _reduce_kv(dv.transpose(1, 2), group).contiguous())
 
@@ -280,14 +294,15 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         q: ``[B, Sq, Hq, D]``; k, v: ``[B, Sk, Hkv, D]``; one float dtype.
         causal: square causal mask (``Sq == Sk``) or none.
         scale: softmax scale, default ``D ** -0.5``.
-        cast_float32: return ``out`` in float32 (default); False: in the kernel's own dtype
-            (q's dtype for ``flash``/``cudnn``, float32 for ``math``), saving a cast kernel
-            when the caller accumulates in float32 anyway (module docstring).
+        cast_float32: return ``out`` in the accumulation dtype (default: float32, float64 for
+            float64 inputs); False: in the kernel's own dtype (q's dtype for ``flash``/``cudnn``,
+            the accumulation dtype for ``math``), saving a cast kernel when the caller
+            accumulates in float32 anyway (module docstring).
 
     Returns:
-        ``(out, lse)``: ``out`` ``[B, Sq, Hq, D]`` float32 or the kernel's dtype (normalised
-        within this block; laid out like q, so contiguous for a contiguous q), ``lse``
-        ``[B, Hq, Sq]`` float32.
+        ``(out, lse)``: ``out`` ``[B, Sq, Hq, D]`` in the accumulation dtype or the kernel's
+        (normalised within this block; laid out like q, so contiguous for a contiguous q),
+        ``lse`` ``[B, Hq, Sq]`` in the accumulation dtype.
     """
     group = _check_block(q, k, v, causal)
     sc = default_scale(q.shape[-1]) if scale is None else float(scale)
@@ -309,13 +324,15 @@ def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     Args:
         dout, out: ``[B, Sq, Hq, D]`` (any float dtype; the CUDA kernels cast them to q's).
         q: ``[B, Sq, Hq, D]``; k, v: ``[B, Sk, Hkv, D]``.
-        lse: ``[B, Hq, Sq]`` float32, the row's logsumexp over *all* its blocks.
-        cast_float32: return float32 gradients (default); False: the kernel's own dtype (q's
-            for ``flash``/``cudnn``, except dk, dv are float32 when kv heads are shared: their
-            copies are summed in float32; float32 for ``math``).
+        lse: ``[B, Hq, Sq]`` (float32, float64 for float64 inputs), the row's logsumexp over
+            *all* its blocks.
+        cast_float32: return gradients in the accumulation dtype (default); False: the kernel's
+            own dtype (q's for ``flash``/``cudnn``, except dk, dv are float32 when kv heads are
+            shared: their copies are summed in float32; the accumulation dtype for ``math``).
 
     Returns:
-        ``(dq, dk, dv)`` with q's, k's and v's shapes, float32 or as ``cast_float32`` says.
+        ``(dq, dk, dv)`` with q's, k's and v's shapes, in the accumulation dtype or as
+        ``cast_float32`` says.
     """
     group = _check_block(q, k, v, causal)
     sc = default_scale(q.shape[-1]) if scale is None else float(scale)
@@ -330,13 +347,14 @@ def attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 def merge_attention_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
                      block_lse: torch.Tensor, *, prev_out: torch.Tensor | None = None,
                      result: torch.Tensor | None = None) -> None:
-    """Online-softmax merge of a block into an accumulator, in place, in float32.
+    """Online-softmax merge of a block into an accumulator, in place, in the accumulators' dtype.
 
     Args:
-        out: accumulator ``[B, S, H, D]`` float32 (a view is fine: it is written in place).
-        lse: accumulator ``[B, H, S]`` float32; ``-inf`` rows mean "nothing merged yet".
+        out: accumulator ``[B, S, H, D]`` float32 (float64 for float64 attention; a view is
+            fine: it is written in place).
+        lse: accumulator ``[B, H, S]``, out's dtype; ``-inf`` rows mean "nothing merged yet".
         block_out: ``[B, S, H, D]``, any float dtype (a kernel's bf16/fp16 output is read as is:
-            the arithmetic is float32, no cast kernel); block_lse: ``[B, H, S]`` float32.
+            the arithmetic is float32, no cast kernel); block_lse: ``[B, H, S]``.
         prev_out: the accumulator's current value when it is not (yet) in ``out``, e.g. the
             first block's output in its kernel dtype: read instead of ``out``, which is then
             written without being read (no float32 copy of the first block is needed).
@@ -350,11 +368,11 @@ def merge_attention_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tens
     where both are ``-inf`` keep ``w_old = 1, w_new = 0``: ``out`` stays 0, ``lse`` ``-inf``.
     Device work: a few ``[B, H, S]`` ops and two passes over the rows (``mul``, ``addcmul``).
     """
-    if out.dtype != torch.float32 or lse.dtype != torch.float32:
-        raise ValueError(f"merge_attention_: accumulators must be float32, got out {out.dtype}, "
-                         f"lse {lse.dtype}")
+    if out.dtype != lse.dtype or out.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"merge_attention_: accumulators must be both float32 or both float64, "
+                         f"got out {out.dtype}, lse {lse.dtype}")
     inf = float("inf")
-    d = block_lse.float() - lse                                        # [B, H, S]
+    d = block_lse.to(lse.dtype) - lse                                  # [B, H, S]
     torch.logaddexp(lse, block_lse, out=lse)
     d.nan_to_num_(nan=-inf, posinf=inf, neginf=-inf)   # both -inf (nan): keep the accumulator
     w_new = torch.sigmoid(d).transpose(1, 2).unsqueeze(-1)             # [B, S, H, 1]

@@ -23,14 +23,16 @@ from overlap_runtime.testing import rel_l2
 
 
 def _dense_reference(moe, x: torch.Tensor) -> torch.Tensor:
-    """Token by token: sum_k score_k * expert_{i_k}(x) + shared(x)."""
-    probs = torch.softmax(moe.router.gate(x).float(), -1)
+    """Token by token: sum_k score_k * expert_{i_k}(x) + shared(x); softmax in fp32 (in float64
+    for a float64 layer: there everything is float64)."""
+    gate = moe.router.gate(x)
+    probs = torch.softmax(gate if x.dtype == torch.float64 else gate.float(), -1)
     scores, idx = torch.topk(probs, moe.router.top_k, -1)
     scores = scores / scores.sum(-1, keepdim=True)
     w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
     rows = []
     for t in range(x.shape[0]):
-        acc = torch.zeros(HIDDEN)
+        acc = torch.zeros(HIDDEN, dtype=x.dtype)
         for s, e in zip(scores[t], idx[t]):
             acc = acc + s * ((F.silu(x[t] @ w1[e]) * (x[t] @ w3[e])) @ w2[e])
         rows.append(acc)
@@ -52,6 +54,31 @@ def test_local_moe_equals_token_by_token_reference(shared: bool) -> None:
     (objective(ref) + moe.router(xr).aux_loss).backward()
     want = [xr.grad] + [p.grad for p in moe.parameters()]
     assert len(got) == len(want) and all(rel_l2(a, b) <= 1e-6 for a, b in zip(got, want))
+
+
+def test_float64_layer_routes_and_combines_in_float64() -> None:
+    """A float64 layer: router softmax, top-k scores, aux loss and the combine weighting in
+    float64 (before: softmax and combine in fp32 inside the float64 layer, ~1e-7 off a float64
+    reference), output and every gradient at float64 rounding."""
+    moe = make_moe(shared=True).double()
+    x = tokens(0, 10).double().requires_grad_(True)
+    routing = moe.router(x)
+    probs = torch.softmax(x.detach() @ moe.router.gate.weight.detach().T, -1)  # float64
+    scores, idx = torch.topk(probs, moe.router.top_k, -1)
+    scores = scores / scores.sum(-1, keepdim=True)
+    assert routing.top_scores.dtype == torch.float64 and routing.aux_loss.dtype == torch.float64
+    assert torch.equal(routing.top_indices, idx)
+    assert rel_l2(routing.top_scores, scores) <= 1e-14
+    out = moe(x)
+    xr = x.detach().clone().requires_grad_(True)
+    ref = _dense_reference(moe, xr)
+    assert out.dtype == torch.float64 and rel_l2(out, ref) <= 1e-14
+    objective(out).backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
+    moe.zero_grad(set_to_none=True)
+    (objective(ref) + moe.router(xr).aux_loss).backward()
+    want = [xr.grad] + [p.grad for p in moe.parameters()]
+    assert all(rel_l2(a, b) <= 1e-12 for a, b in zip(got, want))
 
 
 def test_router_aux_loss_is_one_coef_for_a_uniform_router() -> None:

@@ -321,3 +321,42 @@ def test_peer_gone_is_a_failure_not_a_timeout() -> None:
     """A wait that ends early with an error is CommFailedError, whatever the backend's text."""
     msgs = run_ranks(_peer_gone_worker, 2, timeout_s=60)
     assert msgs[0].startswith("failed: h_in (recv from group rank 1) failed after"), msgs[0]
+
+
+def _agree_worker(rank: int, world: int) -> dict[str, str]:
+    def outcome(fields: list) -> str:
+        try:
+            comm.check_ranks_agree("op", fields, group_name="pp")
+        except ValueError as exc:
+            return str(exc)
+        return "agree"
+
+    return {
+        "equal": outcome([("n", 4), ("dtype", torch.float32), ("mode", "zigzag"),
+                          ("shape", (1, 2)), ("none", None), ("flag", True)]),
+        "one off": outcome([("n", 4), ("the count", 3 if rank == 1 else 8)]),
+        "two off": outcome([("the dtype", torch.float64 if rank else torch.float32),
+                            ("mode", None if rank == 2 else "zigzag"), ("same", 1)]),
+    }
+
+
+def test_check_ranks_agree_raises_the_same_named_error_on_every_rank() -> None:
+    """Equal values pass; otherwise every rank raises naming the first differing field with
+    every rank's value (ranks sharing one grouped), then the other differing fields."""
+    for rank, res in enumerate(run_ranks(_agree_worker, 3)):
+        assert res == {
+            "equal": "agree",
+            "one off": "op: ranks disagree on the count: ranks 0, 2 have 8, rank 1 has 3 "
+                       "(pp group of 3)",
+            "two off": "op: ranks disagree on the dtype: rank 0 has torch.float32, ranks 1, 2 "
+                       "have torch.float64 (pp group of 3); also on mode",
+        }, f"rank {rank}: {res}"
+
+
+def _agree_one_rank_worker(rank: int, world: int) -> str:
+    comm.check_ranks_agree("op", [("n", rank)])  # a group of one has nobody to disagree with
+    return "ok"
+
+
+def test_check_ranks_agree_on_one_rank_is_a_no_op() -> None:
+    assert run_ranks(_agree_one_rank_worker, 1) == ["ok"]

@@ -36,6 +36,7 @@ __all__ = [
     "local_core_inputs",
     "check_halo",
     "check_backend_before_comm",
+    "check_ranks_agree_on_call",
     "TRITON_CHUNK",
 ]
 
@@ -73,9 +74,10 @@ class ContextParallelGDNMixer(GDNSequenceMixer):
     """Base of the CP sequence mixers: the CP boundary and the checks before any communication.
 
     :meth:`prepare_inputs` takes this rank's contiguous shard ``[B, S/P, hidden]`` (a tensor, or
-    a DTensor on the CP mesh placed ``Shard(1)``) and its mask slice ``[B, S/P]``, checks the
-    shapes and the backend's rules (:func:`check_backend_before_comm`) on every rank at the same
-    point, and returns plain local tensors; ``restore`` gives the output the input's form. Each
+    a DTensor on the CP mesh placed ``Shard(1)``) and its mask slice ``[B, S/P]``, makes the
+    ranks compare their calls (:func:`check_ranks_agree_on_call`, the first collective of every
+    forward), checks the shapes and the backend's rules (:func:`check_backend_before_comm`) on
+    every rank at the same point, and returns plain local tensors; ``restore`` gives the output the input's form. Each
     mode implements ``forward(layer, proj, mask) -> o [B, S/P, HV, V]``.
 
     Args:
@@ -100,6 +102,7 @@ class ContextParallelGDNMixer(GDNSequenceMixer):
         mask = None
         if attention_mask is not None:
             mask, _ = _to_local(attention_mask, self.plan, "attention_mask")
+        check_ranks_agree_on_call(layer, local, mask, self.plan)
         check_layer_inputs(layer, local, mask, seq="S/P", where=" (this rank's slice)")
         check_backend_before_comm(layer, local, self.plan)
         return MixerInputs(local, mask, self._as_dtensor if was_dtensor else _same_form)
@@ -145,6 +148,41 @@ def post_recv(buf: torch.Tensor, src: int, plan: GDNCPPlan, what: str) -> comm.A
 def post_send(x: torch.Tensor, dst: int, plan: GDNCPPlan, what: str) -> comm.AsyncHandle:
     """Post ``isend(x)`` to CP rank ``dst``; the handle keeps the sent payload alive until waited."""
     return comm.isend(x, dst, plan.group, timeout_s=plan.timeout_s, what=what)
+
+
+def check_ranks_agree_on_call(layer: GatedDeltaNet, hidden: torch.Tensor,
+                              mask: torch.Tensor | None, plan: GDNCPPlan) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks of the CP group call the
+    layer alike: batch size, local sequence length, hidden size, dtype, ``attention_mask``
+    (None or its shape), then mode, backend and the layer's heads, head dims and conv kernel.
+
+    Without it a rank with another shard length (Ulysses), batch or dtype (every mode: the halo,
+    the state and the summaries have the batch in their shape) posts a message of another size
+    and gloo aborts the process. One all-gather of 9 int64 on the CP group per forward
+    (``comm.check_ranks_agree``); it runs before every other collective of the forward and
+    before the local checks, which then see equal inputs on every rank.
+    """
+    if plan.cp_size == 1:
+        return
+
+    def dim(i: int) -> int | None:
+        return int(hidden.shape[i]) if hidden.dim() > i else None
+
+    fields = [
+        ("the batch size", dim(0)),
+        ("the local sequence length", dim(1)),
+        ("the hidden size", dim(2)),
+        ("the dtype", hidden.dtype),
+        ("attention_mask", None if mask is None else tuple(mask.shape)),
+        ("the hidden_states shape", tuple(hidden.shape)),
+        ("mode and backend", (plan.mode, plan.backend)),
+        ("the layer's heads (key, value) and head dims (K, V)",
+         (layer.num_key_heads, layer.num_value_heads, layer.head_k_dim, layer.head_v_dim)),
+        ("the conv halo", layer.conv_halo),
+    ]
+    comm.check_ranks_agree(f"GatedDeltaNet context parallelism (mode={plan.mode!r})", fields,
+                           plan.group, device=hidden.device, group_name="cp",
+                           timeout_s=plan.timeout_s)
 
 
 def check_halo(layer: GatedDeltaNet, local_len: int, plan: GDNCPPlan) -> None:

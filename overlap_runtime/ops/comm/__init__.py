@@ -17,12 +17,16 @@ module                 what it holds
                        :func:`ring_shift` (send to ``me + 1``, receive from ``me - 1``)
 ``collectives``        :func:`all_to_all_single` (async or not), :func:`all_gather`, :func:`attach`
                        (keeps a collective in a rank's backward); autograd
+``agree``              :func:`check_ranks_agree` (the ranks compare a few values, e.g. shapes,
+                       before a collective whose sizes depend on them; the same named error on
+                       every rank instead of a size mismatch inside the backend)
 =====================  ==========================================================================
 
 May import: torch, torch.distributed and :mod:`overlap_runtime.platform`; nothing else of the
 package (everything above ``ops`` imports this).
 """
 
+from .agree import check_ranks_agree
 from .collectives import all_gather, all_to_all_single, attach
 from .handle import (
     DEFAULT_TIMEOUT_S,
@@ -43,6 +47,7 @@ __all__ = [
     "all_to_all_single",
     "attach",
     "check_device_backend",
+    "check_ranks_agree",
     "global_rank",
     "group_rank",
     "group_size",
