@@ -84,6 +84,18 @@ class PipelineSchedule:
         self.rank = dist.get_rank(group)
         self.global_rank = dist.get_rank()
         world = dist.get_world_size(group)
+        # Every rank must run the same schedule: a rank with another number of microbatches (or
+        # another spec) posts sends and receives its peers never match, with activations of other
+        # sizes (gloo aborts the process with SIGABRT). One all-gather of 4 int64 on the pipeline
+        # group, here, before any check that reads the spec, so every rank raises the same error.
+        comm.check_ranks_agree(
+            "PipelineSchedule",
+            [("the number of microbatches", spec.num_microbatches),
+             ("the schedule kind", spec.kind),
+             ("the number of stages", spec.num_stages),
+             ("the schedule spec", spec)],
+            group, device=next((st.device for st in stages), torch.device("cpu")),
+            group_name="pp", timeout_s=self.timeout_s)
         if world != spec.pp_size:
             raise ValueError(f"the pipeline group has {world} ranks but spec.pp_size is {spec.pp_size}")
         expected = [s for s in range(spec.num_stages) if spec.stage_to_rank(s) == self.rank]

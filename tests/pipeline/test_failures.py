@@ -205,3 +205,25 @@ def test_a_callback_that_skips_its_sub_actions_is_named(mode: str) -> None:
     text = str(info.value)
     assert "the function registered for OVERLAP_B_F (" in text and "without running" in text, text
     assert "KeyError" not in text
+
+
+def _microbatch_mismatch_rank(rank: int, world: int) -> None:
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from test_runtime import _data, _loss, _model
+
+    from overlap_runtime.pipeline import PipelineStage, Schedule1F1B
+
+    model = _model(2)
+    sched = Schedule1F1B(PipelineStage(model[rank], rank, 2), 4 if rank == 0 else 2, _loss)
+    x, y = _data()
+    sched.step(x, target=y)
+
+
+def test_ranks_with_other_microbatch_counts_raise_a_named_error() -> None:
+    """#28 item 5: once a size-mismatch crash (gloo SIGABRT with 3 ranks, a shape error with 2)."""
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_microbatch_mismatch_rank, 2, timeout_s=60)
+    text = str(info.value)
+    assert ("raised ValueError: PipelineSchedule: ranks disagree on the number of microbatches: "
+            "rank 0 has 4, rank 1 has 2 (pp group of 2)") in text, text
