@@ -18,8 +18,8 @@ from overlap_runtime.models import (
 
 CONFIG = Qwen3_5Config(num_hidden_layers=4)
 SEQ = 96
-# float64 parameters and activations: GDN CP is then exact to float64 rounding, and what is left
-# is the fp32 inside ops.attention's math kernel (~5e-8 on logits, ~3e-7 on gradients). In fp32
+# float64 parameters and activations: GDN CP is then exact to float64 rounding, and so is the
+# attention (ops.attention accumulates float64 inputs in float64 since #28 item 6). In fp32
 # the p2p / all_gather summaries' extra cancellation shows as ~2e-4 on small gate gradients.
 DTYPE = torch.float64
 
