@@ -6,10 +6,10 @@ ring of point-to-point hops with unequal messages does the same. Algorithms that
 peers to agree on shapes (CP attention: local length, heads, head dim, dtype, batch; a pipeline:
 the number of microbatches) call :func:`check_ranks_agree` before their first collective. It
 costs one all-gather of ``len(fields)`` int64 per call (no other state: nothing is cached, so a
-later call with other shapes is checked too) and, only when the ranks disagree, one
-``all_gather_object`` of the values for the message. Every rank sees the same gathered codes,
-so every rank raises the same :class:`ValueError`, naming the first field that differs and
-every rank's value::
+later call with other shapes is checked too) and, only when the ranks disagree, two bounded
+all-gathers of the values' reprs (JSON bytes, nothing unpickled) for the message. Every rank sees
+the same gathered codes, so every rank raises the same :class:`ValueError`, naming the first
+field that differs and every rank's value::
 
     ring_attention: ranks disagree on the local sequence length: rank 0 has 64, rank 1 has 32
     (cp group of 2)
@@ -23,12 +23,14 @@ are listed by the code, not derived from the data).
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .collectives import all_gather
+from .handle import CommTimeoutError
 from .ranks import group_size
 
 __all__ = ["check_ranks_agree"]
@@ -56,6 +58,20 @@ def _ranks_text(reprs: list[str]) -> str:
     return ", ".join(parts)
 
 
+def _gather_reprs(reprs: list[str], group: dist.ProcessGroup | None, world: int,
+                  device: torch.device | str, timeout_s: float | None) -> list[list[str]]:
+    """Every rank's ``reprs`` (JSON bytes in a padded uint8 tensor, two bounded all-gathers)."""
+    blob = json.dumps(reprs).encode()
+    lengths = all_gather(torch.tensor([len(blob)], dtype=torch.int64).to(device), dim=0,
+                         group=group, timeout_s=timeout_s).cpu()
+    longest = int(lengths.max())
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    rows = all_gather(buf.to(device), dim=0, group=group, timeout_s=timeout_s)
+    rows = rows.view(world, longest).cpu()
+    return [json.loads(bytes(rows[r, :int(lengths[r])].tolist()).decode()) for r in range(world)]
+
+
 def check_ranks_agree(op: str, fields: Sequence[tuple[str, Any]],
                       group: dist.ProcessGroup | None = None, *,
                       device: torch.device | str = "cpu", group_name: str = "cp",
@@ -80,14 +96,18 @@ def check_ranks_agree(op: str, fields: Sequence[tuple[str, Any]],
     if world == 1 or not fields:
         return
     codes = torch.tensor([_code(v) for _, v in fields], dtype=torch.int64)
-    gathered = all_gather(codes.to(device), dim=0, group=group, timeout_s=timeout_s)
+    what = f"{op}: the ranks' agreement check ({group_name} group of {world})"
+    try:
+        gathered = all_gather(codes.to(device), dim=0, group=group, timeout_s=timeout_s)
+    except CommTimeoutError as exc:
+        raise CommTimeoutError(f"{what}: {exc}") from exc
     table = gathered.view(world, len(fields)).cpu()
     differ = [i for i in range(len(fields)) if not bool((table[:, i] == table[0, i]).all())]
     if not differ:
         return
-    # Every rank saw the same table, so every rank is here: one more collective for the message.
-    values: list[Any] = [None] * world
-    dist.all_gather_object(values, [repr(v) for _, v in fields], group=group)
+    # Every rank saw the same table, so every rank is here: two more bounded collectives for the
+    # message (the values' reprs as JSON bytes: nothing a peer sends is unpickled).
+    values = _gather_reprs([repr(v) for _, v in fields], group, world, device, timeout_s)
     first = differ[0]
     per_rank = [values[r][first] for r in range(world)]
     more = "; also on " + ", ".join(fields[i][0] for i in differ[1:]) if differ[1:] else ""
