@@ -195,7 +195,7 @@ def apply_fsdp(
 
 def parallelize_qwen3_5_ep(model: nn.Module, ep_mesh: DeviceMesh, *, coordinator: Any = None,
                            tag_prefix: str = "", timeout_s: float | None = None,
-                           trace: SpanSink | None = None) -> nn.Module:
+                           trace: SpanSink | None = None, deferred_w: Any = None) -> nn.Module:
     """Shard the routed experts of every MoE layer of ``model`` (or of a pipeline stage) over
     the 1-D ``ep_mesh``: each EP rank keeps ``num_experts / ep`` consecutive experts and gets an
     all-to-all dispatcher over the EP group (``moe.ExpertParallel``). With a ``coordinator``
@@ -203,7 +203,9 @@ def parallelize_qwen3_5_ep(model: nn.Module, ep_mesh: DeviceMesh, *, coordinator
     OVERLAP_B_F callback can interleave two microbatches' all-to-alls
     (``moe.OverlapExpertParallel``; ``tag_prefix`` names the stage, e.g. ``"S2."``).
     ``trace`` (a span sink such as a ``pipeline.ExecutionTrace``, or None) receives every
-    dispatcher's all-to-all, hook and expert spans.
+    dispatcher's all-to-all, hook and expert spans. ``deferred_w`` (a ``DeferredWQueue``, not
+    with a ``coordinator``): the experts defer their weight gradients to it while it captures
+    and the dispatchers run its pending tasks in the all-to-all windows.
 
     With ``ep_mesh.size() == 1`` the model is returned untouched.
     """
@@ -212,11 +214,15 @@ def parallelize_qwen3_5_ep(model: nn.Module, ep_mesh: DeviceMesh, *, coordinator
                          f"{tuple(ep_mesh.shape)}")
     if ep_mesh.size() == 1:
         return model
+    if coordinator is not None and deferred_w is not None:
+        raise ValueError("parallelize_qwen3_5_ep: deferred_w with a coordinator (OVERLAP_B_F "
+                         "hooks) is not supported: its two threads would run one W queue at once")
     if coordinator is not None:
         style: Any = OverlapExpertParallel(coordinator, tag_prefix=tag_prefix, trace=trace,
                                            timeout_s=timeout_s)
     else:
-        style = ExpertParallel(tag_prefix=tag_prefix, trace=trace, timeout_s=timeout_s)
+        style = ExpertParallel(tag_prefix=tag_prefix, trace=trace, timeout_s=timeout_s,
+                               deferred_w=deferred_w)
     return style.apply(model, ep_mesh)
 
 

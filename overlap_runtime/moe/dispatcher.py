@@ -39,6 +39,7 @@ from torch.autograd.function import FunctionCtx
 
 from overlap_runtime.coordinator import HookCoordinator, Side, sync_hook
 from overlap_runtime.ops import comm
+from overlap_runtime.pipeline.deferred_w import DeferredWQueue
 
 from .router import RoutingResult
 
@@ -207,6 +208,44 @@ class _BackwardSpanClose(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _WindowedAllToAll(torch.autograd.Function):
+    """All-to-all whose forward and backward waits first run the queue's pending W tasks.
+
+    ``box`` None: the forward launches, flushes and waits. ``box`` a list: the forward launches
+    and appends the handle (the caller flushes and waits it, as ``combine_wait`` does). The
+    backward (the reverse all-to-all) always launches, flushes, then waits.
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, output_splits: list[int],
+                input_splits: list[int], dispatcher: "AllToAllTokenDispatcher", where: str,
+                box: list[Any] | None) -> torch.Tensor:
+        ctx.splits = (output_splits, input_splits)
+        ctx.dispatcher, ctx.where = dispatcher, where
+        handle, out = comm.all_to_all_single(x, output_splits, input_splits, dispatcher.group,
+                                             async_op=True, timeout_s=dispatcher.timeout_s)
+        ctx.handle = handle
+        if box is None:
+            dispatcher._flush_window(handle, f"{where} fwd")
+            handle.wait()
+        else:
+            box.append(handle)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if not ctx.handle.completed:
+            raise RuntimeError(f"{ctx.dispatcher.tag}.{ctx.where}: backward reached an all-to-all "
+                               f"whose forward handle was never waited")
+        output_splits, input_splits = ctx.splits
+        handle, grad_in = comm.all_to_all_single(grad.contiguous(), input_splits, output_splits,
+                                                 ctx.dispatcher.group, async_op=True,
+                                                 timeout_s=ctx.dispatcher.timeout_s)
+        ctx.dispatcher._flush_window(handle, f"{ctx.where} bwd")
+        handle.wait()
+        return grad_in, None, None, None, None, None
+
+
 # ----------------------------------------------------------------------------- the dispatcher
 
 
@@ -224,11 +263,14 @@ class AllToAllTokenDispatcher:
         trace: optional span sink: all-to-all spans (cat ``a2a``, forward and backward) and
             hook waits during coordinated runs (cat ``hook``).
         timeout_s: bound of every communication wait (default: the comm layer's).
+        deferred_w_queue: run this queue's pending W tasks while the token all-to-alls are in
+            flight (module doc); not with ``hooks``.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *,
                  tag: str = "moe", hooks: OverlapHooks | None = None,
-                 trace: SpanSink | None = None, timeout_s: float | None = None) -> None:
+                 trace: SpanSink | None = None, timeout_s: float | None = None,
+                 deferred_w_queue: DeferredWQueue | None = None) -> None:
         self.num_experts = int(num_experts)
         self.group = group
         self.ep_size = dist.get_world_size(group) if group is not None else 1
@@ -245,6 +287,31 @@ class AllToAllTokenDispatcher:
         self.trace = trace
         self.timeout_s = timeout_s
         self._uid = next(_UIDS)
+        self.deferred_w_queue: DeferredWQueue | None = None
+        if deferred_w_queue is not None:
+            self.defer_weight_gradients(deferred_w_queue)
+
+    def defer_weight_gradients(self, queue: DeferredWQueue | None) -> "AllToAllTokenDispatcher":
+        """Configure (None: remove) the W queue flushed in the all-to-all windows; returns self.
+        Raises with sync hooks (OVERLAP_B_F threads would run one queue's tasks concurrently)."""
+        if queue is not None and not isinstance(queue, DeferredWQueue):
+            raise TypeError(f"{self.tag}: defer_weight_gradients needs a DeferredWQueue, got "
+                            f"{type(queue).__name__}")
+        if queue is not None and self.hooks is not None:
+            raise ValueError(f"{self.tag}: W-task windows with sync hooks (OVERLAP_B_F) are not "
+                             f"supported: its two threads would run one queue's W tasks at once; "
+                             f"use overlap_b_f=false with a deferred W queue")
+        self.deferred_w_queue = queue
+        return self
+
+    def _flush_window(self, handle: Any, where: str) -> None:
+        q = self.deferred_w_queue
+        if q is None or self.group is None or not q.pending():
+            return
+        t0 = time.time_ns()
+        n = q.flush(handle.is_completed, reason="window", during=f"{self.tag}.{where}")
+        if n and self.trace is not None:
+            self.trace.record(f"{self.tag}.W x{n} in {where}", "compute", t0, time.time_ns())
 
     def __repr__(self) -> str:
         hooks = (f", hooks=L{self.hooks.layer}/{self.hooks.combine_letter}"
@@ -340,7 +407,12 @@ class AllToAllTokenDispatcher:
         traced = self.trace is not None and permuted.requires_grad
         if traced:
             permuted = _BackwardSpanClose.apply(permuted, box, self.trace, f"{self.tag}.dispatch bwd")
-        received = self._all_to_all(permuted, output_splits, input_splits, f"{self.tag}.dispatch")
+        if self.deferred_w_queue is not None:
+            received = _WindowedAllToAll.apply(permuted, output_splits, input_splits, self,
+                                               "dispatch", None)
+        else:
+            received = self._all_to_all(permuted, output_splits, input_splits,
+                                        f"{self.tag}.dispatch")
         if traced:
             received = _BackwardSpanOpen.apply(received, box)
         self._span(f"{self.tag}.dispatch fwd", t0)
@@ -378,9 +450,15 @@ class AllToAllTokenDispatcher:
         if self.trace is not None and y.requires_grad:
             box = []
             y = _BackwardSpanClose.apply(y, box, self.trace, f"{self.tag}.combine bwd")
-        handle, out = self._all_to_all(y, list(metadata.input_splits),
-                                       list(metadata.output_splits), f"{self.tag}.combine",
-                                       async_op=True)
+        if self.deferred_w_queue is not None:
+            hbox: list[Any] = []
+            out = _WindowedAllToAll.apply(y, list(metadata.input_splits),
+                                          list(metadata.output_splits), self, "combine", hbox)
+            handle = hbox[0]
+        else:
+            handle, out = self._all_to_all(y, list(metadata.input_splits),
+                                           list(metadata.output_splits), f"{self.tag}.combine",
+                                           async_op=True)
         return handle, CombinePartialResult(out, metadata, handle, t0, bwd_span_box=box)
 
     def combine_wait(self, handle: CommHandle, partial: CombinePartialResult) -> torch.Tensor:
@@ -397,6 +475,7 @@ class AllToAllTokenDispatcher:
                              f"returned with this partial result")
         meta = partial.metadata
         self._check_metadata(meta, "combine_wait")
+        self._flush_window(handle, "combine fwd")
         handle.wait()
         out = partial.received
         if self.group is not None:

@@ -36,7 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupedExperts", "FeedForward", "grouped_mm_supported", "ExpertBackend"]
+from overlap_runtime.pipeline.deferred_w import DeferredWQueue
+
+__all__ = ["GroupedExperts", "FeedForward", "grouped_mm_supported", "ExpertBackend",
+           "DeferredWUnsupportedError"]
 
 ExpertBackend = Literal["loop", "grouped_mm"]
 
@@ -61,6 +64,86 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype, hidden:
     return True, ""
 
 
+class DeferredWUnsupportedError(NotImplementedError):
+    """Deferred expert weight gradients asked of a backend that does not implement them."""
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def _expert_weight_grads(xs: list[torch.Tensor], hs: list[torch.Tensor], das: list[torch.Tensor],
+                         dbs: list[torch.Tensor], dys: list[torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dW1, dW3, dW2 ``[E, ...]`` of every local expert from its GEMMs' inputs and output
+    gradients (an expert without rows gets zeros)."""
+    dw1 = torch.stack([x.t() @ da for x, da in zip(xs, das)])
+    dw3 = torch.stack([x.t() @ db for x, db in zip(xs, dbs)])
+    dw2 = torch.stack([h.t() @ dy for h, dy in zip(hs, dys)])
+    return dw1, dw3, dw2
+
+
+class _LoopExpertsFn(torch.autograd.Function):
+    """The loop backend with a split backward: dX now, dW1/dW3/dW2 now or as one W task."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                counts: list[int], queue: DeferredWQueue) -> torch.Tensor:
+        outs, As, Bs = [], [], []
+        for e, part in enumerate(torch.split(x, counts, dim=0)):
+            a, b = part @ w1[e], part @ w3[e]
+            outs.append((F.silu(a) * b) @ w2[e])
+            As.append(a)
+            Bs.append(b)
+        ctx.save_for_backward(x, w1, w3, w2, torch.cat(As), torch.cat(Bs))
+        ctx.counts, ctx.queue = counts, queue
+        return torch.cat(outs, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w1, w3, w2, a_all, b_all = ctx.saved_tensors
+        counts, queue = ctx.counts, ctx.queue
+        need_x = ctx.needs_input_grad[0]
+        need_w = any(ctx.needs_input_grad[1:4])
+        xs = list(torch.split(x, counts, 0))
+        dys = list(torch.split(grad_out, counts, 0))
+        hs, das, dbs, dxs = [], [], [], []
+        for e, (a, b, dy) in enumerate(zip(torch.split(a_all, counts, 0),
+                                          torch.split(b_all, counts, 0), dys)):
+            sig = torch.sigmoid(a)
+            silu = a * sig
+            dh = dy @ w2[e].t()
+            da = dh * b * (sig * (1 + a * (1 - sig)))  # d silu(a) / da
+            db = dh * silu
+            hs.append(silu * b)
+            das.append(da)
+            dbs.append(db)
+            if need_x:
+                dxs.append(da @ w1[e].t() + db @ w3[e].t())
+        grad_x = torch.cat(dxs, 0) if need_x else None
+        if not need_w:
+            return grad_x, None, None, None, None, None
+        if queue.capturing is not None:
+            params = (w1, w3, w2)
+
+            def task() -> None:
+                for p, g in zip(params, _expert_weight_grads(xs, hs, das, dbs, dys)):
+                    if p.requires_grad:
+                        _accumulate(p, g)
+
+            queue.push(task, (x, grad_out, *hs, *das, *dbs),
+                       what=f"experts {tuple(w1.shape)} x {len(counts)}")
+            return grad_x, None, None, None, None, None
+        dw1, dw3, dw2 = _expert_weight_grads(xs, hs, das, dbs, dys)
+        return (grad_x, dw1 if ctx.needs_input_grad[1] else None,
+                dw3 if ctx.needs_input_grad[2] else None,
+                dw2 if ctx.needs_input_grad[3] else None, None, None)
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts (see the module doc).
 
@@ -68,11 +151,14 @@ class GroupedExperts(nn.Module):
         num_experts: experts held here (all of them before :meth:`shard_`, the local ones after).
         hidden: H.  ffn_hidden: F.
         backend: ``"loop"`` or ``"grouped_mm"`` (no ``auto``).
+        deferred_w_queue: defer the weight gradients to this queue while it captures (loop
+            backend only; see the module doc). None: immediate gradients, no custom Function.
     """
 
     def __init__(self, num_experts: int, hidden: int, ffn_hidden: int,
                  backend: ExpertBackend = "loop", device: Any = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, *,
+                 deferred_w_queue: DeferredWQueue | None = None) -> None:
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"GroupedExperts: num_experts={num_experts} must be >= 1")
@@ -88,7 +174,23 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden, **kw))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, ffn_hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden, hidden, **kw))
+        self.deferred_w_queue: DeferredWQueue | None = None
         self.reset_parameters()
+        if deferred_w_queue is not None:
+            self.defer_weight_gradients(deferred_w_queue)
+
+    def defer_weight_gradients(self, queue: DeferredWQueue | None) -> "GroupedExperts":
+        """Configure (or, with None, remove) the W queue the expert weight gradients go to while
+        it captures; returns self. Raises :class:`DeferredWUnsupportedError` on ``grouped_mm``."""
+        if queue is not None and not isinstance(queue, DeferredWQueue):
+            raise TypeError(f"GroupedExperts.defer_weight_gradients needs a DeferredWQueue, got "
+                            f"{type(queue).__name__}")
+        if queue is not None and self.backend != "loop":
+            raise DeferredWUnsupportedError(
+                f"GroupedExperts(backend={self.backend!r}): deferred weight gradients are "
+                f"implemented for backend='loop' only")
+        self.deferred_w_queue = queue
+        return self
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
@@ -129,9 +231,15 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts: tokens_per_expert {counts} must have "
                              f"{self.num_experts} entries summing to the {x.shape[0]} rows of x")
         if self.resolved_backend(x) == "grouped_mm":
+            if self.deferred_w_queue is not None:  # set by hand past defer_weight_gradients
+                raise DeferredWUnsupportedError("GroupedExperts(backend='grouped_mm') with a "
+                                                "deferred_w_queue: only backend='loop' defers W")
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, self.w1, offs=offs)) * torch._grouped_mm(x, self.w3, offs=offs)
             return torch._grouped_mm(h, self.w2, offs=offs)
+        if self.deferred_w_queue is not None:
+            return _LoopExpertsFn.apply(x, self.w1, self.w3, self.w2, counts,
+                                        self.deferred_w_queue)
         outs = []
         for e, part in enumerate(torch.split(x, counts, dim=0)):
             h = F.silu(part @ self.w1[e]) * (part @ self.w3[e])
@@ -141,7 +249,9 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts} (offset {self.expert_offset} of "
                 f"{self.global_num_experts}), hidden={self.hidden}, ffn={self.ffn_hidden}, "
-                f"backend={self.backend}")
+                f"backend={self.backend}"
+                + (f", deferred_w={self.deferred_w_queue.name!r}" if self.deferred_w_queue
+                   else ""))
 
 
 class FeedForward(nn.Module):

@@ -71,6 +71,16 @@ class MoE(nn.Module):
         self.overlap_shared_expert = overlap_shared_expert
         self.dispatcher = AllToAllTokenDispatcher(num_experts)
 
+    def defer_weight_gradients(self, queue: Any) -> "MoE":
+        """Defer the routed experts' weight gradients to ``queue`` (a ``DeferredWQueue``; None
+        removes it) while it captures, and run its pending W tasks in this layer's all-to-all
+        windows (the dispatcher's; EP only). Router and shared expert keep immediate gradients.
+        Configuration only: call it after ``ExpertParallel.apply`` (which installs a new
+        dispatcher) or give the queue to ``ExpertParallel(deferred_w=...)``. Returns self."""
+        self.experts.defer_weight_gradients(queue)
+        self.dispatcher.defer_weight_gradients(queue)
+        return self
+
     @property
     def num_experts(self) -> int:
         return self.router.num_experts

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
+from overlap_runtime.pipeline.deferred_w import DeferredWQueue
 
 from .dispatcher import AllToAllTokenDispatcher, OverlapHooks, SpanSink
 from .layer import MoE
@@ -72,13 +73,17 @@ class ExpertParallel:
             same on every EP rank for the same layer.
         trace: span sink for all-to-all (and hook) spans, e.g. an ``ExecutionTrace``.
         timeout_s: bound of every communication wait.
+        deferred_w: the rank's ``DeferredWQueue``: every layer's experts defer their weight
+            gradients to it while it captures and its dispatcher flushes it in the all-to-all
+            windows (``MoE.defer_weight_gradients``). None: immediate gradients.
     """
 
     def __init__(self, *, tag_prefix: str = "", trace: SpanSink | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, deferred_w: DeferredWQueue | None = None) -> None:
         self.tag_prefix = tag_prefix
         self.trace = trace
         self.timeout_s = timeout_s
+        self.deferred_w = deferred_w
 
     def apply(self, module: nn.Module, ep_mesh: Any) -> nn.Module:
         """Shard every MoE layer of ``module`` over ``ep_mesh``'s group; returns ``module``."""
@@ -96,6 +101,8 @@ class ExpertParallel:
             moe.dispatcher = AllToAllTokenDispatcher(
                 moe.num_experts, group, tag=f"{self.tag_prefix}L{self._index(i)}", hooks=self._hooks(i, layers),
                 trace=self.trace, timeout_s=self.timeout_s)
+            if self.deferred_w is not None:
+                moe.defer_weight_gradients(self.deferred_w)
         return module
 
     def _hooks(self, index: int, layers: list[MoE]) -> OverlapHooks | None:

@@ -6,7 +6,9 @@
     parallelize_qwen3_5_cp(model, mesh "cp")         GDN + attention CP (contiguous shards)
     parts = split_qwen3_5(model, stages of this pp rank)        pp > 1, else {0: model}
     parallelize_qwen3_5_ep(part, mesh "ep")          routed experts sharded; with overlap_b_f
-                                                     the A/B/C/D hooks of one HookCoordinator
+                                                     the A/B/C/D hooks of one HookCoordinator;
+                                                     with defer_expert_w one DeferredWQueue
+                                                     per rank (experts + dispatchers)
     apply_fsdp(part, mesh "fsdp", expert_mesh "expert_fsdp")     per part
     PipelineSchedule(spec, [PipelineStage(part) ...])           pp > 1; OVERLAP_B_F callback
                                                                  registered when asked for
@@ -79,6 +81,11 @@ class ParallelModel:
         schedule: the pipeline schedule (pp > 1), else None.
         overlap: the rank's ``CommComputeOverlap`` (OVERLAP_B_F with EP), closed by
             :meth:`close`.
+        deferred_w: the rank's W queue of the expert GEMMs (``defer_expert_w``), else None;
+            PipelineStage finds it on the experts and runs I as one walk inside its capture.
+        w_runs: ``{reason: count}`` of the W tasks that queue ran (``"window"``: inside an
+            EP all-to-all wait; ``"action"``: the program's W; ``"drain"``: end of step),
+            summed over the run.
         expert_params / other_params: this rank's parameters, routed experts apart (their
             norm is summed over the EP group too).
         num_parameters: parameters of the whole model (before any split or sharding).
@@ -91,6 +98,8 @@ class ParallelModel:
     other_params: list[nn.Parameter]
     num_parameters: int
     global_tokens: int
+    deferred_w: Any | None = None
+    w_runs: dict[str, int] = field(default_factory=dict)
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -164,7 +173,14 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
     else:
         parts = {0: model}
 
-    coordinator = overlap = None
+    coordinator = overlap = queue = None
+    w_runs: dict[str, int] = {}
+    if pl.defer_expert_w:  # the config rule guarantees pp > 1, ep > 1, zero_bubble/dualpipev
+        from overlap_runtime.pipeline import DeferredWQueue
+
+        queue = DeferredWQueue(name=f"pp{rank_of_pp}.experts")
+        queue.listeners.append(lambda run: w_runs.__setitem__(run.reason,
+                                                               w_runs.get(run.reason, 0) + 1))
     if dims.ep > 1:
         if spec is not None and pl.overlap_b_f:
             from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
@@ -174,7 +190,7 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
         for s, part in parts.items():
             parallelize_qwen3_5_ep(part, dims.mesh("ep"), coordinator=coordinator,
                                    tag_prefix=f"S{s}.", timeout_s=acc.comm_timeout_s,
-                                   trace=trace)
+                                   trace=trace, deferred_w=queue)
 
     mp_policy = None
     if config.train.precision == "bf16":
@@ -190,7 +206,8 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
     if spec is not None:
         schedule = _pipeline_schedule(config, dims, device, spec, parts, overlap, global_tokens)
     experts, others = _split_params(list(parts.values()))
-    return ParallelModel(parts, schedule, overlap, experts, others, n_params, global_tokens)
+    return ParallelModel(parts, schedule, overlap, experts, others, n_params, global_tokens,
+                         deferred_w=queue, w_runs=w_runs)
 
 
 def _pipeline_schedule(config: TrainConfig, dims: ParallelDims, device: torch.device, spec: Any,

@@ -33,6 +33,8 @@
         microbatches: 4           # per step; must divide data.batch_size
         virtual_stages: 1         # model chunks per pipeline rank (dualpipev: 2)
         overlap_b_f: false        # OVERLAP_B_F compound steps (interleaved_1f1b / 1f1b)
+        defer_expert_w: false     # zero_bubble/dualpipev with ep > 1: expert W tasks queued,
+                                  # run in the EP all-to-all windows (not with overlap_b_f)
         overlap_p2p: true
         layers_per_stage: null    # e.g. [2, 2]; null: an even split (trainer.pipeline_split)
 
@@ -122,6 +124,7 @@ class PipelineConfig(_Strict):
     microbatches: int = Field(4, ge=1, description="microbatches per step (divide batch_size)")
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank")
     overlap_b_f: bool = False
+    defer_expert_w: bool = False
     overlap_p2p: bool = True
     layers_per_stage: list[int] | None = None
 
@@ -249,11 +252,31 @@ class TrainConfig(_Strict):
         return TrainConfig.model_validate(data)
 
 
+def _defer_expert_w_problems(config: "TrainConfig") -> list[str]:
+    """``train.pipeline.defer_expert_w``: split schedules (I/W), MoE with ep > 1, no
+    overlap_b_f."""
+    acc, pl, m = config.train.accelerator, config.train.pipeline, config.model
+    if not pl.defer_expert_w:
+        return []
+    why = []
+    if acc.pp == 1 or pl.schedule not in ("zero_bubble", "dualpipev"):
+        why.append(f"a split-backward schedule (zero_bubble or dualpipev with pp > 1; got "
+                   f"schedule {pl.schedule!r}, pp={acc.pp})")
+    if m.mlp != "moe" or acc.ep == 1:
+        why.append(f"MoE layers with expert parallelism (got model.mlp={m.mlp!r}, "
+                   f"ep={acc.ep})")
+    if pl.overlap_b_f:
+        why.append("overlap_b_f: false (its two threads would run one W queue at once)")
+    if not why:
+        return []
+    return ["train.pipeline.defer_expert_w=true needs " + "; and ".join(why)]
+
+
 def _pipeline_problems(config: "TrainConfig") -> list[str]:
     """Rules of ``train.pipeline`` against the layout and the model (empty when pp == 1)."""
     acc, pl, m = config.train.accelerator, config.train.pipeline, config.model
     if acc.pp == 1:
-        return []
+        return _defer_expert_w_problems(config)
     out: list[str] = []
     stages = acc.pp * pl.virtual_stages
     if stages > m.num_hidden_layers:
@@ -278,6 +301,7 @@ def _pipeline_problems(config: "TrainConfig") -> list[str]:
                    f"threads of an OVERLAP_B_F step would issue context-parallel messages on one "
                    f"group in a different order on different ranks (the HookCoordinator orders "
                    f"only the expert all-to-alls); use cp: 1 or overlap_b_f: false")
+    out.extend(_defer_expert_w_problems(config))
     try:
         schedule_spec(config)
     except ValidationError as exc:

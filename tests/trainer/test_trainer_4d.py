@@ -64,6 +64,14 @@ FOUR_RANKS = {
     "pp2_ep2_overlap_b_f": layout(4, model=MOE, pp=2, ep=2,
                                   pipeline=pp2("interleaved_1f1b", virtual_stages=2,
                                                overlap_b_f=True)),
+    # expert W tasks deferred to the rank's queue and run in the EP all-to-all windows (dp_shard
+    # 2: the tasks accumulate into FSDP's gathered parameters before the reduce-scatter); where
+    # they ran: tests/moe/test_moe_deferred_w.py::test_trainer_flushes_expert_w_in_the_windows
+    "pp2_ep2_zero_bubble_defer_w": layout(4, model=MOE, pp=2, ep=2,
+                                          pipeline=pp2("zero_bubble", defer_expert_w=True)),
+    "pp2_ep2_dualpipev_defer_w": layout(4, model=MOE, pp=2, ep=2,
+                                        pipeline=pp2("dualpipev", virtual_stages=2,
+                                                     defer_expert_w=True)),
     "pp2_cp2": layout(4, pp=2, cp=2, **CP_MODES, pipeline=pp2("1f1b", microbatches=2)),
     "dp2_pp2": layout(4, pp=2, dp_shard=2, pipeline=pp2("1f1b", microbatches=2)),
     "pp2_ep2_top2_overlap_b_f": layout(4, model={**MOE, "num_experts_per_tok": 2}, pp=2, ep=2,
