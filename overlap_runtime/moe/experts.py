@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overlap_runtime.pipeline.deferred_w import DeferredWQueue
+from overlap_runtime.pipeline.deferred_w import DeferredWQueue, accumulate_grad
 
 __all__ = ["GroupedExperts", "FeedForward", "grouped_mm_supported", "ExpertBackend",
            "DeferredWUnsupportedError"]
@@ -66,14 +66,6 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype, hidden:
 
 class DeferredWUnsupportedError(NotImplementedError):
     """Deferred expert weight gradients asked of a backend that does not implement them."""
-
-
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    grad = grad.to(param.dtype)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
 
 
 def _expert_weight_grads(xs: list[torch.Tensor], hs: list[torch.Tensor], das: list[torch.Tensor],
@@ -133,7 +125,7 @@ class _LoopExpertsFn(torch.autograd.Function):
             def task() -> None:
                 for p, g in zip(params, _expert_weight_grads(xs, hs, das, dbs, dys)):
                     if p.requires_grad:
-                        _accumulate(p, g)
+                        accumulate_grad(p, g)
 
             queue.push(task, (x, grad_out, *hs, *das, *dbs),
                        what=f"experts {tuple(w1.shape)} x {len(counts)}")

@@ -48,7 +48,8 @@ from typing import Any, Callable, Hashable, Iterator, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["DeferredWQueue", "DeferredWTask", "WRun", "DeferredLinear", "find_deferred_w_queue"]
+__all__ = ["DeferredWQueue", "DeferredWTask", "WRun", "DeferredLinear", "accumulate_grad",
+           "find_deferred_w_queue"]
 
 
 @dataclass
@@ -224,7 +225,8 @@ class DeferredWQueue:
 # ---------------------------------------------------------------------- the linear layer
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` (set when None), in the parameter's dtype: how a W task lands."""
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
@@ -237,9 +239,9 @@ def _linear_weight_task(x: torch.Tensor, grad_out: torch.Tensor, weight: torch.T
     def task() -> None:
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         if weight is not None:
-            _accumulate(weight, g2.t().matmul(x.reshape(-1, x.shape[-1])))
+            accumulate_grad(weight, g2.t().matmul(x.reshape(-1, x.shape[-1])))
         if bias is not None:
-            _accumulate(bias, g2.sum(0))
+            accumulate_grad(bias, g2.sum(0))
 
     return task
 

@@ -103,6 +103,13 @@ def test_gpu_full_size_bf16_against_eager_fp32(seq_len):
     torch.manual_seed(0)
     dev = torch.device("cuda")
     x = make_inputs(1, seq_len, 4, 8, 128, 128, dtype=torch.bfloat16, decay_shift=0.0)
+    tensors, errors = _gpu_against_eager_fp32(x, dev)
+    assert all(e < 1e-2 for e in errors.values()), errors
+
+
+def _gpu_against_eager_fp32(x: dict, dev: torch.device) -> tuple[dict, dict]:
+    """Triton bf16 on ``dev`` vs eager fp32, forward + backward: (Triton's o, h and gradients,
+    rel-L2 of each against eager)."""
     x = {n: t.detach().to(dev).requires_grad_() for n, t in x.items()}
     ref = {n: (t.detach().float() if n != "g" else t.detach()).requires_grad_()
            for n, t in x.items()}
@@ -115,10 +122,11 @@ def test_gpu_full_size_bf16_against_eager_fp32(seq_len):
         dh = torch.randn(h.shape, generator=gen, device=dev)
         ((o.float() * do).sum() + (h * dh).sum()).backward()
         outs[tag] = (o, h)
+    tensors = {"o": outs["tri"][0], "h": outs["tri"][1], **{"d" + n: x[n].grad for n in x}}
     errors = {"o": rel_l2(outs["tri"][0], outs["ref"][0]),
               "h": rel_l2(outs["tri"][1], outs["ref"][1])}
     errors.update({"d" + n: rel_l2(x[n].grad, ref[n].grad) for n in x})
-    assert all(e < 1e-2 for e in errors.values()), errors
+    return tensors, errors
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -134,22 +142,7 @@ def test_gpu_extreme_gates_bf16_against_eager_fp32(gate):
     for p in (0, 64, 100, 127, 2048 + 33, seq_len - 1):
         g[:, p, :4] = gate
     x["g"] = g
-    x = {n: t.detach().to(dev).requires_grad_() for n, t in x.items()}
-    ref = {n: (t.detach().float() if n != "g" else t.detach()).requires_grad_()
-           for n, t in x.items()}
-    outs = {}
-    for tag, inp, backend in (("tri", x, "triton"), ("ref", ref, "eager")):
-        o, h = chunk_gated_delta_rule(*(inp[n] for n in NAMES), initial_state=inp["initial_state"],
-                                      output_final_state=True, backend=backend)
-        gen = torch.Generator(device=dev).manual_seed(1)
-        do = torch.randn(o.shape, generator=gen, device=dev)
-        dh = torch.randn(h.shape, generator=gen, device=dev)
-        ((o.float() * do).sum() + (h * dh).sum()).backward()
-        outs[tag] = (o, h)
-    tensors = {"o": outs["tri"][0], "h": outs["tri"][1], **{"d" + n: x[n].grad for n in x}}
+    tensors, errors = _gpu_against_eager_fp32(x, dev)
     assert all(bool(torch.isfinite(t).all()) for t in tensors.values()), \
         {k: int((~torch.isfinite(t)).sum()) for k, t in tensors.items()}
-    errors = {"o": rel_l2(outs["tri"][0], outs["ref"][0]),
-              "h": rel_l2(outs["tri"][1], outs["ref"][1])}
-    errors.update({"d" + n: rel_l2(x[n].grad, ref[n].grad) for n in x})
     assert all(e < 1e-2 for e in errors.values()), errors
