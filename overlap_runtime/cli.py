@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "(CPU ranks spawned here, or torchrun's)"),
     "info": ("overlap_runtime.info", "print the platform: device kinds, counts, backends"),
     "schedule": ("overlap_runtime.schedules.cli", "build, check and simulate a pipeline schedule"),
-    "train": ("overlap_runtime.trainer.cli", "FSDP2 + context-parallel training from a YAML config"),
+    "train": ("overlap_runtime.trainer.cli", "PP x EP x CP x FSDP2 training from a YAML config"),
 }
 
 
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipeline, expert and context parallelism with communication hidden behind "
         "computation.",
     )
+    from overlap_runtime import __version__
+
+    parser.add_argument("--version", action="version", version=f"overlap-runtime {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from overlap_runtime import cli
+from overlap_runtime.cli import main
 
 
 def test_help_lists_subcommands() -> None:
@@ -35,3 +36,35 @@ def test_demo_flags() -> None:
 def test_info(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["info"]) == 0
     assert "cpu: 1 device(s), backend gloo" in capsys.readouterr().out
+
+
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from overlap_runtime import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"overlap-runtime {__version__}"
+
+
+def test_info_lists_the_optional_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name in ("triton", "matplotlib", "torch_npu"):
+        assert any(line.split()[:1] == [name] and line.split()[1] in ("yes", "no")
+                   for line in out.splitlines()), out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["schedule", "--spec", "/nonexistent/missing.yaml"],
+     "error: cannot read --spec /nonexistent/missing.yaml: No such file or directory"),
+    (["schedule", "--kind", "1f1b", "--pp", "2", "--plot", "/nonexistent/x.png"],
+     "error: --plot /nonexistent/x.png: its directory /nonexistent does not exist"),
+    (["schedule", "--kind", "1f1b", "--pp", "2", "--csv", "/nonexistent/s.csv"],
+     "error: --csv /nonexistent/s.csv: its directory /nonexistent does not exist"),
+])
+def test_schedule_bad_paths_are_one_line_errors(argv: list[str], needle: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == needle, err

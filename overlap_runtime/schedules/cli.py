@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 __all__ = ["add_arguments", "run"]
@@ -84,6 +85,19 @@ def run(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a missing or unreadable --spec file
+        print(f"error: cannot read --spec {args.spec}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # yaml.YAMLError: not a ValueError
+        if type(exc).__module__.split(".")[0] != "yaml":
+            raise
+        print(f"error: --spec {args.spec} is not valid YAML: {exc}", file=sys.stderr)
+        return 2
+    for flag in ("--plot", "--csv", "--trace"):
+        problem = _output_problem(getattr(args, flag[2:], None))
+        if problem:
+            print(f"error: {flag} {getattr(args, flag[2:])}: {problem}", file=sys.stderr)
+            return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -129,6 +143,20 @@ def run(args: argparse.Namespace) -> int:
         _plot(result, args.plot, title=f"{spec.kind} pp={p} m={m} v={v}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _output_problem(path: str | None) -> str | None:
+    """Why ``path`` cannot be written (checked before any work), or None."""
+    if not path:
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"its directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"its directory {parent} is not writable"
+    if os.path.isdir(path):
+        return "is a directory"
+    return None
 
 
 def _plot(result, path: str, title: str) -> None:  # type: ignore[no-untyped-def]

@@ -46,6 +46,7 @@ from overlap_runtime.models.parallelize import (
 from overlap_runtime.models.pipeline_split import split_qwen3_5
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from overlap_runtime.moe import MoE
+from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S
 from overlap_runtime.trainer.config import TrainConfig, schedule_spec
 from overlap_runtime.trainer.parallel_dims import ParallelDims
 
@@ -185,7 +186,8 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
         if spec is not None and pl.overlap_b_f:
             from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
 
-            coordinator = HookCoordinator(timeout_s=acc.comm_timeout_s or 300.0, debug=debug)
+            coordinator = HookCoordinator(timeout_s=acc.comm_timeout_s or DEFAULT_TIMEOUT_S,
+                                          debug=debug)
             overlap = CommComputeOverlap(coordinator, device)
         for s, part in parts.items():
             parallelize_qwen3_5_ep(part, dims.mesh("ep"), coordinator=coordinator,
