@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-single", action="store_true",
                         help="also train on one device with the same data and report the largest "
                              "loss / grad-norm differences")
+    parser.add_argument("--set", action="append", default=[], metavar="DOTTED.FIELD=VALUE",
+                        help="override one field, validated like the YAML (repeatable), e.g. "
+                             "--set optimizer.lr=1e-4 --set train.accelerator.cp=4")
     parser.add_argument("--steps", type=int, default=None, help="override train.steps")
     parser.add_argument("--world-size", type=int, default=None,
                         help="override train.accelerator.world_size (spawned runs only)")
@@ -74,11 +77,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from overlap_runtime.launch import launched_by_torchrun
-    from overlap_runtime.trainer.config import ConfigError, load_config
+    from overlap_runtime.trainer.config import ConfigError, apply_overrides, load_config
     from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
 
     try:
         config = load_config(args.config)
+        if args.set:
+            config = apply_overrides(config, args.set,
+                                     f"{args.config} with --set {' --set '.join(args.set)}")
         overrides: dict[str, Any] = {}
         if args.steps is not None:
             overrides["steps"] = args.steps

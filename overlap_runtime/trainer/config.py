@@ -69,6 +69,7 @@ __all__ = [
     "DataConfig",
     "OptimizerConfig",
     "PipelineConfig",
+    "apply_overrides",
     "TrainConfig",
     "TrainSection",
     "config_from_dict",
@@ -412,6 +413,48 @@ def config_from_dict(data: dict[str, Any], source: str = "(dict)") -> TrainConfi
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format(exc, source)) from None
+
+
+def _override_value(text: str) -> Any:
+    """A ``--set`` value: YAML scalar / list syntax (``3``, ``true``, ``null``, ``[2, 2]``), with
+    ``1e-4``-style floats (plain YAML reads them as strings) taken as floats."""
+    value = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(config: TrainConfig, assignments: list[str],
+                    source: str = "(overrides)") -> TrainConfig:
+    """``config`` with ``dotted.field=value`` assignments applied and validated as a whole.
+
+    Example: ``["optimizer.lr=1e-4", "train.accelerator.cp=4"]``. Every assignment must name an
+    existing section path (``train.accelerator``); the last part is validated by the same
+    pydantic model as the YAML, so an unknown field or a value that breaks a rule raises
+    :class:`ConfigError` naming the dotted field.
+    """
+    data = config.model_dump(mode="json")
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected DOTTED.FIELD=VALUE, e.g. optimizer.lr=1e-4")
+        parts = key.split(".")
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(child, dict):
+                where = ".".join(parts[:i + 1])
+                known = sorted(k for k, v in node.items() if isinstance(v, dict)) \
+                    if isinstance(node, dict) else []
+                raise ConfigError(f"--set {key}: {where} is not a section of the configuration "
+                                  f"(sections here: {', '.join(known) or 'none'})")
+            node = child
+        node[parts[-1]] = _override_value(raw)
+    return config_from_dict(data, source)
 
 
 def load_config(path: str | Path) -> TrainConfig:

@@ -217,3 +217,25 @@ def test_triton_gdn_needs_whole_64_token_chunks_per_cp_rank() -> None:
             "multiple of the chunk size 64 (train.accelerator.linear_attention_gdn_backend="
             "'triton'): pad data.seq_len to a multiple of 64 * cp = 256") in msg, msg
     assert config_from_dict({"data": {"seq_len": 512}, **_acc(**acc)}).data.seq_len == 512
+
+
+def test_set_overrides_are_validated_like_the_yaml() -> None:
+    from overlap_runtime.trainer.config import apply_overrides
+
+    base = config_from_dict(_acc(cp=2, world_size=4))
+    cfg = apply_overrides(base, ["optimizer.lr=1e-4", "train.accelerator.cp=4",
+                                 "train.pipeline.layers_per_stage=[2, 2]", "data.corpus=null"])
+    assert cfg.optimizer.lr == 1e-4 and cfg.train.accelerator.cp == 4
+    assert cfg.train.pipeline.layers_per_stage == [2, 2] and cfg.data.corpus is None
+    assert base.optimizer.lr != 1e-4  # the original is untouched
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(base, ["optimizer.lr=-1", "train.accelerator.cpp=2"])
+    msg = str(info.value)
+    assert "optimizer.lr: Input should be greater than 0" in msg
+    assert "train.accelerator.cpp: Extra inputs are not permitted" in msg
+    with pytest.raises(ConfigError, match="trainx is not a section of the configuration"):
+        apply_overrides(base, ["trainx.steps=2"])
+    with pytest.raises(ConfigError, match="expected DOTTED.FIELD=VALUE"):
+        apply_overrides(base, ["optimizer.lr"])
+    with pytest.raises(ConfigError, match="train.accelerator.cp=3 does not divide"):
+        apply_overrides(base, ["train.accelerator.cp=3"])
