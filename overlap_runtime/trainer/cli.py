@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="DOTTED.FIELD=VALUE",
                         help="override one field, validated like the YAML (repeatable), e.g. "
                              "--set optimizer.lr=1e-4 --set train.accelerator.cp=4")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None,
+                        metavar="CHECKPOINT",
+                        help="resume from the newest complete checkpoint in checkpoint.dir, or "
+                             "from the CHECKPOINT directory given (sets checkpoint.resume)")
     parser.add_argument("--steps", type=int, default=None, help="override train.steps")
     parser.add_argument("--world-size", type=int, default=None,
                         help="override train.accelerator.world_size (spawned runs only)")
@@ -77,14 +81,16 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from overlap_runtime.launch import launched_by_torchrun
+    from overlap_runtime.trainer.checkpoint import (CheckpointError, checkpoint_step,
+                                                    resolve_resume)
     from overlap_runtime.trainer.config import ConfigError, apply_overrides, load_config
     from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
 
     try:
         config = load_config(args.config)
-        if args.set:
-            config = apply_overrides(config, args.set,
-                                     f"{args.config} with --set {' --set '.join(args.set)}")
+        sets = list(args.set) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+        if sets:
+            config = apply_overrides(config, sets, f"{args.config} with --set {' --set '.join(sets)}")
         overrides: dict[str, Any] = {}
         if args.steps is not None:
             overrides["steps"] = args.steps
@@ -114,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         ctx = init_from_env(acc.device)
         try:
             result = train_distributed(config, ctx.device, log)
-        except ConfigError as exc:
+        except (ConfigError, CheckpointError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         dist.barrier()
@@ -126,6 +132,16 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         return 0
 
+    try:  # before any rank starts: the checkpoint to resume from exists and has steps left
+        resume_from = resolve_resume(config.checkpoint)
+        done = checkpoint_step(resume_from) if resume_from is not None else None
+        if done is not None and done >= config.train.steps:
+            raise CheckpointError(f"{resume_from} is at step {done} and train.steps="
+                                  f"{config.train.steps}: nothing left to train (raise "
+                                  f"train.steps)")
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     dims = acc.parallel_dims()
     print(f"spawning {acc.resolved_world_size} {acc.device} ranks: {dims.describe()}, "
           f"dp={dims.dp}, linear_attention_cp_mode={acc.linear_attention_cp_mode}, "

@@ -65,6 +65,7 @@ from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 __all__ = [
     "AcceleratorConfig",
+    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "OptimizerConfig",
@@ -165,6 +166,40 @@ class OptimizerConfig(_Strict):
         return betas
 
 
+class CheckpointConfig(_Strict):
+    """Checkpoint and resume (``checkpoint``), with ``torch.distributed.checkpoint``
+    (``trainer.checkpoint``).
+
+    ``dir``: where ``step-NNNNNNNN`` checkpoints go (None: no checkpointing). ``interval``: save
+    every that many steps (None: only the final one, if ``save_final``). ``keep_last``: keep the
+    newest that many (None: all). ``async_save``: write in a background thread (staged to host
+    memory first). ``resume``: None (fresh; a ``dir`` that already holds checkpoints is an
+    error), ``latest`` (the newest in ``dir``; error if none), ``auto`` (the newest if any, else
+    fresh) or the path of one checkpoint directory. ``timeout_s``: the longest wait for an
+    asynchronous save to finish.
+    """
+
+    dir: str | None = None
+    interval: int | None = Field(None, ge=1)
+    keep_last: int | None = Field(None, ge=1)
+    async_save: bool = False
+    save_final: bool = True
+    resume: str | None = None
+    timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _needs_dir(self) -> "CheckpointConfig":
+        if self.dir is None:
+            asked = [f"checkpoint.{k}={v!r}" for k, v in (
+                ("interval", self.interval), ("keep_last", self.keep_last),
+                ("resume", self.resume if self.resume in ("latest", "auto") else None))
+                if v is not None] + (["checkpoint.async_save=True"] if self.async_save else [])
+            if asked:
+                raise ValueError(f"{', '.join(asked)} needs checkpoint.dir (where the "
+                                 f"checkpoints are)")
+        return self
+
+
 class TrainSection(_Strict):
     """The ``train`` block: loop length, seed, precision, checkpointing, layout."""
 
@@ -185,6 +220,7 @@ class TrainConfig(_Strict):
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainSection = TrainSection()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @property
     def dp(self) -> int:

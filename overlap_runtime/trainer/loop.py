@@ -39,6 +39,7 @@ from torch import nn
 from overlap_runtime import platform
 from overlap_runtime.models.parallelize import parameter_count
 from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
+from overlap_runtime.trainer.checkpoint import CheckpointError, Checkpointer
 from overlap_runtime.trainer.config import ConfigError, TrainConfig, config_from_dict
 from overlap_runtime.trainer.data import Batch, TextDataset
 from overlap_runtime.trainer.errors import step_context
@@ -185,6 +186,15 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
     optimizer, scheduler = _optimizer(pm.parameters(), config)
     data = TextDataset(config.data.seq_len, config.data.batch_size, dims.dp, config.train.seed,
                        config.data.corpus)
+    try:  # every rank constructs it and resumes (collective)
+        ckpt = Checkpointer(config.checkpoint, pm.modules(), optimizer, scheduler, data,
+                            layout=_mode(config), device=device,
+                            model_config=config.model.model_dump(mode="json"),
+                            log=(log or print) if rank == 0 else None)
+        resumed = ckpt.resume()
+    except BaseException:
+        pm.close()
+        raise
     platform.reset_peak_memory_stats(device)
     ep_group = dims.mesh("ep").get_group() if dims.ep > 1 else None
     pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
@@ -214,7 +224,9 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
     try:
         steps = _run(config, optimizer, scheduler, device,
                      lambda s: data.rank_batch(s, coords["dp"], coords["cp"], dims.cp), step_fn,
-                     norm_fn, distributed=True, log=(log or print) if rank == 0 else None)
+                     norm_fn, distributed=True, log=(log or print) if rank == 0 else None,
+                     start_step=resumed.step if resumed else 0, after_step=ckpt.after_step)
+        ckpt.close()
     finally:
         pm.close()
     peak = platform.max_memory_allocated(device)
@@ -260,6 +272,10 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
         compute = copy.deepcopy(model).to(torch.bfloat16)
     master_params = list(model.parameters())
     compute_params = list(compute.parameters())
+    ckpt = Checkpointer(config.checkpoint, [model], optimizer, scheduler, data,
+                        layout="single", device=device,
+                        model_config=config.model.model_dump(mode="json"), log=log)
+    resumed = ckpt.resume()
     platform.reset_peak_memory_stats(device)
 
     def full_batch(step: int) -> Batch:
@@ -287,7 +303,9 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
             model.parameters(), max_norm if max_norm is not None else math.inf, foreach=False))
 
     steps = _run(config, optimizer, scheduler, device, full_batch, step_fn, norm_fn,
-                 distributed=False, log=log)
+                 distributed=False, log=log, start_step=resumed.step if resumed else 0,
+                 after_step=ckpt.after_step)
+    ckpt.close()
     peak = platform.max_memory_allocated(device)
     return TrainResult(steps, 1, 1, 1, "single", parameter_count(model), peak)
 
@@ -295,16 +313,23 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
 def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LambdaLR, device: torch.device,
          batch_for: Callable[[int], Batch], step_fn: Callable[[Batch], torch.Tensor],
-         norm_fn: Callable[[], float], distributed: bool, log: Log | None) -> list[StepMetrics]:
+         norm_fn: Callable[[], float], distributed: bool, log: Log | None,
+         start_step: int = 0,
+         after_step: Callable[[int, int], None] | None = None) -> list[StepMetrics]:
     """The steps shared by both runs; returns the metrics every rank agrees on.
 
     ``step_fn`` runs forward and backward and returns this rank's share of the mean loss
     (``CE sum / global tokens``; 0 on ranks without the last pipeline stage); ``norm_fn``
-    measures the global gradient norm and clips.
+    measures the global gradient norm and clips. Steps ``start_step + 1 .. train.steps`` run (a
+    resumed run starts after its checkpoint's step); ``after_step(step, total)`` runs after each
+    (the checkpointer saves there).
     """
     total = config.train.steps
+    if start_step >= total:
+        raise CheckpointError(f"the checkpoint is at step {start_step} and train.steps={total}: "
+                              f"nothing left to train (raise train.steps)")
     out: list[StepMetrics] = []
-    for step in range(total):
+    for step in range(start_step, total):
         batch = batch_for(step)
         platform.synchronize(device)
         t0 = time.perf_counter()
@@ -330,6 +355,8 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
         out.append(m)
         if log is not None and ((step + 1) % config.train.log_every == 0 or step + 1 == total):
             log(format_step(m, total))
+        if after_step is not None:
+            after_step(step + 1, total)
     return out
 
 

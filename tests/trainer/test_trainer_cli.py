@@ -81,3 +81,30 @@ def test_building_the_parser_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_cli_checkpoints_and_resumes(tmp_path: Path) -> None:
+    config = _write(tmp_path, cp=2, linear_attention_cp_mode="p2p")
+    ckpt = tmp_path / "ckpt"
+    base = [sys.executable, "-m", "overlap_runtime.cli", "train", str(config),
+            "--set", f"checkpoint.dir={ckpt}"]
+    first = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert f"checkpoint: step 2 saved to {ckpt / 'step-00000002'}" in first.stdout
+    again = subprocess.run(base + ["--steps", "3", "--resume"], capture_output=True, text=True,
+                           timeout=240)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"checkpoint: resumed from {ckpt / 'step-00000002'} (step 2)" in again.stdout
+    assert "step 3/3  loss " in again.stdout and "step 2/3" not in again.stdout
+
+
+def test_cli_checkpoint_errors_before_any_rank(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    config = _write(tmp_path, cp=2, linear_attention_cp_mode="p2p")
+    empty = tmp_path / "empty"
+    assert main(["train", str(config), "--set", f"checkpoint.dir={empty}", "--resume"]) == 2
+    err = capsys.readouterr()
+    assert "checkpoint.resume=latest: no complete checkpoint" in err.err
+    assert "spawning" not in err.out
+    assert main(["train", str(config), "--resume", str(tmp_path)]) == 2
+    assert "not a complete checkpoint" in capsys.readouterr().err
