@@ -207,6 +207,8 @@ def _hf_documents(fmt: str, paths: list[Path], text_field: str) -> list[str]:
     builder = "json" if fmt == "jsonl" else "parquet"
     out: list[str] = []
     cache = tempfile.mkdtemp(prefix="overlap_runtime_data_")
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # one bar per file and rank at start-up is noise
     try:
         for path in paths:  # one file at a time: errors name the file
             try:
@@ -226,6 +228,8 @@ def _hf_documents(fmt: str, paths: list[Path], text_field: str) -> list[str]:
             out.extend(column)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+        if bars:
+            datasets.enable_progress_bars()
     return out
 
 
