@@ -13,6 +13,9 @@ submodule on the layer, holding configuration only:
   out [B, S, Hq, D]``; swapped by ``context_parallel.ContextParallel.apply``.
 
 Everything else in a layer is token-wise and runs unchanged on a sequence shard.
+
+Packed documents (``segments``): the mixers take ``cu_seqlens`` and run each document alone
+(single device), so a packed row resets at its document boundaries.
 """
 
 from overlap_runtime.layers.attention import Qwen3_5Attention, ReferenceAttention
@@ -21,6 +24,7 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.layers.mlp import SwiGLU
 from overlap_runtime.layers.norm import RMSNorm, RMSNormGated
 from overlap_runtime.layers.rope import apply_partial_rotary, apply_rotary, rotary_dim_for
+from overlap_runtime.layers.segments import apply_per_segment, document_positions, segments_of
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, LocalGDNMixer, MixerInputs
 
 __all__ = [
@@ -37,6 +41,9 @@ __all__ = [
     "ReferenceAttention",
     "SwiGLU",
     "apply_partial_rotary",
+    "apply_per_segment",
     "apply_rotary",
+    "document_positions",
     "rotary_dim_for",
+    "segments_of",
 ]

@@ -31,6 +31,7 @@ from torch import nn
 from overlap_runtime.layers.core_attention import CoreAttention
 from overlap_runtime.layers.norm import RMSNorm
 from overlap_runtime.layers.rope import apply_partial_rotary, apply_rotary, rotary_dim_for
+from overlap_runtime.layers.segments import apply_per_segment
 from overlap_runtime.ops.attention import Backend
 from overlap_runtime.ops.comm_stats import CommStats
 
@@ -86,11 +87,15 @@ class Qwen3_5Attention(nn.Module):
         self.core_attention: nn.Module = CoreAttention(softmax_scale=None, backend=backend)
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, stats: CommStats | None = None
+        self, x: torch.Tensor, position_ids: torch.Tensor, stats: CommStats | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x [B, S, hidden]``, ``position_ids [S] or [B, S]`` int64 -> ``[B, S, hidden]``.
 
         ``stats``: an optional per-call communication record passed to the CP core attention.
+        ``cu_seqlens``: packed documents (``layers.segments``): attention is causal within each
+        document only (the core runs per segment; single-device core only). RoPE follows
+        ``position_ids``, so pass per-document positions to restart them too.
         """
         b, s, _ = x.shape
         h, d = self.num_heads, self.head_dim
@@ -103,7 +108,17 @@ class Qwen3_5Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.num_kv_heads, d)
         q = apply_partial_rotary(self.q_norm(q), position_ids, self.rotary_dim, self.rope_theta)
         k = apply_partial_rotary(self.k_norm(k), position_ids, self.rotary_dim, self.rope_theta)
-        o = self.core_attention(q, k, v, causal=True, stats=stats)  # [B, S, H, D]
+        if cu_seqlens is None:
+            o = self.core_attention(q, k, v, causal=True, stats=stats)  # [B, S, H, D]
+        else:
+            if type(self.core_attention) is not CoreAttention:
+                raise NotImplementedError(
+                    f"Qwen3_5Attention with cu_seqlens (reset at document boundaries) runs the "
+                    f"single-device CoreAttention per document; got "
+                    f"{type(self.core_attention).__name__} (context parallel: issue #23)")
+            o = apply_per_segment(
+                lambda qs, ks, vs: self.core_attention(qs, ks, vs, causal=True),
+                (q, k, v), cu_seqlens)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(b, s, h * d))

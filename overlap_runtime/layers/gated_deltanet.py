@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_runtime.layers.norm import RMSNormGated
+from overlap_runtime.layers.segments import apply_per_segment
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, LocalGDNMixer
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
@@ -302,15 +303,25 @@ class GatedDeltaNet(nn.Module):
             hidden_states: ``[B, T, hidden]``: the whole sequence, or under context parallelism
                 this rank's contiguous shard (a tensor, or a DTensor the CP mixer accepts).
             attention_mask: ``[B, T]`` 1 = real token, 0 = padding (see the module docstring).
-            cu_seqlens: packed variable-length input; not supported (NotImplementedError).
+            cu_seqlens: packed documents (``layers.segments``): the conv and the recurrence
+                run on each document alone (zero conv context and a zero state at its start),
+                exactly as if each were its own sequence. Single-device mixer only
+                (:class:`~overlap_runtime.layers.sequence_mixer.LocalGDNMixer`; the
+                context-parallel version is issue #23).
         """
         mixer = self.sequence_mixer
-        if cu_seqlens is not None:
+        if cu_seqlens is not None and not isinstance(mixer, LocalGDNMixer):
             raise NotImplementedError(
-                f"GatedDeltaNet ({mixer!r}): packed/varlen input (cu_seqlens) is not supported; "
-                "pad the sequences and pass attention_mask instead"
+                f"GatedDeltaNet ({type(mixer).__name__}): packed input (cu_seqlens, reset at "
+                f"document boundaries) needs the single-device LocalGDNMixer (context "
+                f"parallel: issue #23)"
             )
         hidden, mask, restore = mixer.prepare_inputs(self, hidden_states, attention_mask)
         proj = self.project(self.mask_input(hidden, mask))
-        o = mixer(self, proj, mask)  # [B, T, HV, V]
+        if cu_seqlens is None:
+            o = mixer(self, proj, mask)  # [B, T, HV, V]
+        else:
+            o = apply_per_segment(
+                lambda qkv, z, b, a, m: mixer(self, GDNProjections(qkv, z, b, a), m),
+                (proj.mixed_qkv, proj.z, proj.b, proj.a, mask), cu_seqlens)
         return restore(self.finish(o, proj.z, mask))

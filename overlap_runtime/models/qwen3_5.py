@@ -16,6 +16,13 @@ GDN layers, then one attention layer, as Qwen3.5). Every piece outside the two m
 token-wise, so after ``parallelize_qwen3_5_cp`` the same forward runs on a contiguous sequence
 shard ``[B, S/P]`` with that shard's position ids.
 
+Packed documents: ``forward(input_ids, position_ids, cu_seqlens=...)`` (``layers.segments``)
+makes every layer reset at document boundaries - full attention causal within each document, the
+GDN conv and state restarting at each document - and, with ``position_ids=None``, RoPE positions
+restarting too (otherwise pass per-document positions). The eager single-device path (cp == 1,
+the whole model on one pipeline stage): each document runs through the mixers on its own, so the
+result equals running the documents separately.
+
 Activation checkpointing (``model.set_activation_checkpointing(True)``) recomputes each decoder
 layer in backward (``torch.utils.checkpoint``, non-reentrant, inside the layer's forward so that
 FSDP's hooks on the layer stay outside the recomputed region). A layer's recompute issues the
@@ -32,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from overlap_runtime.layers import GatedDeltaNet, Qwen3_5Attention, RMSNorm, rotary_dim_for
+from overlap_runtime.layers.segments import document_positions
 from overlap_runtime.models.mlp import build_mlp
 
 __all__ = ["Qwen3_5Config", "Qwen3_5DecoderLayer", "Qwen3_5ForCausalLM", "LayerType"]
@@ -138,25 +146,28 @@ class Qwen3_5DecoderLayer(nn.Module):
             )
         self.mlp = build_mlp(config)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, S, hidden]`` (and ``position_ids [S]`` / ``[B, S]`` int64) -> ``[B, S, hidden]``.
 
-        With ``activation_checkpoint`` set, only the layer's input is kept for backward and the
-        layer is recomputed there.
+        ``cu_seqlens``: packed documents, the mixers reset at their boundaries (module
+        docstring). With ``activation_checkpoint`` set, only the layer's input is kept for
+        backward and the layer is recomputed there.
         """
         if self.activation_checkpoint and torch.is_grad_enabled():
             return torch_checkpoint.checkpoint(
-                self._block, hidden_states, position_ids, use_reentrant=False
+                self._block, hidden_states, position_ids, cu_seqlens, use_reentrant=False
             )
-        return self._block(hidden_states, position_ids)
+        return self._block(hidden_states, position_ids, cu_seqlens)
 
-    def _block(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _block(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         x = self.input_layernorm(hidden_states)
         if self.linear_attn is not None:
-            mixed = self.linear_attn(x)
+            mixed = self.linear_attn(x, cu_seqlens=cu_seqlens)
         else:
             assert self.self_attn is not None
-            mixed = self.self_attn(x, position_ids)
+            mixed = self.self_attn(x, position_ids, cu_seqlens=cu_seqlens)
         h = hidden_states + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -206,21 +217,34 @@ class Qwen3_5ForCausalLM(nn.Module):
         return torch.arange(start, start + local_len, device=device)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of the next token.
 
         Args:
             input_ids: ``[B, S]`` int64 (under CP: this rank's contiguous shard ``[B, S/P]``).
             position_ids: ``[S]`` or ``[B, S]`` int64 absolute positions of those tokens; None:
-                the positions of a contiguous shard (:meth:`default_position_ids`).
+                the positions of a contiguous shard (:meth:`default_position_ids`), or with
+                ``cu_seqlens`` the position of each token in its document.
+            cu_seqlens: ``[n + 1]`` int32/int64 document starts over the ``B * S`` tokens
+                flattened, then ``B * S`` (every row start included; ``layers.segments``):
+                reset at document boundaries. None: one stream per row.
 
         Returns:
             ``[B, S, vocab]`` in the parameters' dtype.
         """
+        if cu_seqlens is not None and self.cp_size > 1:
+            raise NotImplementedError(
+                f"Qwen3_5ForCausalLM: cu_seqlens (reset at document boundaries) is implemented "
+                f"for cp == 1; this model is context-parallel over {self.cp_size} ranks "
+                f"(issue #23)")
         if position_ids is None:
-            position_ids = self.default_position_ids(input_ids.shape[1], input_ids.device)
+            if cu_seqlens is None:
+                position_ids = self.default_position_ids(input_ids.shape[1], input_ids.device)
+            else:
+                position_ids = document_positions(cu_seqlens, *input_ids.shape)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
-            h = layer(h, position_ids)
+            h = layer(h, position_ids, cu_seqlens)
         return self.lm_head(self.norm(h))

@@ -3,7 +3,9 @@
 ``config`` (pydantic ``TrainConfig``), ``parallel_dims`` (``ParallelDims``: the layout and every
 DeviceMesh), ``build`` (CP, pipeline split, EP, FSDP2 and the schedule of one rank),
 ``fsdp_pipeline`` (FSDP2 around a pipeline step), ``grad_norm`` (the norm over every dimension),
-``data`` (byte-level corpus windows, contiguous CP split), ``loop`` (distributed run,
+``data`` (byte-level corpus windows, ``build_dataset``), ``documents`` / ``packed_dataset``
+(text, JSONL, Parquet documents, tokenised, shuffled per epoch and packed), ``batch`` (rows with
+document boundaries, contiguous CP split), ``loop`` (distributed run,
 single-device baseline, comparison), ``cli`` (``overlap-runtime train``). See docs/training.md.
 
 May import every other package of overlap_runtime (it is the top of the stack, below the CLI).
@@ -31,7 +33,10 @@ _EXPORTS: dict[str, str] = {
     "Batch": "data",
     "ByteTokenizer": "data",
     "TextDataset": "data",
+    "build_dataset": "data",
     "load_corpus": "data",
+    "PackedDataset": "packed_dataset",
+    "DataStateMismatch": "data_state",
     "StepMetrics": "loop",
     "TrainResult": "loop",
     "build_model": "build",
@@ -59,7 +64,9 @@ if TYPE_CHECKING:
         config_from_dict,
         load_config,
     )
-    from .data import VOCAB_SIZE, Batch, ByteTokenizer, TextDataset, load_corpus
+    from .data import VOCAB_SIZE, Batch, ByteTokenizer, TextDataset, build_dataset, load_corpus
+    from .data_state import DataStateMismatch
+    from .packed_dataset import PackedDataset
     from .build import build_model, build_parallel_model
     from .parallel_dims import ParallelDims
     from .config import PipelineConfig

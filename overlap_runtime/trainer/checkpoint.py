@@ -462,11 +462,19 @@ class Checkpointer:
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
         self.scheduler.load_state_dict(json.loads(train["scheduler"]))
         data_state = json.loads(train["data"])
+        step = int(train["step"])
         if data_state is not None and hasattr(self.dataset, "load_state_dict"):
-            self.dataset.load_state_dict(data_state)
+            try:
+                self.dataset.load_state_dict(data_state)
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {path}: the data is not the data of the run "
+                                      f"that saved it: {exc}") from None
+            position = getattr(self.dataset, "position", step)
+            if position != step:
+                raise CheckpointError(f"checkpoint {path}: saved at step {step} but its data "
+                                      f"position is step {position}")
         if same_layout:
             _set_rng_state(state["rng"][f"rank{self.rank}"], self.device)
-        step = int(train["step"])
         self.log(f"checkpoint: resumed from {path} (step {step}"
                  + ("" if same_layout else f", saved under {train['layout']} on "
                     f"{train['world_size']} ranks: resharded, RNG states not restored")

@@ -7,6 +7,14 @@
     data:
       seq_len: 256    # global tokens per sequence (split over cp ranks)
       batch_size: 1   # sequences per data-parallel rank per step
+      corpus: null    # one UTF-8 file of byte-level windows; null: the packaged corpus
+      files: null     # or: text/JSONL/Parquet files or directories of documents (packed)
+      format: null    # text | jsonl | parquet; null: from the extensions
+      text_field: text
+      tokenizer: null # a local tokenizer.json (Hugging Face tokenizers); null: bytes
+      bos_token: <bos>
+      eos_token: <eos>
+      packing: concat # or reset_at_document_boundaries (cp == 1, pp == 1)
     optimizer:        # AdamW
       lr: 1.0e-3
     train:
@@ -60,7 +68,6 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from overlap_runtime.context_parallel.gdn.common import TRITON_CHUNK
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config
-from overlap_runtime.trainer.data import VOCAB_SIZE as BYTE_VOCAB_SIZE
 from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 __all__ = [
@@ -132,11 +139,22 @@ class PipelineConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Training data (``data``): the packaged byte-level corpus or a text file."""
+    """Training data (``data``): the packaged byte-level corpus, one text file (``corpus``), or
+    real documents (``files``) shuffled per epoch and packed into rows (``trainer.data``,
+    ``trainer.documents``, ``trainer.packed_dataset``, ``trainer.batch``; docs/training.md)."""
 
     corpus: str | None = Field(None, description="path of a UTF-8 text file; None: packaged")
     seq_len: int = Field(256, ge=2, description="global tokens per sequence")
     batch_size: int = Field(1, ge=1, description="sequences per data-parallel rank per step")
+    files: list[str] | None = Field(None, description="text/JSONL/Parquet files or directories "
+                                                      "of documents; None: corpus")
+    format: Literal["text", "jsonl", "parquet"] | None = Field(
+        None, description="None: from the files' extensions (.txt, .jsonl/.json, .parquet)")
+    text_field: str = Field("text", min_length=1, description="JSONL/Parquet field of the text")
+    tokenizer: str | None = Field(None, description="local tokenizer.json; None: byte tokens")
+    bos_token: str | None = Field("<bos>", description="token before each document; None: none")
+    eos_token: str = Field("<eos>", description="token after each document")
+    packing: Literal["concat", "reset_at_document_boundaries"] = "concat"
 
     @field_validator("corpus")
     @classmethod
@@ -144,6 +162,75 @@ class DataConfig(_Strict):
         if corpus is not None:
             _check_corpus(corpus)
         return corpus
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> "DataConfig":
+        errors = _data_source_problems(self)
+        if errors:
+            raise ValueError("\n  ".join(errors))
+        return self
+
+
+def _data_source_problems(data: DataConfig) -> list[str]:
+    """Rules of the ``data`` section on its own: one source, files that exist in one known
+    format, an optional package that is importable, a loadable tokenizer holding the bos/eos
+    tokens."""
+    import importlib.util
+
+    from overlap_runtime.trainer.documents import load_tokenizer, resolve_files
+    from overlap_runtime.trainer.packed_dataset import special_ids
+
+    if data.files is None:
+        out = [f"data.{name}={value!r} applies to data.files only (data.corpus and the packaged "
+               f"corpus are byte-level windows)"
+               for name, value in (("format", data.format), ("tokenizer", data.tokenizer))
+               if value is not None]
+        if (data.bos_token, data.eos_token) != ("<bos>", "<eos>"):
+            out.append(f"data.bos_token={data.bos_token!r} / data.eos_token={data.eos_token!r}: "
+                       f"only the defaults '<bos>' / '<eos>' apply to data.corpus and the "
+                       f"packaged corpus; set data.files to choose them")
+        return out
+    if data.corpus is not None:
+        return [f"data.corpus={data.corpus!r} and data.files are exclusive (one source)"]
+    try:
+        fmt, _ = resolve_files(data.files, data.format)
+    except ValueError as exc:
+        return [str(exc)]
+    out = []
+    if fmt != "text" and importlib.util.find_spec("datasets") is None:
+        out.append(f"data.format={fmt!r} is read through Hugging Face datasets, which is not "
+                   f"installed: pip install overlap_runtime[data]")
+    try:
+        special_ids(load_tokenizer(data.tokenizer), data.bos_token, data.eos_token)
+    except (ValueError, ImportError) as exc:
+        out.append(str(exc))
+    return out
+
+
+def _data_problems(config: "TrainConfig") -> list[str]:
+    """Rules of ``data`` against the model and the layout: the tokenizer's vocabulary fits
+    ``model.vocab_size``; ``reset_at_document_boundaries`` needs cp == 1, pp == 1 and the eager
+    GDN (the model's exact per-document path, ``layers.segments``)."""
+    from overlap_runtime.trainer.documents import load_tokenizer
+
+    data, acc, m = config.data, config.train.accelerator, config.model
+    out: list[str] = []
+    vocab = load_tokenizer(data.tokenizer).vocab_size
+    if m.vocab_size < vocab:
+        what = (f"data.tokenizer={data.tokenizer!r} ({vocab} tokens)" if data.tokenizer else
+                f"the byte-level vocabulary of the data ({vocab}: 256 bytes + 4 specials)")
+        out.append(f"model.vocab_size={m.vocab_size} is smaller than {what}")
+    if data.packing == "reset_at_document_boundaries":
+        rule = ("data.packing='reset_at_document_boundaries' is implemented for cp == 1 and "
+                "pp == 1 (the eager per-document path; the context-parallel version is issue #23)")
+        if acc.cp > 1:
+            out.append(f"{rule}; got train.accelerator.cp={acc.cp}")
+        if acc.pp > 1:
+            out.append(f"{rule}; got train.accelerator.pp={acc.pp}")
+        if m.gdn_backend != "eager":
+            out.append(f"data.packing='reset_at_document_boundaries' runs the GDN per document "
+                       f"with the eager backend; got model.gdn_backend={m.gdn_backend!r}")
+    return out
 
 
 class OptimizerConfig(_Strict):
@@ -252,9 +339,7 @@ class TrainConfig(_Strict):
         if acc.linear_attention_cp_mode == "all_gather" and backend != "eager":
             errors.append(f"train.accelerator.linear_attention_cp_mode='all_gather' supports only "
                           f"linear_attention_gdn_backend='eager', got {backend!r}")
-        if m.vocab_size < BYTE_VOCAB_SIZE:
-            errors.append(f"model.vocab_size={m.vocab_size} is smaller than the byte-level "
-                          f"vocabulary of the data ({BYTE_VOCAB_SIZE}: 256 bytes + 4 specials)")
+        errors.extend(_data_problems(self))
         if self.data.seq_len % acc.cp:
             errors.append(f"data.seq_len={self.data.seq_len} is not a multiple of "
                           f"train.accelerator.cp={acc.cp} (contiguous split)")

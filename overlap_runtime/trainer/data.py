@@ -1,4 +1,16 @@
-"""Training data: real English text, byte-level tokens, a different window every step.
+"""Training data: the byte-level corpus sampler, the byte tokenizer and :func:`build_dataset`.
+
+Two datasets share one interface (``rank_batch``, ``full_batch``, ``state_dict``,
+``load_state_dict``; every batch a pure function of the step):
+
+* :class:`TextDataset` (this module): random windows of one text stream - the packaged corpus
+  (the default, hermetic) or ``data.corpus``. Described below.
+* :class:`~overlap_runtime.trainer.packed_dataset.PackedDataset`: real documents from
+  ``data.files`` (text, JSONL, Parquet; ``trainer.documents``), shuffled per epoch and packed in
+  order.
+
+Both return :class:`~overlap_runtime.trainer.batch.Batch` rows with document boundaries
+(``trainer.batch``; ``data.packing``).
 
 The corpus is ``overlap_runtime/data/corpus.txt`` (about 29 KB of self-written English prose,
 shipped as package data) or any UTF-8 file named by ``data.corpus``. Tokenisation is byte-level:
@@ -16,18 +28,23 @@ The CP split is the attention CP's rule for the hybrid model: contiguous
 (``context_parallel.shard_sequence(..., load_balance=None)``), with position ids following the
 tokens (``shard_positions(..., load_balance=None)``). Every rank computes the same global batch
 (cheap) and takes its slice, and the single-device baseline takes all of it, so both see exactly
-the same tokens.
+the same tokens. Document boundaries: each wrap of the stream starts a new document (at its
+``<bos>``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from overlap_runtime.context_parallel.sharding import shard_positions, shard_sequence
+from overlap_runtime.trainer.batch import Batch, Packing, make_batch
+from overlap_runtime.trainer.data_state import check_state, make_state
+
+if TYPE_CHECKING:
+    from overlap_runtime.trainer.config import DataConfig
 
 __all__ = [
     "BOS_ID",
@@ -39,6 +56,7 @@ __all__ = [
     "Batch",
     "ByteTokenizer",
     "TextDataset",
+    "build_dataset",
     "load_corpus",
 ]
 
@@ -48,9 +66,23 @@ VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, specials 256..259 (see :data:`SPECIAL_TOKENS`)."""
+    """UTF-8 bytes as tokens 0..255, specials 256..259 (see :data:`SPECIAL_TOKENS`).
 
+    Also the byte form of ``trainer.documents.DataTokenizer`` (``name``, ``sha256``,
+    ``token_id``, ``encode_batch``).
+    """
+
+    name = "byte"
+    sha256 = "byte"
     vocab_size = VOCAB_SIZE
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token (``"<eos>"`` -> 258), None for any other string."""
+        return 256 + SPECIAL_TOKENS.index(token) if token in SPECIAL_TOKENS else None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """UTF-8 bytes of each text, no specials."""
+        return [list(t.encode("utf-8")) for t in texts]
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> torch.Tensor:
         """``text`` -> ``[n]`` int64 token ids (``<bos>``/``<eos>`` around it if asked)."""
@@ -83,23 +115,6 @@ def load_corpus(path: str | Path | None = None) -> str:
     return text
 
 
-@dataclass(frozen=True)
-class Batch:
-    """One rank's share of a step's batch (all int64).
-
-    Attributes:
-        input_ids: ``[b, s]`` tokens (``b`` rows of this dp rank, ``s`` = this CP shard).
-        labels: ``[b, s]`` next tokens.
-        position_ids: ``[s]`` absolute positions of the shard's tokens.
-        global_tokens: number of labelled tokens in the whole global batch (all dp, all cp).
-    """
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    global_tokens: int
-
-
 class TextDataset:
     """Deterministic windows of the token stream (see the module docstring).
 
@@ -109,38 +124,86 @@ class TextDataset:
         dp: data-parallel degree (rows of the global batch = ``dp * batch_size``).
         seed: base seed; step ``s`` uses ``seed * 1_000_003 + s``.
         corpus: path of a text file, or None for the packaged corpus.
+        packing: ``concat`` or ``reset_at_document_boundaries`` (``trainer.batch``).
     """
 
     def __init__(self, seq_len: int, batch_size: int = 1, dp: int = 1, seed: int = 0,
-                 corpus: str | Path | None = None) -> None:
+                 corpus: str | Path | None = None, packing: Packing = "concat") -> None:
         if seq_len < 1 or batch_size < 1 or dp < 1:
             raise ValueError(f"seq_len={seq_len}, batch_size={batch_size}, dp={dp} must be >= 1")
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.dp = dp
         self.seed = seed
+        self.packing = packing
+        self.corpus = corpus
         self.tokens = ByteTokenizer().encode(load_corpus(corpus))
+        self.position = 0  # the next step to serve (state_dict)
 
-    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids, labels)``, each ``[dp * batch_size, seq_len]`` int64, of step ``step``."""
+    def _windows(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(window, doc_key)``, each ``[dp * batch_size, seq_len + 1]`` int64."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         rows = self.dp * self.batch_size
         n = self.tokens.numel()
         starts = torch.randint(0, n, (rows,), generator=gen)
-        idx = (starts[:, None] + torch.arange(self.seq_len + 1)) % n
-        windows = self.tokens[idx]
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)
+        return self.tokens[idx % n], idx // n
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, labels)``, each ``[dp * batch_size, seq_len]`` int64, of step ``step``."""
+        windows, _ = self._windows(step)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def rank_batch(self, step: int, dp_rank: int = 0, cp_rank: int = 0, cp: int = 1) -> Batch:
         """This rank's rows (dp) and contiguous sequence shard (cp) of step ``step``."""
         if not 0 <= dp_rank < self.dp:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp {self.dp}")
-        inputs, labels = self.global_batch(step)
+        window, key = self._windows(step)
         rows = slice(dp_rank * self.batch_size, (dp_rank + 1) * self.batch_size)
-        inputs, labels = inputs[rows], labels[rows]
-        return Batch(
-            input_ids=shard_sequence(inputs, cp, cp_rank, 1, load_balance=None).contiguous(),
-            labels=shard_sequence(labels, cp, cp_rank, 1, load_balance=None).contiguous(),
-            position_ids=shard_positions(self.seq_len, cp, cp_rank, load_balance=None),
-            global_tokens=self.dp * self.batch_size * self.seq_len,
-        )
+        self.position = step + 1
+        return make_batch(window[rows], key[rows], self.packing, cp, cp_rank,
+                          self.dp * self.batch_size * self.seq_len)
+
+    def full_batch(self, step: int) -> Batch:
+        """Every row of step ``step``, whole sequences (the single-device baseline's batch)."""
+        window, key = self._windows(step)
+        self.position = step + 1
+        return make_batch(window, key, self.packing, 1, 0, self.dp * self.batch_size * self.seq_len)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What step ``s`` depends on (``trainer.data_state``)."""
+        if self.corpus is None:
+            files: Any = "packaged:overlap_runtime/data/corpus.txt"
+        else:
+            from overlap_runtime.trainer.documents import file_fingerprint
+
+            files = file_fingerprint([Path(self.corpus)])
+        return {"kind": "windows", "files": files, "tokenizer": "byte", "seq_len": self.seq_len,
+                "rows_per_step": self.dp * self.batch_size, "packing": self.packing,
+                "seed": self.seed, "tokens": int(self.tokens.numel())}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "next_step", "fingerprint"}``: the next step to serve and the data."""
+        return make_state(self.position, self.fingerprint())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state["next_step"]`` after checking the fingerprint.
+
+        Raises:
+            DataStateMismatch: naming every field of the data that changed.
+        """
+        self.position = check_state(state, self.fingerprint())
+
+
+def build_dataset(data: "DataConfig", dp: int, seed: int) -> "TextDataset | Any":
+    """The dataset of ``data`` (a validated ``DataConfig``) for ``dp`` data-parallel rows.
+
+    ``data.files`` set: a :class:`~overlap_runtime.trainer.packed_dataset.PackedDataset`
+    (documents tokenised here, once); otherwise a :class:`TextDataset` over ``data.corpus`` or
+    the packaged corpus.
+    """
+    if data.files is not None:
+        from overlap_runtime.trainer.packed_dataset import PackedDataset
+
+        return PackedDataset.from_config(data, dp, seed)
+    return TextDataset(data.seq_len, data.batch_size, dp, seed, data.corpus, data.packing)

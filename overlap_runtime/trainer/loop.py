@@ -41,7 +41,7 @@ from overlap_runtime.models.parallelize import parameter_count
 from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.checkpoint import CheckpointError, Checkpointer
 from overlap_runtime.trainer.config import ConfigError, TrainConfig, config_from_dict
-from overlap_runtime.trainer.data import Batch, TextDataset
+from overlap_runtime.trainer.data import Batch, build_dataset
 from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
 from overlap_runtime.trainer.grad_norm import clip_grad_norm
@@ -184,9 +184,8 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
             pm.close()  # the overlap worker thread must not outlive a failing callback
             raise
     optimizer, scheduler = _optimizer(pm.parameters(), config)
-    data = TextDataset(config.data.seq_len, config.data.batch_size, dims.dp, config.train.seed,
-                       config.data.corpus)
-    try:  # every rank constructs it and resumes (collective)
+    try:  # every rank builds the data, constructs the checkpointer and resumes (collective)
+        data = build_dataset(config.data, dims.dp, config.train.seed)
         ckpt = Checkpointer(config.checkpoint, pm.modules(), optimizer, scheduler, data,
                             layout=_mode(config), device=device,
                             model_config=config.model.model_dump(mode="json"),
@@ -204,7 +203,8 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
             trace.events.clear()
         if pm.schedule is None:
             model = pm.parts[0]
-            logits = model(batch.input_ids.to(device), batch.position_ids.to(device))
+            logits = model(batch.input_ids.to(device), batch.position_ids.to(device),
+                           **batch.model_kwargs(device))
             share = ce_sum(logits, batch.labels.to(device)) / batch.global_tokens
             share.backward()
             return share.detach()
@@ -265,8 +265,7 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     model = build_model(config, device)
     optimizer, scheduler = _optimizer(list(model.parameters()), config)
     dp = config.dp
-    data = TextDataset(config.data.seq_len, config.data.batch_size, dp, config.train.seed,
-                       config.data.corpus)
+    data = build_dataset(config.data, dp, config.train.seed)
     compute = model
     if config.train.precision == "bf16":
         compute = copy.deepcopy(model).to(torch.bfloat16)
@@ -278,16 +277,13 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     resumed = ckpt.resume()
     platform.reset_peak_memory_stats(device)
 
-    def full_batch(step: int) -> Batch:
-        inputs, labels = data.global_batch(step)
-        return Batch(inputs, labels, torch.arange(config.data.seq_len), labels.numel())
-
     def step_fn(batch: Batch) -> torch.Tensor:
         if compute is not model:
             with torch.no_grad():
                 for pc, pm in zip(compute_params, master_params):
                     pc.copy_(pm)
-        logits = compute(batch.input_ids.to(device), batch.position_ids.to(device))
+        logits = compute(batch.input_ids.to(device), batch.position_ids.to(device),
+                         **batch.model_kwargs(device))
         share = ce_sum(logits, batch.labels.to(device)) / batch.global_tokens
         share.backward()
         if compute is not model:
@@ -302,7 +298,7 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
         return _to_float(torch.nn.utils.clip_grad_norm_(
             model.parameters(), max_norm if max_norm is not None else math.inf, foreach=False))
 
-    steps = _run(config, optimizer, scheduler, device, full_batch, step_fn, norm_fn,
+    steps = _run(config, optimizer, scheduler, device, data.full_batch, step_fn, norm_fn,
                  distributed=False, log=log, start_step=resumed.step if resumed else 0,
                  after_step=ckpt.after_step)
     ckpt.close()

@@ -45,16 +45,21 @@ def test_mesh_must_be_a_device_mesh() -> None:
         LinearAttentionContextParallel("p2p").apply(make_module(), None)
 
 
-def test_single_device_module_refuses_cu_seqlens() -> None:
+def test_single_device_module_checks_cu_seqlens() -> None:
+    """The single-device layer runs packed documents (``layers.segments``); a malformed
+    ``cu_seqlens`` is refused."""
     m = make_module()
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        m(torch.randn(1, 8, 32), cu_seqlens=torch.tensor([0, 8]))
+    x = torch.randn(1, 8, 32)
+    assert torch.equal(m(x, cu_seqlens=torch.tensor([0, 8])), m(x))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0 and end at B \\* T"):
+        m(x, cu_seqlens=torch.tensor([0, 6]))
 
 
 EXPECTED = {
     "ulysses_heads": ("ValueError", "num_value_heads % cp == 0, got num_value_heads=3, cp=2"),
     "short_local_seq": ("ValueError", "local sequence 2 is shorter than the conv halo 3"),
-    "cu_seqlens": ("NotImplementedError", "packed/varlen input (cu_seqlens) is not supported"),
+    "cu_seqlens": ("NotImplementedError", "packed input (cu_seqlens, reset at document "
+                                          "boundaries) needs the single-device LocalGDNMixer"),
     "mask_shape": ("ValueError", "attention_mask must be [B, S/P] = [1, 64]"),
     "apply_twice": ("RuntimeError", "already runs context-parallel ('p2p')"),
     "dtensor_replicate": ("ValueError", "placements (Shard(1),)"),

@@ -165,6 +165,10 @@ def test_fresh_run_refuses_a_dir_with_checkpoints_and_resume_checks_the_model(
     with pytest.raises(CheckpointError, match="model.intermediate_size=64 there, 96 here"):
         train_single(config_from_dict(cfg(1, 3, {"dir": d, "resume": "latest"},
                                           model={"intermediate_size": 96})))
+    changed = cfg(1, 3, {"dir": d, "resume": "latest"})
+    changed["data"]["seq_len"] = 32
+    with pytest.raises(CheckpointError, match="(?s)the data is not the data of the run.*seq_len: 64 -> 32"):
+        train_single(config_from_dict(changed))
     with pytest.raises(CheckpointError, match="nothing left to train"):
         train_single(config_from_dict(cfg(1, 2, {"dir": d, "resume": "latest"})))
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
