@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from overlap_runtime import cli
 from overlap_runtime.cli import main
@@ -68,3 +70,38 @@ def test_schedule_bad_paths_are_one_line_errors(argv: list[str], needle: str,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip() == needle, err
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([str(CONFIGS / "tiny_cp4_p2p.yaml"), "--world-size", "3"],
+     "with --world-size 3: train.accelerator.cp=4 does not divide train.accelerator.world_size=3"),
+    ([str(CONFIGS / "demo_pp2_ep2.yaml"), "--set", "train.pipeline.microbatches=3"],
+     "train.pipeline.microbatches=3 must divide data.batch_size=4"),
+    ([str(CONFIGS / "demo_pp2_ep2.yaml"), "--set", "train.accelerator.ep=3"],
+     "train.accelerator.ep=3 must divide model.num_experts=4"),
+    ([str(CONFIGS / "demo_pp2_ep2.yaml"), "--steps", "0"],
+     "with --steps 0: train.steps: Input should be greater than or equal to 1"),
+    pytest.param([str(CONFIGS / "demo_pp2_ep2.yaml"), "--set", "train.accelerator.device=cuda"],
+                 "4 ranks on 'cuda' (one device each) cannot start here",
+                 marks=pytest.mark.skipif(torch.cuda.device_count() >= 4,
+                                          reason="4 GPUs here: the job could start")),
+])
+def test_train_checks_sizes_before_any_rank_starts(argv: list[str], words: str,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    import overlap_runtime.launch as launch
+    import overlap_runtime.trainer.loop as loop
+
+    def no_ranks(*a: object, **k: object) -> None:
+        raise AssertionError("ranks started")
+
+    for module, name in ((launch, "spawn"), (launch, "init_from_env"), (loop, "spawn_training")):
+        monkeypatch.setattr(module, name, no_ranks)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["train", *argv]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
