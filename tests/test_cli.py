@@ -105,3 +105,54 @@ def test_train_checks_sizes_before_any_rank_starts(argv: list[str], words: str,
     assert main(["train", *argv]) == 2
     err = capfd.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+
+
+def _bubble_lines(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[float, str, str]:
+    assert main(["schedule", *argv, "--no-grid", "--trace", ""]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    makespan, which, published = lines[-3:]
+    assert makespan.startswith("makespan ") and which.startswith(
+        "bubble = idle / (ranks x makespan) of the simulated timeline above"), lines[-3:]
+    return float(makespan.split("bubble ")[1].split()[0]), which, published
+
+
+@pytest.mark.parametrize("argv, head", [
+    (["--kind", "gpipe"], "published GPipe (Huang et al. 2019): 0.2727 = (p - 1)/(v m + p - 1)"),
+    (["--kind", "1f1b", "-m", "2"], "published 1F1B (Narayanan et al. 2021): 0.6000 = 1 - v m/"),
+    (["--kind", "interleaved_1f1b", "-v", "2", "--overlap-b-f"],
+     "published interleaved 1F1B (Narayanan et al. 2021): 0.1579 = (p - 1)/(v m + p - 1)"),
+    (["--kind", "zero_bubble"],
+     "published ZB-H1 (Qi et al. 2023, section 3.1): 0.1111 = idle (p - 1)(F + I - W) = 3 per"),
+])
+def test_schedule_says_which_bubble_it_prints_and_that_it_is_the_published_one(
+        argv: list[str], head: str, capsys: pytest.CaptureFixture[str]) -> None:
+    simulated, which, published = _bubble_lines(["--pp", "4", "-m", "8", *argv], capsys)
+    assert "F=1 B=2 I=1 W=1, SEND latency 0" in which, which
+    assert published.startswith(head) and published.endswith("; the simulation gives it"), \
+        published
+    assert f"{simulated:.4f}" in published
+
+
+def test_schedule_dualpipev_explains_why_it_differs_from_the_paper(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    simulated, _, published = _bubble_lines(["--kind", "dualpipev", "--pp", "4", "-m", "8",
+                                             "-v", "2"], capsys)
+    assert simulated == 0.1429  # idle 8 of 56: the lowered schedule's blocking comm lane
+    assert published.startswith("published DualPipe (DeepSeek-V3 report, table 2): 0.1111 = "
+                                "idle (PP/2 - 1)(F&B + B - 3W), PP = 2p = 8 stages, F&B = F + B")
+    assert "6 per rank; the simulated 0.1429 differs: the formula starts each overlapped F&B " \
+           "step as one unit once both inputs are here (0.1111 in that model" in published
+    assert "one in-order comm lane" in published and published.endswith("section 9)")
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--kind", "1f1b", "--comm-latency", "0.5"], "differs: each SEND takes 0.5 here (10.5 exposed"),
+    (["--kind", "1f1b", "--split-backward"], "differs: with --split-backward only I crosses"),
+    (["--kind", "zero_bubble", "--cost-f", "2"], "differs: ZB-H1's fixed order reaches the "
+                                                 "formula only for W = F <= I (here F=2 I=1 W=1)"),
+])
+def test_schedule_names_why_the_simulation_differs(argv: list[str], reason: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    simulated, _, published = _bubble_lines(["--pp", "4", "-m", "8", *argv], capsys)
+    assert reason in published and f"the simulated {simulated:.4f} differs" in published, \
+        published
