@@ -49,12 +49,26 @@ def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"overlap-runtime {__version__}"
 
 
-def test_info_lists_the_optional_parts(capsys: pytest.CaptureFixture[str]) -> None:
+def test_info_lists_the_optional_parts(capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    hidden = {"datasets", "tensorboard"}  # as if not installed
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in hidden else real(name, *a))
     assert main(["info"]) == 0
-    out = capsys.readouterr().out
-    for name in ("triton", "matplotlib", "torch_npu"):
-        assert any(line.split()[:1] == [name] and line.split()[1] in ("yes", "no")
-                   for line in out.splitlines()), out
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ") and ":" not in line.split()[0]}
+    names = ("triton", "matplotlib", "torch_npu", "tensorboard", "datasets", "tokenizers", "tqdm")
+    assert set(names) <= set(rows), rows
+    for name in names:
+        usable = importlib.util.find_spec(name) is not None
+        assert rows[name][0] == ("yes" if usable else "no"), (name, rows[name])
+        assert (rows[name][1] == "-") == (not usable), (name, rows[name])
+    assert rows["datasets"][:2] == ["no", "-"] and "(extra 'data')" in " ".join(rows["datasets"])
+    assert rows["tensorboard"][:2] == ["no", "-"]
+    assert rows["tqdm"][0] == "yes"  # a dependency: always there
 
 
 @pytest.mark.parametrize("argv, needle", [
