@@ -6,8 +6,9 @@ Subpackages and modules, lowest first (a lower one never imports a higher one; d
 architecture.md has the map and tests/schedules/test_import_graph.py checks it):
 
 - ``platform``: device kind (cpu | cuda | npu) -> backend (gloo | nccl | hccl), streams, events;
-  ``launch``: ``spawn`` for CPU ranks, ``init_from_env`` under torchrun; ``testing``:
-  ``run_ranks`` for tests on real gloo ranks
+  ``launch``: ``spawn`` for CPU ranks, ``init_from_env`` under torchrun (``rank_start``: how a
+  spawned rank starts: the forkserver's import path, the same package as the parent);
+  ``testing``: ``run_ranks`` for tests on real gloo ranks
 - ``ops``: ``ops.comm`` (bounded collectives, the one point-to-point layer), ``ops.comm_stats``,
   ``ops.gdn`` (Gated DeltaNet math and backends), ``ops.attention`` (local blocks, lse merge)
 - ``graph``: the task DAG (validate, simulate, interval arithmetic, traces)

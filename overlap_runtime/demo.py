@@ -30,7 +30,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 TOL = 1e-6
 DEFAULT_OUT = os.path.join("out", "moe_pp_ep_trace.json")
@@ -99,9 +99,10 @@ REMOVED_FLAGS: dict[str, str] = {
 class _RemovedFlag(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
+        field = REMOVED_FLAGS[option_string or ""]
         parser.error(f"{option_string} was removed: the demo trains from a YAML config; set "
-                     f"{REMOVED_FLAGS[option_string or '']} in a copy of {DEFAULT_CONFIG_NAME} "
-                     f"and pass --config")
+                     f"{field} with --set {field.split()[0]}=VALUE, or in a copy of "
+                     f"{DEFAULT_CONFIG_NAME} passed with --config")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "x cp, dp_shard = ep)")
     parser.add_argument("--ep", type=int, default=None,
                         help="override train.accelerator.ep (world size as for --pp)")
+    parser.add_argument("--set", action="append", default=[], metavar="DOTTED.FIELD=VALUE",
+                        help="override one field of the config, validated with the rest before "
+                             "any rank starts (repeatable), e.g. --set "
+                             "train.pipeline.microbatches=2 --set model.num_experts=8")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"merged Chrome trace (default {DEFAULT_OUT})")
     parser.add_argument("--timeout", type=float, default=120.0,
@@ -143,13 +148,15 @@ def demo_problems(config: Any) -> list[str]:
 
 def load_demo_config(path: str | None, steps: int | None = None, pp: int | None = None,
                      ep: int | None = None, timeout_s: float | None = None,
-                     world_size: int | None = None) -> Any:
+                     world_size: int | None = None, sets: Sequence[str] = ()) -> Any:
     """The validated ``TrainConfig`` of the demo: ``path`` (None: the embedded default) with the
     command line's overrides; every size is checked here, before any rank starts.
 
-    ``pp`` / ``ep`` set those degrees and the world size ``pp x dp_replicate x ep x cp``
-    (``dp_shard = ep``: EP over the whole data-parallel dimension). ``timeout_s`` becomes
-    ``train.accelerator.comm_timeout_s`` when the config leaves it unset. ``world_size``
+    ``sets`` are ``--set DOTTED.FIELD=VALUE`` assignments (``trainer.config.apply_overrides``),
+    applied first; ``steps`` sets ``train.steps``; ``pp`` / ``ep`` set those degrees, ``dp_shard =
+    ep`` (EP over the whole data-parallel dimension) and the world size to ``pp x dp_replicate x
+    ep x cp``. Everything is validated once, together, by the trainer's rules. ``timeout_s``
+    becomes ``train.accelerator.comm_timeout_s`` when the config leaves it unset; ``world_size``
     (torchrun's) fills ``train.accelerator.world_size`` when the config leaves it unset.
 
     Raises:
@@ -157,7 +164,8 @@ def load_demo_config(path: str | None, steps: int | None = None, pp: int | None 
     """
     import yaml
 
-    from overlap_runtime.trainer.config import ConfigError, config_from_dict, load_config
+    from overlap_runtime.trainer.config import (ConfigError, apply_overrides, config_from_dict,
+                                                load_config)
 
     if path is None:
         source = f"(embedded {DEFAULT_CONFIG_NAME})"
@@ -165,25 +173,27 @@ def load_demo_config(path: str | None, steps: int | None = None, pp: int | None 
     else:
         source = path
         config = load_config(path)
-    data = config.model_dump()
-    acc = data["train"]["accelerator"]
-    changed = []
+    assignments, flags = list(sets), [f"--set {a}" for a in sets]
     if steps is not None:
-        data["train"]["steps"] = steps
-        changed.append(f"--steps {steps}")
+        assignments.append(f"train.steps={steps}")
+        flags.append(f"--steps {steps}")
     if pp is not None or ep is not None:
-        acc["pp"] = acc["pp"] if pp is None else pp
-        acc["ep"] = acc["ep"] if ep is None else ep
-        acc["dp_shard"] = -1
-        acc["world_size"] = acc["pp"] * acc["dp_replicate"] * acc["ep"] * acc["cp"]
-        changed += [f"--{k} {v}" for k, v in (("pp", pp), ("ep", ep)) if v is not None]
-    if acc["world_size"] is None and world_size is not None:
-        acc["world_size"] = world_size
-    if acc["comm_timeout_s"] is None and timeout_s is not None:
-        acc["comm_timeout_s"] = timeout_s
-    if changed:
-        source += " with " + " ".join(changed)
-    config = config_from_dict(data, source)
+        acc = config.train.accelerator
+        degree = acc.ep if ep is None else ep
+        assignments += [f"train.accelerator.pp={acc.pp if pp is None else pp}",
+                        f"train.accelerator.ep={degree}", f"train.accelerator.dp_shard={degree}",
+                        "train.accelerator.world_size=null"]  # pp x dp_replicate x ep x cp
+        flags += [f"--{k} {v}" for k, v in (("pp", pp), ("ep", ep)) if v is not None]
+    if flags:
+        source += " with " + " ".join(flags)
+        config = apply_overrides(config, assignments, source)
+    fill = []
+    if config.train.accelerator.world_size is None and world_size is not None:
+        fill.append(f"train.accelerator.world_size={world_size}")
+    if config.train.accelerator.comm_timeout_s is None and timeout_s is not None:
+        fill.append(f"train.accelerator.comm_timeout_s={timeout_s!r}")
+    if fill:
+        config = apply_overrides(config, fill, source)
     problems = demo_problems(config)
     if problems:
         raise ConfigError(f"{source} does not fit the demo: " + "; ".join(problems))
@@ -457,7 +467,7 @@ def print_report(report: dict[str, Any], out: str, wall_s: float) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overlap_runtime.launch import launched_by_torchrun
+    from overlap_runtime.launch import check_world, launched_by_torchrun
     from overlap_runtime.trainer.config import ConfigError
 
     if not args.timeout > 0:
@@ -466,12 +476,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         torchrun = launched_by_torchrun()
         config = load_demo_config(args.config, args.steps, args.pp, args.ep, args.timeout,
-                                  int(os.environ["WORLD_SIZE"]) if torchrun else None)
+                                  int(os.environ["WORLD_SIZE"]) if torchrun else None, args.set)
+        acc = config.train.accelerator
+        world = acc.resolved_world_size
+        if not torchrun:
+            check_world(acc.device, world)  # e.g. 4 ranks on 'cuda' with 2 GPUs
     except (ConfigError, RuntimeError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    acc = config.train.accelerator
-    world = acc.resolved_world_size
     label = f"{DEFAULT_CONFIG_NAME} (embedded default)" if args.config is None else args.config
     t0 = time.perf_counter()
     if torchrun:

@@ -21,16 +21,18 @@ leaves orphans:
   passed by descriptor, so no path is left on disk.
 
 Children start from a forkserver that has already imported torch, so a rank costs a fork, not a
-fresh interpreter (the first spawn in a process pays the import once).
+fresh interpreter (the first spawn in a process pays the import once). The forkserver is started
+with this process's import path, and every rank first checks that it runs the same
+``overlap_runtime`` as this process (an ``ImportError`` naming both directories otherwise): a copy
+of the package in the working directory must not replace the parent's in the ranks
+(:mod:`overlap_runtime.rank_start`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import faulthandler
 import io
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import multiprocessing.reduction as mp_reduction
 import os
@@ -46,12 +48,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap_runtime.platform import backend_for, resolve_device, set_device
+from overlap_runtime import rank_start
+from overlap_runtime.platform import (DeviceUnavailableError, backend_for, device_kind,
+                                      resolve_device, set_device)
 
 DEFAULT_SPAWN_TIMEOUT_S = 300.0
 DEFAULT_STORE_HOST = "127.0.0.1"
 STORE_HOST_ENV = "OVERLAP_RUNTIME_STORE_HOST"
-_PR_SET_PDEATHSIG = 1
 _SETTLE_S = 1.0  # after a first failure, how long a death may take to be seen (see spawn)
 
 
@@ -148,43 +151,6 @@ def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     return bool(present)
 
 
-def _die_with_parent(expected_parent: int | None = None) -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux only).
-
-    ``expected_parent`` closes the race where the parent died before the ``prctl``: if the parent
-    is no longer that pid, this process exits at once.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # pragma: no cover - non-glibc systems
-        pass
-    if expected_parent is not None and os.getppid() != expected_parent:
-        os._exit(1)
-
-
-def _release_forkserver() -> None:
-    """Close this rank's copy of the forkserver's "alive" pipe write end.
-
-    multiprocessing hands every forkserver child that write end so the child could start
-    processes through the same server; while any child holds it the server never sees EOF, so
-    it (and, through it, ``PR_SET_PDEATHSIG``) outlived a SIGKILLed parent. A rank never uses the
-    inherited server (a nested start launches a new one), so the descriptor only did harm.
-    """
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if isinstance(fd, int):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-        server._forkserver_alive_fd = None  # type: ignore[union-attr]
-
-
 class _PassedFd:
     """A file descriptor that travels to a child in ``Process`` args (dup'd by multiprocessing)."""
 
@@ -256,9 +222,12 @@ def _child_main(
     env: dict[str, str],
     num_threads: int,
     expected_parent: int | None,
+    package_dir: str,
+    python_env: dict[str, str | None],
 ) -> None:
-    _die_with_parent(expected_parent)
-    _release_forkserver()
+    rank_start.die_with_parent(expected_parent)
+    rank_start.release_forkserver()
+    rank_start.restore_python_env(python_env)  # the forkserver's PYTHONPATH is ours, not theirs
     os.environ.update(env)
     os.environ.update(
         {
@@ -276,6 +245,7 @@ def _child_main(
         torch.set_num_threads(num_threads)
     status: tuple[str, Any]
     try:
+        rank_start.check_same_package(package_dir, rank)
         dev = resolve_device(device, local_rank=rank)
         set_device(dev)
         store = dist.TCPStore(
@@ -314,19 +284,6 @@ def _child_main(
     # a group whose peer failed, and the parent already has the result.
     stack_fh.flush()
     os._exit(0 if status[0] == "ok" else 1)
-
-
-_CTX: Any = None
-
-
-def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        method = os.environ.get("OVERLAP_RUNTIME_START_METHOD", "forkserver")
-        _CTX = mp.get_context(method)
-        if method == "forkserver":
-            _CTX.set_forkserver_preload(["torch", "torch.distributed", "overlap_runtime.launch"])
-    return _CTX
 
 
 def _rank_failed(failures: dict[int, RankFailure], results: dict[int, Any], world_size: int,
@@ -422,15 +379,27 @@ def _host_store(host: str, timeout_s: float) -> tuple[Any, str]:
     return store, wildcard.get(bound, bound)
 
 
-def _expected_parent(method: str) -> int | None:
-    """The pid a rank's parent must have: this process, or the forkserver (None if unknown)."""
-    if method != "forkserver":
-        return os.getpid()
-    from multiprocessing import forkserver
+def check_world(device: str, world_size: int) -> None:
+    """Raise before any rank starts when ``world_size`` ranks on ``device`` cannot run here.
 
-    forkserver.ensure_running()
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    return pid if isinstance(pid, int) else None
+    Every rank of an accelerator kind takes its own device (``<kind>:<rank>``), so ``world_size``
+    devices of that kind must exist; CPU ranks need nothing.
+
+    Raises:
+        ValueError: ``world_size < 1``.
+        DeviceUnavailableError: the kind is not available, or has fewer devices than ranks
+            (naming the kind and both counts).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if device_kind(device) == "cpu":
+        return
+    try:
+        resolve_device(device, local_rank=world_size - 1)
+    except DeviceUnavailableError as exc:
+        raise DeviceUnavailableError(
+            f"{world_size} ranks on {device!r} (one device each) cannot start here: {exc}"
+        ) from None
 
 
 def spawn(
@@ -472,19 +441,21 @@ def spawn(
             period the message ends with one line per other rank.
         RanksTimeoutError: ranks were still running after ``timeout_s`` (named, with stacks).
         ValueError: a bad argument (named), e.g. a ``store_host`` that does not resolve.
+        DeviceUnavailableError: fewer devices of ``device``'s kind than ranks
+            (:func:`check_world`), before any rank starts.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_world(device, world_size)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if not failure_grace_s >= 0:
         raise ValueError(f"failure_grace_s must be >= 0, got {failure_grace_s}")
     be = backend or backend_for(device)
-    ctx = _context()
+    ctx = rank_start.context()
     store, store_addr = _host_store(
         store_host or os.environ.get(STORE_HOST_ENV) or DEFAULT_STORE_HOST, timeout_s
     )
-    expected_parent = _expected_parent(ctx.get_start_method())
+    expected_parent = rank_start.expected_parent(ctx.get_start_method())
+    package_dir, python_env = rank_start.package_dir(), rank_start.python_env()
     # Unlinked files (O_TMPFILE on Linux): no path exists, so none can outlive a killed parent.
     stack_files = [tempfile.TemporaryFile(prefix="overlap_runtime_spawn_")
                    for _ in range(world_size)]
@@ -498,7 +469,7 @@ def spawn(
                 args=(fn, r, world_size, tuple(args), child_conn, store_addr, store.port, be,
                       device,
                       timeout_s, _PassedFd(stack_files[r].fileno()), dict(env or {}), num_threads,
-                      expected_parent),
+                      expected_parent, package_dir, python_env),
                 name=f"overlap_runtime-rank{r}",
                 daemon=True,
             )

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from overlap_runtime import demo
 from overlap_runtime.cli import main
@@ -74,6 +75,12 @@ def test_overrides() -> None:
     acc = config.train.accelerator
     assert (config.train.steps, acc.pp, acc.ep, acc.resolved_world_size) == (3, 2, 4, 8)
     assert acc.comm_timeout_s == 60  # the config's own bound wins over --timeout
+    config = demo.load_demo_config(None, ep=4, sets=["model.num_experts=8",
+                                                     "train.accelerator.comm_timeout_s=null"],
+                                   timeout_s=7.0)
+    acc = config.train.accelerator
+    assert (config.model.num_experts, acc.ep, acc.resolved_world_size) == (8, 4, 8)
+    assert acc.comm_timeout_s == 7.0  # unset by --set: --timeout fills it
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -83,6 +90,16 @@ def test_overrides() -> None:
     (["--config", "/no/such.yaml"], "cannot read training configuration /no/such.yaml"),
     (["--config", str(ROOT / "configs" / "tiny_cp4_p2p.yaml")], "it needs pp >= 2"),
     (["--timeout", "0"], "--timeout 0.0: must be > 0 seconds"),
+    (["--set", "train.pipeline.microbatches=3"],
+     "train.pipeline.microbatches=3 must divide data.batch_size=4"),
+    (["--set", "train.accelerator.world_size=6"], "world_size=6"),  # 6 ranks: pp 2 x dp_shard 2
+    (["--set", "train.pipeline.microbatches=3", "--ep", "4"],  # every broken rule, once
+     "with --set train.pipeline.microbatches=3 --ep 4: train.pipeline.microbatches=3 must divide"),
+    (["--set", "train.pipline.microbatches=2"], "train.pipline is not a section"),
+    pytest.param(["--set", "train.accelerator.device=cuda"],
+                 "4 ranks on 'cuda' (one device each) cannot start here",
+                 marks=pytest.mark.skipif(torch.cuda.device_count() >= 4,
+                                          reason="4 GPUs here: the demo could start")),
 ])
 def test_bad_sizes_fail_before_any_rank_starts(argv: list[str], words: str,
                                                monkeypatch: pytest.MonkeyPatch,

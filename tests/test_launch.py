@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -283,3 +284,63 @@ def test_the_rendezvous_store_host_can_be_chosen(monkeypatch) -> None:
     assert out[0][1] in (["127.0.0.1"], ["::1"]) and out[0][0] == out[0][1][0]
     with pytest.raises(ValueError, match="store_host 'no such host.invalid' does not resolve"):
         spawn(_store_listen, 1, backend="gloo", timeout_s=120, store_host="no such host.invalid")
+
+
+_DECOY_PARENT = """
+import json, sys
+import overlap_runtime
+from overlap_runtime.launch import spawn
+
+def where(rank, world):
+    import overlap_runtime, overlap_runtime.launch, os
+    return [overlap_runtime.__file__, overlap_runtime.launch.__file__,
+            os.environ.get("PYTHONSAFEPATH"), os.environ.get("PYTHONPATH")]
+
+if __name__ == "__main__":
+    print(json.dumps({"parent": overlap_runtime.__file__,
+                      "ranks": spawn(where, 2, timeout_s=120)}))
+"""
+
+
+def test_ranks_import_the_parents_package_not_a_copy_in_the_working_directory(
+        tmp_path: Path) -> None:
+    """A decoy ``overlap_runtime/`` in the working directory: the forkserver (``python -c``, the
+    current directory first on sys.path) used to import it; the ranks import the parent's."""
+    real = Path(__file__).resolve().parents[1]
+    cwd, scripts = tmp_path / "cwd", tmp_path / "scripts"
+    (cwd / "overlap_runtime").mkdir(parents=True)
+    marker = tmp_path / "decoy_imported"
+    (cwd / "overlap_runtime" / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'a').write('imported\\n')\n__version__ = 'decoy'\n")
+    scripts.mkdir()
+    (scripts / "parent.py").write_text(_DECOY_PARENT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(real)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("PYTHONSAFEPATH", None)
+    proc = subprocess.run([sys.executable, str(scripts / "parent.py")], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(out["parent"]).resolve() == real / "overlap_runtime" / "__init__.py"
+    for init, launch, safe, path in out["ranks"]:
+        assert Path(init).resolve() == real / "overlap_runtime" / "__init__.py", out
+        assert Path(launch).resolve() == real / "overlap_runtime" / "launch.py", out
+        assert safe is None and path == env["PYTHONPATH"], out  # the user's environment back
+    assert not marker.exists(), "the decoy package was imported (by the forkserver or a rank)"
+
+
+def _never_runs(rank: int, world: int) -> None:
+    raise AssertionError("the package check must stop the rank first")
+
+
+def test_a_rank_with_another_package_than_the_parent_fails_naming_both(monkeypatch) -> None:
+    import overlap_runtime
+
+    real = os.path.dirname(os.path.realpath(overlap_runtime.__file__))
+    monkeypatch.setattr(overlap_runtime, "__file__", "/elsewhere/overlap_runtime/__init__.py")
+    with pytest.raises(RankFailedError) as info:
+        spawn(_never_runs, 1, timeout_s=120)
+    msg = str(info.value)
+    assert msg.startswith("rank 0 of 1 raised ImportError: rank 0 imported overlap_runtime from "
+                          f"{real}, but the process that spawned it imported overlap_runtime "
+                          "from /elsewhere/overlap_runtime"), msg

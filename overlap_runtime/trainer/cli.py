@@ -80,7 +80,7 @@ def _report(config: Any, result: Any, baseline: Any, metrics_path: str | None) -
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from overlap_runtime.launch import launched_by_torchrun
+    from overlap_runtime.launch import check_world, launched_by_torchrun
     from overlap_runtime.trainer.checkpoint import (CheckpointError, checkpoint_step,
                                                     resolve_resume)
     from overlap_runtime.trainer.config import ConfigError, apply_overrides, load_config
@@ -88,20 +88,19 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
-        sets = list(args.set) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
-        if sets:
-            config = apply_overrides(config, sets, f"{args.config} with --set {' --set '.join(sets)}")
-        overrides: dict[str, Any] = {}
-        if args.steps is not None:
-            overrides["steps"] = args.steps
-        if args.world_size is not None:
-            acc = config.train.accelerator.model_dump()
-            acc["world_size"] = args.world_size
-            overrides["accelerator"] = acc
-        if overrides:
-            config = config.with_overrides(**overrides)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        flags = {f"--set {a}": a for a in args.set}  # each flag validated with the rest, once
+        flags.update({f"--{k.replace('_', '-')} {v}": f"{field}={v}" for k, field, v in (
+            ("steps", "train.steps", args.steps),
+            ("world_size", "train.accelerator.world_size", args.world_size),
+            ("resume", "checkpoint.resume", args.resume)) if v is not None})
+        if flags:
+            config = apply_overrides(config, list(flags.values()),
+                                     f"{args.config} with {' '.join(flags)}")
+        if not launched_by_torchrun():  # ranks spawned here: enough devices, before any starts
+            check_world(config.train.accelerator.device,
+                        config.train.accelerator.resolved_world_size)
+    except (ValueError, RuntimeError) as exc:  # ConfigError too: one line, exit 2, no rank
+        print("error: " + " ".join(ln.strip() for ln in str(exc).splitlines()), file=sys.stderr)
         return 2
     metrics_path = args.metrics or config.train.metrics
     acc = config.train.accelerator

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from overlap_runtime.trainer.batch import Batch, Packing, make_batch
+from overlap_runtime.trainer.byte_tokenizer import (BOS_ID, EOS_ID, PAD_ID, SEP_ID,
+                                                    SPECIAL_TOKENS, VOCAB_SIZE, ByteTokenizer)
 from overlap_runtime.trainer.data_state import check_state, make_state
 
 if TYPE_CHECKING:
@@ -59,42 +61,6 @@ __all__ = [
     "build_dataset",
     "load_corpus",
 ]
-
-SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<sep>")
-PAD_ID, BOS_ID, EOS_ID, SEP_ID = 256, 257, 258, 259
-VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, specials 256..259 (see :data:`SPECIAL_TOKENS`).
-
-    Also the byte form of ``trainer.documents.DataTokenizer`` (``name``, ``sha256``,
-    ``token_id``, ``encode_batch``).
-    """
-
-    name = "byte"
-    sha256 = "byte"
-    vocab_size = VOCAB_SIZE
-
-    def token_id(self, token: str) -> int | None:
-        """The id of a special token (``"<eos>"`` -> 258), None for any other string."""
-        return 256 + SPECIAL_TOKENS.index(token) if token in SPECIAL_TOKENS else None
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """UTF-8 bytes of each text, no specials."""
-        return [list(t.encode("utf-8")) for t in texts]
-
-    def encode(self, text: str, bos: bool = True, eos: bool = True) -> torch.Tensor:
-        """``text`` -> ``[n]`` int64 token ids (``<bos>``/``<eos>`` around it if asked)."""
-        ids = list(text.encode("utf-8"))
-        return torch.tensor(([BOS_ID] if bos else []) + ids + ([EOS_ID] if eos else []),
-                            dtype=torch.int64)
-
-    def decode(self, ids: torch.Tensor | list[int]) -> str:
-        """Token ids -> text; specials are dropped, invalid UTF-8 is replaced."""
-        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        return bytes(v for v in values if 0 <= v < 256).decode("utf-8", errors="replace")
-
 
 def load_corpus(path: str | Path | None = None) -> str:
     """The packaged corpus (``path=None``) or the UTF-8 text file at ``path``.

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-from overlap_runtime.trainer.data import ByteTokenizer
+from overlap_runtime.trainer.byte_tokenizer import ByteTokenizer
 
 __all__ = [
     "FORMAT_EXTENSIONS",
