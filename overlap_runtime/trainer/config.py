@@ -37,6 +37,14 @@
                                   # run in the EP all-to-all windows (not with overlap_b_f)
         overlap_p2p: true
         layers_per_stage: null    # e.g. [2, 2]; null: an even split (trainer.pipeline_split)
+    metrics:                      # streamed every train.log_every steps (trainer.metrics)
+      jsonl: null                 # JSONL path, one record per logged step (rank 0)
+      tensorboard: null           # TensorBoard log dir (pip install overlap_runtime[tensorboard])
+      progress: auto              # auto (bar on a TTY, else lines) | bar | lines | off
+    profiling:                    # torch.profiler window (trainer.profiling)
+      enable: false
+      steps: [2, 3]               # first and last profiled step (1-based, inclusive)
+      dir: profiles               # rank<r>.pt.trace.json per rank, exec_trace.json
 
 ``world_size = pp x dp_replicate x dp_shard x cp`` (:class:`~overlap_runtime.trainer.
 parallel_dims.ParallelDims` owns the rule and every mesh); ``dp = dp_replicate x dp_shard``
@@ -50,6 +58,8 @@ default).
 from __future__ import annotations
 
 import codecs
+import importlib.util
+import os
 import stat
 from pathlib import Path
 from typing import Any, Literal
@@ -67,7 +77,9 @@ __all__ = [
     "AcceleratorConfig",
     "ConfigError",
     "DataConfig",
+    "MetricsConfig",
     "OptimizerConfig",
+    "ProfilingConfig",
     "PipelineConfig",
     "apply_overrides",
     "TrainConfig",
@@ -178,6 +190,86 @@ class TrainSection(_Strict):
     pipeline: PipelineConfig = PipelineConfig()
 
 
+# --- metrics / profiling sections (trainer.metrics, trainer.progress, trainer.profiling) -------
+
+
+def _check_output_dir(field: str, path: str, what: str) -> None:
+    """``path``'s directory exists or can be created: its nearest existing ancestor is a
+    writable directory (nothing is created at load)."""
+    target = Path(path).expanduser()
+    if what == "file" and target.is_dir():
+        raise ValueError(f"{field}={path!r} is a directory; it must name a file")
+    if what == "dir" and target.exists() and not target.is_dir():
+        raise ValueError(f"{field}={path!r} exists and is not a directory")
+    d = target.parent if what == "file" else target
+    d = d if str(d) else Path(".")
+    while not d.exists():
+        d = d.parent
+    if not d.is_dir():
+        raise ValueError(f"{field}={path!r}: its directory cannot be created ({d} is not a "
+                         f"directory)")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ValueError(f"{field}={path!r}: its directory cannot be created ({d} is not "
+                         f"writable)")
+
+
+class MetricsConfig(_Strict):
+    """``metrics``: streamed per-step records (``trainer.metrics``) and rank 0's progress
+    display (``trainer.progress``). Records go out every ``train.log_every`` steps."""
+
+    jsonl: str | None = Field(None, description="JSONL file, one record per logged step")
+    tensorboard: str | None = Field(None, description="TensorBoard log directory")
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+
+    @field_validator("jsonl")
+    @classmethod
+    def _jsonl_writable(cls, path: str | None) -> str | None:
+        if path is not None:
+            _check_output_dir("metrics.jsonl", path, "file")
+        return path
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_usable(cls, path: str | None) -> str | None:
+        if path is None:
+            return path
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(f"metrics.tensorboard={path!r} needs the tensorboard package: "
+                             "pip install overlap_runtime[tensorboard] (or metrics.tensorboard: "
+                             "null)")
+        _check_output_dir("metrics.tensorboard", path, "dir")
+        return path
+
+
+class ProfilingConfig(_Strict):
+    """``profiling``: a torch.profiler window over training steps ``steps = [start, end]``
+    (1-based, inclusive), one chrome trace per rank in ``dir`` (``trainer.profiling``)."""
+
+    enable: bool = False
+    steps: tuple[int, int] = (2, 3)
+    dir: str = "profiles"
+
+    @model_validator(mode="after")
+    def _window(self) -> "ProfilingConfig":
+        start, end = self.steps
+        if not 1 <= start <= end:
+            raise ValueError(f"profiling.steps=[{start}, {end}]: need 1 <= start <= end")
+        if self.enable:
+            _check_output_dir("profiling.dir", self.dir, "dir")
+        return self
+
+
+def _profiling_problems(config: "TrainConfig") -> list[str]:
+    p = config.profiling
+    if p.enable and p.steps[1] > config.train.steps:
+        return [f"profiling.steps={list(p.steps)} ends after the run's last step "
+                f"(train.steps={config.train.steps})"]
+    return []
+
+
+# --- end of the metrics / profiling sections ------------------------------------------------
+
+
 class TrainConfig(_Strict):
     """The whole configuration (see the module docstring)."""
 
@@ -185,6 +277,8 @@ class TrainConfig(_Strict):
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainSection = TrainSection()
+    metrics: MetricsConfig = MetricsConfig()
+    profiling: ProfilingConfig = ProfilingConfig()
 
     @property
     def dp(self) -> int:
@@ -202,6 +296,7 @@ class TrainConfig(_Strict):
             ep=acc.ep, dp_replicate=acc.dp_replicate, prefix="train.accelerator."))
         errors.extend(_pipeline_problems(self))
         errors.extend(_expert_problems(self))
+        errors.extend(_profiling_problems(self))
         if acc.tp > 1:
             if acc.cp > 1 and has_gdn:
                 errors.append(f"train.accelerator.tp={acc.tp}: linear-attention (GDN) context "

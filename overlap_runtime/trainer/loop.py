@@ -44,6 +44,7 @@ from overlap_runtime.trainer.data import Batch, TextDataset
 from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
 from overlap_runtime.trainer.grad_norm import clip_grad_norm
+from overlap_runtime.trainer.observe import RunObserver, observed_trace  # [metrics]
 
 if TYPE_CHECKING:
     from overlap_runtime.pipeline import ExecutionTrace
@@ -175,6 +176,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
                           f"{exc}") from None
     dims.build_meshes(device.type)
     coords = dims.coordinates(rank)
+    trace = observed_trace(config, trace, distributed=True)  # [metrics] spans for metrics/profiler
     pm = build_parallel_model(config, dims, device, coords["pp"], debug=debug, trace=trace)
     if on_model is not None:
         try:
@@ -211,11 +213,17 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
         return clip_grad_norm(pm.other_params, config.optimizer.max_grad_norm,
                               pm.expert_params, ep_group, pp_group, device)
 
+    observer: RunObserver | None = None  # [metrics] streamed metrics, progress, profiler window
     try:
+        observer = RunObserver(config, device, rank, world, pm.modules(), trace,  # [metrics]
+                               (log or print) if rank == 0 else None, True, acc.comm_timeout_s)
         steps = _run(config, optimizer, scheduler, device,
                      lambda s: data.rank_batch(s, coords["dp"], coords["cp"], dims.cp), step_fn,
-                     norm_fn, distributed=True, log=(log or print) if rank == 0 else None)
+                     norm_fn, distributed=True, log=observer.line_log(),  # [metrics]
+                     on_step=observer)  # [metrics]
     finally:
+        if observer is not None:  # [metrics]
+            observer.close()  # [metrics]
         pm.close()
     peak = platform.max_memory_allocated(device)
     if peak is not None:  # cuda/npu: the largest peak of any rank
@@ -286,8 +294,12 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
         return _to_float(torch.nn.utils.clip_grad_norm_(
             model.parameters(), max_norm if max_norm is not None else math.inf, foreach=False))
 
-    steps = _run(config, optimizer, scheduler, device, full_batch, step_fn, norm_fn,
-                 distributed=False, log=log)
+    observer = RunObserver.single(config, device, model, log)  # [metrics] *.single.* outputs
+    try:  # [metrics]
+        steps = _run(config, optimizer, scheduler, device, full_batch, step_fn, norm_fn,
+                     distributed=False, log=observer.line_log(), on_step=observer)  # [metrics]
+    finally:  # [metrics]
+        observer.close()  # [metrics]
     peak = platform.max_memory_allocated(device)
     return TrainResult(steps, 1, 1, 1, "single", parameter_count(model), peak)
 
@@ -295,12 +307,15 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
 def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LambdaLR, device: torch.device,
          batch_for: Callable[[int], Batch], step_fn: Callable[[Batch], torch.Tensor],
-         norm_fn: Callable[[], float], distributed: bool, log: Log | None) -> list[StepMetrics]:
+         norm_fn: Callable[[], float], distributed: bool, log: Log | None,
+         on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
     """The steps shared by both runs; returns the metrics every rank agrees on.
 
     ``step_fn`` runs forward and backward and returns this rank's share of the mean loss
     (``CE sum / global tokens``; 0 on ranks without the last pipeline stage); ``norm_fn``
-    measures the global gradient norm and clips.
+    measures the global gradient norm and clips. ``on_step(m)`` runs on every rank after each
+    step, outside its timing, before the finiteness check (trainer.observe: metrics, progress,
+    profiler window; it may run collectives, at the same steps on every rank).
     """
     total = config.train.steps
     out: list[StepMetrics] = []
@@ -326,6 +341,8 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
             elapsed = float(t)
         m = StepMetrics(step + 1, float(loss), grad_norm, lr,
                         batch.global_tokens, elapsed, batch.global_tokens / elapsed)
+        if on_step is not None:  # [metrics]
+            on_step(m)
         _check_finite(m)
         out.append(m)
         if log is not None and ((step + 1) % config.train.log_every == 0 or step + 1 == total):
