@@ -47,9 +47,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _names(path: Path) -> list[str]:
+def _spans(path: Path) -> list[dict[str, Any]]:
     trace = json.loads(path.read_text())
-    return [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X"]
 
 
 def test_one_trace_per_rank_for_the_window_with_our_range_names(run_dir: Path) -> None:
@@ -57,7 +57,8 @@ def test_one_trace_per_rank_for_the_window_with_our_range_names(run_dir: Path) -
     assert sorted(p.name for p in prof.iterdir()) == [
         "exec_trace.json", *[f"rank{r}.pt.trace.json" for r in range(4)]]
     for r in range(4):
-        names = _names(prof / f"rank{r}.pt.trace.json")
+        spans = _spans(prof / f"rank{r}.pt.trace.json")
+        names = [e["name"] for e in spans]
         steps = sorted(n for n in names if n.startswith("train.step "))
         assert steps == ["train.step 2", "train.step 3"], (r, steps)  # the window only
         joined = "\n".join(names)
@@ -69,9 +70,12 @@ def test_one_trace_per_rank_for_the_window_with_our_range_names(run_dir: Path) -
             for side in ("fwd", "bwd"):
                 assert re.search(rf"^a2a S\d\.L\d\.{label} {side}$", joined, re.M), (r, label)
         assert re.search(r"^ep\.dispatch S\d\.L\d$", joined, re.M), r
-        # sync hooks, forward and backward: they run in the FWD/BWD worker threads
+        # sync hooks, forward and backward, recorded in the FWD/BWD worker threads too
         assert re.search(r"^hook [ABCD] forward L\d$", joined, re.M), r
         assert re.search(r"^hook [ABCD](_LAST)? backward L\d$", joined, re.M), r
+        main = {e["tid"] for e in spans if e["name"].startswith("train.step ")}
+        hook_threads = {e["tid"] for e in spans if e["name"].startswith("hook ")}
+        assert len(main) == 1 and hook_threads - main, (r, main, hook_threads)
 
 
 def test_rank0_merges_every_ranks_execution_trace_of_the_window(run_dir: Path) -> None:
