@@ -68,6 +68,7 @@ from overlap_runtime.coordinator.errors import (
     WaitSite,
 )
 from overlap_runtime.coordinator.serializer import CommSerializer
+from overlap_runtime.ops.profile_range import profile_range
 
 __all__ = [
     "Side",
@@ -355,6 +356,10 @@ class HookCoordinator:
         direction = Side(direction)
         if letter not in HOOK_LETTERS:
             raise ValueError(f"sync hook letter {letter!r} is not one of {list(HOOK_LETTERS)}")
+        with profile_range(lambda: f"hook {letter} {direction.value} L{layer}"):
+            self._hook(direction, letter, layer)
+
+    def _hook(self, direction: Side, letter: str, layer: int) -> None:
         with self.condition:
             st = self._state
             if not st.running or not self._enabled:

@@ -277,7 +277,7 @@ class CommSerializer:
         try:
             x_in = _ReleaseOnBackward.apply(x, self, box) if x.requires_grad else x
             handle, out = comm.all_to_all_single(x_in, output_splits, input_splits, group,
-                                                 async_op=True, timeout_s=t)
+                                                 async_op=True, timeout_s=t, what=tag)
             if out.requires_grad:
                 out = _AcquireOnBackward.apply(out, self, group, tag, box)
         except BaseException:

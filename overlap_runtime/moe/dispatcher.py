@@ -28,6 +28,7 @@ group, inside the same comm region as the tokens' one, launched through the same
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from torch.autograd.function import FunctionCtx
 
 from overlap_runtime.coordinator import HookCoordinator, Side, sync_hook
 from overlap_runtime.ops import comm
+from overlap_runtime.ops.profile_range import profile_range
 from overlap_runtime.pipeline.deferred_w import DeferredWQueue
 
 from .router import RoutingResult
@@ -223,7 +225,8 @@ class _WindowedAllToAll(torch.autograd.Function):
         ctx.splits = (output_splits, input_splits)
         ctx.dispatcher, ctx.where = dispatcher, where
         handle, out = comm.all_to_all_single(x, output_splits, input_splits, dispatcher.group,
-                                             async_op=True, timeout_s=dispatcher.timeout_s)
+                                             async_op=True, timeout_s=dispatcher.timeout_s,
+                                             what=f"{dispatcher.tag}.{where}")
         ctx.handle = handle
         if box is None:
             dispatcher._flush_window(handle, f"{where} fwd")
@@ -238,15 +241,31 @@ class _WindowedAllToAll(torch.autograd.Function):
             raise RuntimeError(f"{ctx.dispatcher.tag}.{ctx.where}: backward reached an all-to-all "
                                f"whose forward handle was never waited")
         output_splits, input_splits = ctx.splits
-        handle, grad_in = comm.all_to_all_single(grad.contiguous(), input_splits, output_splits,
-                                                 ctx.dispatcher.group, async_op=True,
-                                                 timeout_s=ctx.dispatcher.timeout_s)
-        ctx.dispatcher._flush_window(handle, f"{ctx.where} bwd")
-        handle.wait()
+        what = f"{ctx.dispatcher.tag}.{ctx.where}"
+        with profile_range(lambda: f"a2a {what} bwd"):
+            handle, grad_in = comm.all_to_all_single(grad.contiguous(), input_splits,
+                                                     output_splits, ctx.dispatcher.group,
+                                                     async_op=True,
+                                                     timeout_s=ctx.dispatcher.timeout_s,
+                                                     what=f"{what} (reverse)")
+            ctx.dispatcher._flush_window(handle, f"{ctx.where} bwd")
+            handle.wait()
         return grad_in, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- the dispatcher
+
+
+def _profiled(label: str) -> Any:
+    """Run the method inside the profiler range ``ep.{label} {tag}`` (free without a
+    profiler: ``ops.profile_range``)."""
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def ranged(self: "AllToAllTokenDispatcher", *args: Any, **kwargs: Any) -> Any:
+            with profile_range(lambda: f"ep.{label} {self.tag}"):
+                return method(self, *args, **kwargs)
+        return ranged
+    return wrap
 
 
 class AllToAllTokenDispatcher:
@@ -341,7 +360,7 @@ class AllToAllTokenDispatcher:
                 x, output_splits, input_splits, self.group, tag=tag, async_op=async_op,
                 timeout_s=self.timeout_s)
         return comm.all_to_all_single(x, output_splits, input_splits, self.group,
-                                      async_op=async_op, timeout_s=self.timeout_s)
+                                      async_op=async_op, timeout_s=self.timeout_s, what=tag)
 
     def _span(self, name: str, t0: int) -> None:
         if self.trace is not None:
@@ -356,6 +375,7 @@ class AllToAllTokenDispatcher:
                              f"(owner {metadata.owner}, this one {self._uid})")
 
     # ------------------------------------------------------------------ dispatch
+    @_profiled("dispatch")
     def dispatch(self, x: torch.Tensor, routing: RoutingResult
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchMetadata]:
         """Send each token to the ranks of its ``k`` experts.
@@ -430,6 +450,7 @@ class AllToAllTokenDispatcher:
                                           recv_order, recv_inverse)
 
     # ------------------------------------------------------------------ combine
+    @_profiled("combine_start")
     def combine_start(self, expert_output: torch.Tensor, metadata: DispatchMetadata
                       ) -> tuple[CommHandle, CombinePartialResult]:
         """Launch the combine all-to-all of ``expert_output`` ``[M, H]`` (expert-major, as
@@ -461,6 +482,7 @@ class AllToAllTokenDispatcher:
                                            async_op=True)
         return handle, CombinePartialResult(out, metadata, handle, t0, bwd_span_box=box)
 
+    @_profiled("combine_wait")
     def combine_wait(self, handle: CommHandle, partial: CombinePartialResult) -> torch.Tensor:
         """Wait the combine (bounded), then unpermute and weight: returns ``[..., H]`` shaped
         like dispatch's ``x``, in the expert output's dtype."""

@@ -36,6 +36,7 @@ from torch import nn
 
 from .dispatcher import AllToAllTokenDispatcher
 from .experts import ExpertBackend, FeedForward, GroupedExperts
+from .load_stats import ExpertLoadStats
 from .router import TopKRouter, attach_aux_loss
 
 __all__ = ["MoE"]
@@ -70,6 +71,13 @@ class MoE(nn.Module):
                               if shared_ffn_hidden else None)
         self.overlap_shared_expert = overlap_shared_expert
         self.dispatcher = AllToAllTokenDispatcher(num_experts)
+        self.load_stats: tuple[ExpertLoadStats, int] | None = None
+
+    def count_load(self, stats: ExpertLoadStats | None, layer: int = 0) -> "MoE":
+        """Add every forward's expert counts to ``stats`` under ``layer`` (None: stop);
+        configuration only (the sink, not per-call state; ``moe.load_stats``). Returns self."""
+        self.load_stats = None if stats is None else (stats, int(layer))
+        return self
 
     def defer_weight_gradients(self, queue: Any) -> "MoE":
         """Defer the routed experts' weight gradients to ``queue`` (a ``DeferredWQueue``; None
@@ -101,6 +109,9 @@ class MoE(nn.Module):
         x_flat = x.reshape(-1, self.hidden)
         routing = self.router(x_flat)
         permuted, tokens_per_expert, meta = d.dispatch(x_flat, routing)
+        if self.load_stats is not None:
+            stats, layer = self.load_stats
+            stats.add(layer, routing.top_indices, int(tokens_per_expert.sum()))
         y = self._timed("experts", lambda: self.experts(permuted, tokens_per_expert))
         if self.shared_expert is None:
             out = d.combine(y, meta)

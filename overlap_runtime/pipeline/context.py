@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.comm import AsyncHandle, CommFailedError, CommTimeoutError
+from overlap_runtime.ops.profile_range import profile_range
 from overlap_runtime.schedules.ir import Action, ActionKind
 
 from .errors import (ActionSite, PipelineActionError, PipelineError, PipelinePeerFailed,
@@ -73,6 +74,14 @@ _SEND = (ActionKind.SEND_F, ActionKind.SEND_B)
 
 
 META_TAG = 2**30 - 1  # the one-time metadata headers
+
+
+def range_name(action: Action, prefix: str = "pp.") -> str:
+    """The profiler range of ``action``: ``pp.F mb3 stage1`` (compute and comm actions),
+    ``pp.(1B3;0F4)OVERLAP_B_F`` (compound steps, whose sub-actions get their own ranges)."""
+    if action.is_compound:
+        return f"{prefix}{action}"
+    return f"{prefix}{action.kind.value} mb{action.microbatch} stage{action.stage}"
 
 
 def message_tag(kind: ActionKind, stage: int, microbatch: int, num_stages: int,
@@ -140,12 +149,13 @@ class ActionContext:
         prev = getattr(self._running, "action", None)
         self._running.action = action
         try:
-            fn = self.schedule.custom_functions.get(action.kind)
-            if fn is not None:
-                fn(action, self)
-                self._check_ran(action, fn)
-            else:
-                self.run_default(action)
+            with profile_range(lambda: range_name(action)):
+                fn = self.schedule.custom_functions.get(action.kind)
+                if fn is not None:
+                    fn(action, self)
+                    self._check_ran(action, fn)
+                else:
+                    self.run_default(action)
         except PipelineError:
             raise
         except Exception as exc:  # noqa: BLE001 - wrapped with its site, cause chained
@@ -280,8 +290,9 @@ class ActionContext:
             if key in self._slots:
                 raise RuntimeError(f"rank {self.rank}: {action} was posted twice in one step")
         try:
-            handle = comm.irecv(buf, peer, self.schedule.group, tag=self._tag(action),
-                                timeout_s=self.schedule.timeout_s, what=str(action))
+            with profile_range(lambda: range_name(action)):
+                handle = comm.irecv(buf, peer, self.schedule.group, tag=self._tag(action),
+                                    timeout_s=self.schedule.timeout_s, what=str(action))
         except RuntimeError as exc:  # gloo refuses to post on a pair a dead peer closed
             raise self.comm_error(exc, action, peer) from exc
         with self._lock:
@@ -333,8 +344,9 @@ class ActionContext:
         peer = self.peer(action)
         # The handle keeps the sent payload alive until waited (``AsyncHandle.keep_alive``).
         try:
-            handle = comm.isend(tensor, peer, self.schedule.group, tag=self._tag(action),
-                                timeout_s=self.schedule.timeout_s, what=str(action))
+            with profile_range(lambda: range_name(action)):
+                handle = comm.isend(tensor, peer, self.schedule.group, tag=self._tag(action),
+                                    timeout_s=self.schedule.timeout_s, what=str(action))
         except RuntimeError as exc:  # gloo refuses to post on a pair a dead peer closed
             raise self.comm_error(exc, action, peer) from exc
         if wait:
@@ -435,7 +447,8 @@ class ActionContext:
 
     def _wait(self, handle: AsyncHandle, action: Action, peer: int) -> None:
         try:
-            handle.wait()
+            with profile_range(lambda: range_name(action, "pp.wait ")):
+                handle.wait()
         except (CommTimeoutError, CommFailedError) as exc:
             raise self.comm_error(exc, action, peer) from exc
 

@@ -45,6 +45,14 @@
                                   # run in the EP all-to-all windows (not with overlap_b_f)
         overlap_p2p: true
         layers_per_stage: null    # e.g. [2, 2]; null: an even split (trainer.pipeline_split)
+    metrics:                      # streamed every train.log_every steps (trainer.metrics)
+      jsonl: null                 # JSONL path, one record per logged step (rank 0)
+      tensorboard: null           # TensorBoard log dir (pip install overlap_runtime[tensorboard])
+      progress: auto              # auto (bar on a TTY, else lines) | bar | lines | off
+    profiling:                    # torch.profiler window (trainer.profiling)
+      enable: false
+      steps: [2, 3]               # first and last profiled step (1-based, inclusive)
+      dir: profiles               # rank<r>.pt.trace.json per rank, exec_trace.json
 
 ``world_size = pp x dp_replicate x dp_shard x cp`` (:class:`~overlap_runtime.trainer.
 parallel_dims.ParallelDims` owns the rule and every mesh); ``dp = dp_replicate x dp_shard``
@@ -58,16 +66,18 @@ default).
 from __future__ import annotations
 
 import codecs
+import importlib.util
 import stat
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from overlap_runtime.context_parallel.gdn.common import TRITON_CHUNK
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config
+from overlap_runtime.trainer.config_run import (CheckpointConfig, MetricsConfig,
+                                                ProfilingConfig, _Strict)
 from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 __all__ = [
@@ -75,7 +85,9 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "MetricsConfig",
     "OptimizerConfig",
+    "ProfilingConfig",
     "PipelineConfig",
     "apply_overrides",
     "TrainConfig",
@@ -88,10 +100,6 @@ __all__ = [
 
 class ConfigError(ValueError):
     """An invalid training configuration; the message names each offending field."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class AcceleratorConfig(_Strict):
@@ -253,40 +261,6 @@ class OptimizerConfig(_Strict):
         return betas
 
 
-class CheckpointConfig(_Strict):
-    """Checkpoint and resume (``checkpoint``), with ``torch.distributed.checkpoint``
-    (``trainer.checkpoint``).
-
-    ``dir``: where ``step-NNNNNNNN`` checkpoints go (None: no checkpointing). ``interval``: save
-    every that many steps (None: only the final one, if ``save_final``). ``keep_last``: keep the
-    newest that many (None: all). ``async_save``: write in a background thread (staged to host
-    memory first). ``resume``: None (fresh; a ``dir`` that already holds checkpoints is an
-    error), ``latest`` (the newest in ``dir``; error if none), ``auto`` (the newest if any, else
-    fresh) or the path of one checkpoint directory. ``timeout_s``: the longest wait for an
-    asynchronous save to finish.
-    """
-
-    dir: str | None = None
-    interval: int | None = Field(None, ge=1)
-    keep_last: int | None = Field(None, ge=1)
-    async_save: bool = False
-    save_final: bool = True
-    resume: str | None = None
-    timeout_s: float = Field(600.0, gt=0)
-
-    @model_validator(mode="after")
-    def _needs_dir(self) -> "CheckpointConfig":
-        if self.dir is None:
-            asked = [f"checkpoint.{k}={v!r}" for k, v in (
-                ("interval", self.interval), ("keep_last", self.keep_last),
-                ("resume", self.resume if self.resume in ("latest", "auto") else None))
-                if v is not None] + (["checkpoint.async_save=True"] if self.async_save else [])
-            if asked:
-                raise ValueError(f"{', '.join(asked)} needs checkpoint.dir (where the "
-                                 f"checkpoints are)")
-        return self
-
-
 class TrainSection(_Strict):
     """The ``train`` block: loop length, seed, precision, checkpointing, layout."""
 
@@ -300,6 +274,14 @@ class TrainSection(_Strict):
     pipeline: PipelineConfig = PipelineConfig()
 
 
+def _profiling_problems(config: "TrainConfig") -> list[str]:
+    p = config.profiling
+    if p.enable and p.steps[1] > config.train.steps:
+        return [f"profiling.steps={list(p.steps)} ends after the run's last step "
+                f"(train.steps={config.train.steps})"]
+    return []
+
+
 class TrainConfig(_Strict):
     """The whole configuration (see the module docstring)."""
 
@@ -308,6 +290,8 @@ class TrainConfig(_Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainSection = TrainSection()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    profiling: ProfilingConfig = ProfilingConfig()
 
     @property
     def dp(self) -> int:
@@ -325,6 +309,7 @@ class TrainConfig(_Strict):
             ep=acc.ep, dp_replicate=acc.dp_replicate, prefix="train.accelerator."))
         errors.extend(_pipeline_problems(self))
         errors.extend(_expert_problems(self))
+        errors.extend(_profiling_problems(self))
         if acc.tp > 1:
             if acc.cp > 1 and has_gdn:
                 errors.append(f"train.accelerator.tp={acc.tp}: linear-attention (GDN) context "

@@ -45,6 +45,7 @@ from overlap_runtime.trainer.data import Batch, build_dataset
 from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
 from overlap_runtime.trainer.grad_norm import clip_grad_norm
+from overlap_runtime.trainer.observe import RunObserver, observed_trace
 
 if TYPE_CHECKING:
     from overlap_runtime.pipeline import ExecutionTrace
@@ -176,6 +177,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
                           f"{exc}") from None
     dims.build_meshes(device.type)
     coords = dims.coordinates(rank)
+    trace = observed_trace(config, trace, distributed=True)
     pm = build_parallel_model(config, dims, device, coords["pp"], debug=debug, trace=trace)
     if on_model is not None:
         try:
@@ -221,13 +223,20 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
         return clip_grad_norm(pm.other_params, config.optimizer.max_grad_norm,
                               pm.expert_params, ep_group, pp_group, device)
 
+    observer: RunObserver | None = None
     try:
+        observer = RunObserver(config, device, rank, world, pm.modules(), trace,
+                               (log or print) if rank == 0 else None, True, acc.comm_timeout_s,
+                               resume_step=resumed.step if resumed else 0)
         steps = _run(config, optimizer, scheduler, device,
                      lambda s: data.rank_batch(s, coords["dp"], coords["cp"], dims.cp), step_fn,
-                     norm_fn, distributed=True, log=(log or print) if rank == 0 else None,
+                     norm_fn, distributed=True, log=observer.line_log(),
+                     on_step=observer,
                      start_step=resumed.step if resumed else 0, after_step=ckpt.after_step)
         ckpt.close()
     finally:
+        if observer is not None:
+            observer.close()
         pm.close()
     peak = platform.max_memory_allocated(device)
     if peak is not None:  # cuda/npu: the largest peak of any rank
@@ -298,10 +307,15 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
         return _to_float(torch.nn.utils.clip_grad_norm_(
             model.parameters(), max_norm if max_norm is not None else math.inf, foreach=False))
 
-    steps = _run(config, optimizer, scheduler, device, data.full_batch, step_fn, norm_fn,
-                 distributed=False, log=log, start_step=resumed.step if resumed else 0,
-                 after_step=ckpt.after_step)
-    ckpt.close()
+    observer = RunObserver.single(config, device, model, log,
+                                  resume_step=resumed.step if resumed else 0)
+    try:
+        steps = _run(config, optimizer, scheduler, device, data.full_batch, step_fn, norm_fn,
+                     distributed=False, log=observer.line_log(), on_step=observer,
+                     start_step=resumed.step if resumed else 0, after_step=ckpt.after_step)
+        ckpt.close()
+    finally:
+        observer.close()
     peak = platform.max_memory_allocated(device)
     return TrainResult(steps, 1, 1, 1, "single", parameter_count(model), peak)
 
@@ -310,15 +324,18 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LambdaLR, device: torch.device,
          batch_for: Callable[[int], Batch], step_fn: Callable[[Batch], torch.Tensor],
          norm_fn: Callable[[], float], distributed: bool, log: Log | None,
+         on_step: Callable[[StepMetrics], None] | None = None,
          start_step: int = 0,
          after_step: Callable[[int, int], None] | None = None) -> list[StepMetrics]:
     """The steps shared by both runs; returns the metrics every rank agrees on.
 
     ``step_fn`` runs forward and backward and returns this rank's share of the mean loss
     (``CE sum / global tokens``; 0 on ranks without the last pipeline stage); ``norm_fn``
-    measures the global gradient norm and clips. Steps ``start_step + 1 .. train.steps`` run (a
-    resumed run starts after its checkpoint's step); ``after_step(step, total)`` runs after each
-    (the checkpointer saves there).
+    measures the global gradient norm and clips. ``on_step(m)`` runs on every rank after each
+    step, outside its timing, before the finiteness check (trainer.observe: metrics, progress,
+    profiler window; it may run collectives, at the same steps on every rank). Steps
+    ``start_step + 1 .. train.steps`` run (a resumed run starts after its checkpoint's step);
+    ``after_step(step, total)`` runs after each (the checkpointer saves there).
     """
     total = config.train.steps
     if start_step >= total:
@@ -347,6 +364,8 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
             elapsed = float(t)
         m = StepMetrics(step + 1, float(loss), grad_norm, lr,
                         batch.global_tokens, elapsed, batch.global_tokens / elapsed)
+        if on_step is not None:
+            on_step(m)
         _check_finite(m)
         out.append(m)
         if log is not None and ((step + 1) % config.train.log_every == 0 or step + 1 == total):

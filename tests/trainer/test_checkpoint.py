@@ -10,8 +10,7 @@
 
 from __future__ import annotations
 
-import copy
-import os
+import json
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +175,19 @@ def test_fresh_run_refuses_a_dir_with_checkpoints_and_resume_checks_the_model(
                                                  "resume": "latest"})))
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         train_single(config_from_dict(cfg(1, 2, {"resume": str(tmp_path)})))
+
+
+def test_resumed_run_keeps_the_metrics_of_the_steps_before_its_checkpoint(
+        tmp_path: Path) -> None:
+    """The JSONL of a run that crashed after its step-2 checkpoint holds steps 1-3 and a cut
+    line; the resumed run keeps 1-2, trains 3-4 again and appends: every step once, in order."""
+    d, jsonl = str(tmp_path / "c"), tmp_path / "m" / "run.jsonl"
+    metrics = {"jsonl": str(jsonl), "progress": "off"}
+    written = jsonl.with_name("run.single.jsonl")  # train_single's own file
+    first = cfg(1, 2, {"dir": d})
+    train_single(config_from_dict({**first, "metrics": metrics}))
+    written.write_text(written.read_text() + '{"step": 3, "loss": 1.0}\n{"step": 4, "lo')
+    again = cfg(1, 4, {"dir": d, "resume": "latest"})
+    train_single(config_from_dict({**again, "metrics": metrics}))
+    steps = [json.loads(line)["step"] for line in written.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]

@@ -63,6 +63,7 @@ from torch.autograd.function import once_differentiable
 
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops.gdn.state_link import StateLink
+from overlap_runtime.ops.profile_range import profile_range
 from overlap_runtime.ops.gdn import (
     apply_summary,
     apply_summary_backward,
@@ -113,17 +114,20 @@ class GDNStateChain(torch.autograd.Function):
         if rank > 0:  # posted before the local work, so H_in lands while we prepare
             h_in = torch.empty(batch, heads, key_dim, value_dim, dtype=state_dtype, device=q.device)
             recv = post_recv(h_in, rank - 1, plan, "gdn p2p forward H_in")
-        prep = prepare_chunks(q, k, v, g, beta, scale, True, chunk_size)
-        m = s = None
-        if rank < world - 1:
-            m, s = summarize(prep)
+        with profile_range("gdn.p2p fwd local prepare+summary"):
+            prep = prepare_chunks(q, k, v, g, beta, scale, True, chunk_size)
+            m = s = None
+            if rank < world - 1:
+                m, s = summarize(prep)
         if recv is not None:
             recv.wait()
         send = None
         if rank < world - 1:
-            h_out = s if h_in is None else apply_summary(m, s, h_in)
-            send = post_send(h_out, rank + 1, plan, "gdn p2p forward H_out")
-        o, _ = chunk_output(prep, h_in)
+            with profile_range("gdn.p2p fwd chain H_out = M H_in + S"):
+                h_out = s if h_in is None else apply_summary(m, s, h_in)
+                send = post_send(h_out, rank + 1, plan, "gdn p2p forward H_out")
+        with profile_range("gdn.p2p fwd local output"):
+            o, _ = chunk_output(prep, h_in)
         if send is not None:
             send.wait()  # late: the local output ran while the state travelled
         ctx.save_for_backward(q, k, v, g, beta, h_in, m)
@@ -140,7 +144,7 @@ class GDNStateChain(torch.autograd.Function):
             dh_out = m.new_empty((v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]))
             recv = post_recv(dh_out, rank + 1, plan, "gdn p2p backward dH_out")
         needs = ctx.needs_input_grad[:5]
-        with torch.enable_grad():
+        with torch.enable_grad(), profile_range("gdn.p2p bwd local output"):
             leaves = [x.detach().requires_grad_(need) for x, need in zip((q, k, v, g, beta), needs)]
             h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
             o, _ = chunk_gated_delta_rule(
@@ -160,15 +164,16 @@ class GDNStateChain(torch.autograd.Function):
         if recv is not None:
             recv.wait()
         if rank > 0:
-            if dh_out is None:  # last rank: nothing after it
-                dh_in = dh_in_local
-            else:
-                dh_in = apply_summary_backward(m, dh_out, dh_in_local)
-            send = post_send(dh_in, rank - 1, plan, "gdn p2p backward dH_in")
+            with profile_range("gdn.p2p bwd chain dH_in = M^T dH_out + dH_local"):
+                if dh_out is None:  # last rank: nothing after it
+                    dh_in = dh_in_local
+                else:
+                    dh_in = apply_summary_backward(m, dh_out, dh_in_local)
+                send = post_send(dh_in, rank - 1, plan, "gdn p2p backward dH_in")
 
         if dh_out is not None and any(needs):
             # Gradient through the summary (M, S) that produced H_out.
-            with torch.enable_grad():
+            with torch.enable_grad(), profile_range("gdn.p2p bwd summary"):
                 prep = prepare_chunks(*leaves, ctx.scale, True, ctx.chunk_size)
                 m2, s2 = summarize(prep)
                 outs, gouts = [s2], [dh_out.to(s2.dtype)]

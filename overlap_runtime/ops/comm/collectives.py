@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from ..profile_range import profile_range
 from .handle import AsyncHandle, resolve_timeout, wait_work
 from .ranks import check_device_backend, group_size
 
@@ -70,17 +71,19 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: torch.Tensor, out_splits: list[int] | None,
                 in_splits: list[int] | None, group: dist.ProcessGroup | None, timeout_s: float,
-                handle_box: list[Any] | None) -> torch.Tensor:
+                handle_box: list[Any] | None, what: str) -> torch.Tensor:
         ctx.out_splits, ctx.in_splits, ctx.group, ctx.timeout_s = out_splits, in_splits, group, timeout_s
+        ctx.what = what
         async_op = handle_box is not None
-        work, out = _raw_all_to_all(x, out_splits, in_splits, group, async_op)
-        if async_op:
-            handle = AsyncHandle([work], "all_to_all_single (forward)", timeout_s, device=x.device)
-            handle_box.append(handle)
-            ctx.handle = handle
-        else:
-            ctx.handle = None
-            wait_work(work, timeout_s, "all_to_all_single (forward)", x.device)
+        with profile_range(lambda: f"a2a {what} fwd"):
+            work, out = _raw_all_to_all(x, out_splits, in_splits, group, async_op)
+            if async_op:
+                handle = AsyncHandle([work], f"{what} (forward)", timeout_s, device=x.device)
+                handle_box.append(handle)
+                ctx.handle = handle
+            else:
+                ctx.handle = None
+                wait_work(work, timeout_s, f"{what} (forward)", x.device)
         return out
 
     @staticmethod
@@ -90,9 +93,11 @@ class _AllToAll(torch.autograd.Function):
                 "all_to_all_single: backward reached an async all-to-all whose handle was never "
                 "waited; call handle.wait() before using its output"
             )
-        work, grad_in = _raw_all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group, True)
-        wait_work(work, ctx.timeout_s, "all_to_all_single (backward)", grad_out.device)
-        return grad_in, None, None, None, None, None
+        with profile_range(lambda: f"a2a {ctx.what} bwd"):
+            work, grad_in = _raw_all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group,
+                                            True)
+            wait_work(work, ctx.timeout_s, f"{ctx.what} (backward)", grad_out.device)
+        return grad_in, None, None, None, None, None, None
 
 
 def all_to_all_single(
@@ -102,6 +107,7 @@ def all_to_all_single(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     timeout_s: float | None = None,
+    what: str = "all_to_all_single",
 ) -> torch.Tensor | tuple[AsyncHandle, torch.Tensor]:
     """Differentiable all-to-all-v along dim 0.
 
@@ -111,6 +117,8 @@ def all_to_all_single(
         input_splits: rows sent to each rank (None: equal split of ``N``).
         async_op: return ``(AsyncHandle, out)``; ``out`` must not be read before
             ``handle.wait()`` (the backward raises if the handle was never waited).
+        what: names the collective in errors and in the profiler ranges ``a2a {what} fwd`` /
+            ``a2a {what} bwd`` (e.g. the MoE dispatcher's ``S1.L0.dispatch``).
 
     Returns:
         ``[sum(output_splits), *rest]`` with x's dtype and device, or ``(handle, that)``.
@@ -124,10 +132,10 @@ def all_to_all_single(
         raise ValueError("all_to_all_single: give both output_splits and input_splits, or neither")
     t = resolve_timeout(timeout_s)
     box: list[Any] | None = [] if async_op else None
-    out = _AllToAll.apply(x, out_s, in_s, group, t, box)
+    out = _AllToAll.apply(x, out_s, in_s, group, t, box, what)
     if async_op:
         assert box is not None
-        handle = box[0] if box else AsyncHandle([], "all_to_all_single (forward)", t)
+        handle = box[0] if box else AsyncHandle([], f"{what} (forward)", t)
         return handle, out
     return out
 

@@ -36,6 +36,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..profile_range import profile_range
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("OVERLAP_RUNTIME_COMM_TIMEOUT_S", "300"))
 
 __all__ = [
@@ -152,15 +154,16 @@ class AsyncHandle:
                 return
             t = self._timeout_s if timeout_s is None else resolve_timeout(timeout_s)
             deadline = time.monotonic() + t
-            for w in self._works:
-                # One deadline for the handle; a work left with no time gets a 1 ms bound, so a
-                # late work still times out instead of being skipped.
-                remaining = max(deadline - time.monotonic(), 1e-3)
-                try:
-                    wait_work(w, remaining, self.description, self._device)
-                except CommTimeoutError as exc:
-                    raise CommTimeoutError(f"{self.description}: not complete after {t:.1f}s"
-                                           ) from exc
+            with profile_range(lambda: f"comm.wait {self.description}"):
+                for w in self._works:
+                    # One deadline for the handle; a work left with no time gets a 1 ms bound,
+                    # so a late work still times out instead of being skipped.
+                    remaining = max(deadline - time.monotonic(), 1e-3)
+                    try:
+                        wait_work(w, remaining, self.description, self._device)
+                    except CommTimeoutError as exc:
+                        raise CommTimeoutError(f"{self.description}: not complete after "
+                                               f"{t:.1f}s") from exc
             if self._on_complete is not None:
                 self._on_complete()
             self._done = True

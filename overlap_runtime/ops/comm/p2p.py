@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..profile_range import profile_range
 from .handle import AsyncHandle, resolve_timeout
 from .ranks import check_device_backend, global_rank, group_rank, group_size
 
@@ -49,7 +50,8 @@ def isend(x: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, *, 
     check_device_backend(x, group, description)
     peer = _check_peer(dst, group, description)
     payload = x.detach().contiguous()
-    work = dist.isend(payload, peer, group=group, tag=tag)
+    with profile_range(lambda: f"p2p.send {description}"):
+        work = dist.isend(payload, peer, group=group, tag=tag)
     return AsyncHandle([work], description, resolve_timeout(timeout_s), device=payload.device,
                        keep_alive=(payload,))
 
@@ -73,7 +75,8 @@ def irecv(buf: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, *
                          f"contiguous (a receive cannot write through a copy)")
     check_device_backend(buf, group, description)
     peer = _check_peer(src, group, description)
-    work = dist.irecv(buf, peer, group=group, tag=tag)
+    with profile_range(lambda: f"p2p.recv {description}"):
+        work = dist.irecv(buf, peer, group=group, tag=tag)
     return AsyncHandle([work], description, resolve_timeout(timeout_s), device=buf.device,
                        keep_alive=(buf,))
 
@@ -110,6 +113,7 @@ def ring_shift(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup 
     ops = [(dist.isend, send, global_rank(group, nxt)), (dist.irecv, recv, global_rank(group, prv))]
     if me % 2:
         ops.reverse()
-    works = [op(t, peer, group=group) for op, t, peer in ops]
+    with profile_range(lambda: f"p2p.ring {description}"):
+        works = [op(t, peer, group=group) for op, t, peer in ops]
     return AsyncHandle(works, description, resolve_timeout(timeout_s), device=recv.device,
                        keep_alive=(send, recv))
