@@ -29,6 +29,7 @@ EXAMPLES_DIR = ROOT / "examples"
 EXAMPLES = {
     "pipeline_interleaved_overlap.py": 2,
     "moe_hook_coordinator.py": 2,
+    "moe_pipeline_overlap_b_f.py": 4,
     "gdn_context_parallel.py": 2,
     "attention_context_parallel.py": 2,
     "dualpipev_deferred_w.py": 2,
