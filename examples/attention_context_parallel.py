@@ -11,7 +11,8 @@ What it shows:
     the core of an attention layer (``overlap_runtime.layers.ReferenceAttention``: projections,
     RoPE, core); the tokens and the position ids are sharded by the same rule
     (``plan.shard``, ``plan.position_ids``); checked against the unmodified layer on the whole
-    sequence (output and every parameter gradient, summed over the CP ranks);
+    sequence (output and every parameter gradient, summed over the CP ranks); a ``CommStats`` passed
+    to the call counts the communication it issued;
   * the check: every figure must be <= 1e-5 (rel-L2, fp32).
 
 Run (CPU, gloo; 2 ranks, or 4: heads 4 and K/V heads 2 suit both):
@@ -21,7 +22,9 @@ Prints (rank 0; numbers vary in the last digits):
   ring (function): out 1.2e-07  dq 1.9e-07  dk 1.8e-07  dv 1.5e-07
   ulysses (function): out 1.3e-07  dq 2.7e-07  dk 2.6e-07  dv 2.3e-07
   ring (layer): out 1.4e-07  worst parameter gradient 3.3e-07
+    comm of rank 0: {'backward/recv': 2, 'backward/send': 2, 'forward/recv': 1, 'forward/send': 1}
   ulysses (layer): out 0.0e+00  worst parameter gradient 2.5e-07
+    comm of rank 0: {'backward/all_to_all': 2, 'forward/all_to_all': 2}
   CHECK attention_context_parallel: max rel-L2 3.3e-07 <= 1e-05 (ring, ulysses): OK
 Exits 1 (and prints FAIL) on a mismatch.
 """
@@ -36,8 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from overlap_runtime.context_parallel import (ContextParallel, gather_sequence, ring_attention,
-                                              shard_sequence, ulysses_attention)
+from overlap_runtime.context_parallel import (CommStats, ContextParallel, gather_sequence,
+                                              ring_attention, shard_sequence, ulysses_attention)
 from overlap_runtime.launch import init_from_env
 from overlap_runtime.layers import ReferenceAttention
 
@@ -103,7 +106,8 @@ def check_layer(rank: int, world: int) -> tuple[float, list[str]]:
         attn.zero_grad(set_to_none=True)
         x_local = plan.shard(x, cp_mesh)  # [B, S/P, hidden], zigzag
         positions = plan.position_ids(SEQ_LEN, cp_mesh)  # [S/P], same rule as the tokens
-        out = attn(x_local, positions)
+        stats = CommStats()  # optional: what this call sent, forward and backward
+        out = attn(x_local, positions, stats=stats)
         (out * plan.shard(w, cp_mesh)).sum().backward()
         full_out = gather_sequence(out.detach(), cp_mesh.get_group(), seq_dim=1,
                                    load_balance="zigzag")  # back in true sequence order
@@ -115,7 +119,8 @@ def check_layer(rank: int, world: int) -> tuple[float, list[str]]:
             param_errs.append(rel_l2(grad, q.grad))
         errs["worst parameter gradient"] = max(param_errs)
         worst = max(worst, *errs.values())
-        lines.append(f"{mode} (layer): " + "  ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+        lines.append(f"{mode} (layer): " + "  ".join(f"{n} {e:.1e}" for n, e in errs.items())
+                     + f"\n  comm of rank {rank}: {stats.as_dict()}")
     return worst, lines
 
 
