@@ -4,8 +4,8 @@ Each script is started as a user starts it (``python -m torch.distributed.run --
 --nproc-per-node N examples/<name>.py``) in a fresh session; the test asserts exit status 0 and
 the script's ``CHECK <name>: ... <= 1e-05 ...: OK`` line (the script compares itself with a
 single-process reference and exits 1 on a mismatch). On a timeout or a failure the whole process
-group of the run is killed. Static checks: every script in examples/ is listed here, its
-docstring gives the torchrun command with the rank count used here, and it imports only the
+group of the run is killed. Static checks: every script in examples/ is listed here and in
+README.md, its docstring gives the torchrun command with the rank count used here, and it imports only the
 public API (``overlap_runtime.<subpackage>`` exports; never ``overlap_runtime.testing``).
 """
 
@@ -88,7 +88,10 @@ def test_example_runs_under_torchrun_and_passes_its_check(name: str) -> None:
 def test_every_example_is_run_and_documents_its_command() -> None:
     on_disk = sorted(p.name for p in EXAMPLES_DIR.glob("*.py"))
     assert on_disk == sorted(EXAMPLES), f"examples/ holds {on_disk}; this test runs {EXAMPLES}"
+    readme = (ROOT / "README.md").read_text()
     for name, nproc in EXAMPLES.items():
+        assert f"`torchrun --nproc-per-node {nproc} examples/{name}`" in readme, (
+            f"README.md's Examples section does not list {name} with its command")
         doc = ast.get_docstring(ast.parse((EXAMPLES_DIR / name).read_text()))
         assert doc, f"{name} has no docstring header"
         command = f"torchrun --nproc-per-node {nproc} examples/{name}"
