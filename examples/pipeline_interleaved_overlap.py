@@ -140,9 +140,9 @@ def main() -> int:
     checked = int(sum(int(r[1]) for r in report))
     ok = worst <= TOL and all(int(r[2]) == int(r[3]) > 0 for r in report)
     if rank == 0:
-        print("schedule of rank 0:", " ".join(str(a) for a in schedule.program
-                                               if a.kind not in (ActionKind.SEND_F, ActionKind.RECV_F,
-                                                                 ActionKind.SEND_B, ActionKind.RECV_B)))
+        p2p = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+        print("schedule of rank 0:",
+              " ".join(str(a) for a in schedule.program if a.kind not in p2p))
         print("OVERLAP_B_F steps run by the callback: "
               + ", ".join(f"{int(r[2])} (rank {i})" for i, r in enumerate(report)))
         verdict = "OK" if ok else "FAIL"

@@ -129,7 +129,8 @@ RUNNABLE = [b for b in ALL_BLOCKS if not POINTER.search(b.source) and not starts
 def test_single_process_block_runs(block: Block) -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(block.source, block.where, "exec"), {"__name__": "__doc_block__"})  # noqa: S102
+        exec(compile(block.source, block.where, "exec"),  # noqa: S102 - the docs' own code
+             {"__name__": "__doc_block__"})
 
 
 def test_the_docs_have_python_blocks_of_both_kinds() -> None:

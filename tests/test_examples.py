@@ -5,8 +5,9 @@ Each script is started as a user starts it (``python -m torch.distributed.run --
 the script's ``CHECK <name>: ... <= 1e-05 ...: OK`` line (the script compares itself with a
 single-process reference and exits 1 on a mismatch). On a timeout or a failure the whole process
 group of the run is killed. Static checks: every script in examples/ is listed here and in
-README.md, its docstring gives the torchrun command with the rank count used here, and it imports only the
-public API (``overlap_runtime.<subpackage>`` exports; never ``overlap_runtime.testing``).
+README.md, its docstring gives the torchrun command with the rank count used here, and it
+imports only the public API (``overlap_runtime.<subpackage>`` exports; never
+``overlap_runtime.testing``).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def test_every_example_is_run_and_documents_its_command() -> None:
 
 
 def _overlap_runtime_imports(tree: ast.Module) -> list[tuple[str, str]]:
-    """(module, name) of every ``from overlap_runtime... import name`` / ``import overlap_runtime...``."""
+    """(module, name) of each ``from overlap_runtime.x import name`` / ``import overlap_runtime.x``."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("overlap_runtime"):
