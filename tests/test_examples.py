@@ -102,7 +102,7 @@ def test_every_example_is_run_and_documents_its_command() -> None:
 
 
 def _overlap_runtime_imports(tree: ast.Module) -> list[tuple[str, str]]:
-    """(module, name) of each ``from overlap_runtime.x import name`` / ``import overlap_runtime.x``."""
+    """(module, name) of each ``from overlap_runtime.x import name``, ``import overlap_runtime.x``."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("overlap_runtime"):
