@@ -1,0 +1,130 @@
+"""examples/: every script runs under real torchrun on gloo and passes its own check.
+
+Each script is started as a user starts it (``python -m torch.distributed.run --standalone
+--nproc-per-node N examples/<name>.py``) in a fresh session; the test asserts exit status 0 and
+the script's ``CHECK <name>: ... <= 1e-05 ...: OK`` line (the script compares itself with a
+single-process reference and exits 1 on a mismatch). On a timeout or a failure the whole process
+group of the run is killed. Static checks: every script in examples/ is listed here and in
+README.md, its docstring gives the torchrun command with the rank count used here, and it
+imports only the public API (``overlap_runtime.<subpackage>`` exports; never
+``overlap_runtime.testing``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES_DIR = ROOT / "examples"
+
+# script -> ranks (the smallest layout each shows)
+EXAMPLES = {
+    "pipeline_interleaved_overlap.py": 2,
+    "moe_hook_coordinator.py": 2,
+    "moe_pipeline_overlap_b_f.py": 4,
+    "gdn_context_parallel.py": 2,
+    "attention_context_parallel.py": 2,
+    "dualpipev_deferred_w.py": 2,
+    "train_4d.py": 8,
+}
+RUN_TIMEOUT_S = 240
+# `testing` is the test harness, not a user API
+PUBLIC_MODULES = {"context_parallel", "coordinator", "graph", "launch", "layers", "models", "moe",
+                  "ops", "pipeline", "platform", "schedules", "trainer"}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # a fresh torchrun, not nested in someone else's
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_example(name: str, nproc: int, timeout_s: float = RUN_TIMEOUT_S
+                ) -> subprocess.CompletedProcess[str]:
+    """torchrun ``examples/<name>`` on ``nproc`` CPU ranks; the run's process group is killed on
+    a timeout (and whatever is left of it afterwards)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(EXAMPLES_DIR / name)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{name} on {nproc} ranks still running after {timeout_s} s; output:\n"
+                    f"{out[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks that outlived torchrun, if any
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_example_runs_under_torchrun_and_passes_its_check(name: str) -> None:
+    result = run_example(name, EXAMPLES[name])
+    out = result.stdout
+    assert result.returncode == 0, f"{name} exited {result.returncode}:\n{out[-6000:]}"
+    stem = name.removesuffix(".py")
+    check = re.findall(rf"^CHECK {stem}: max rel(?:ative difference|-L2) (\S+) <= 1e-05 .*: OK$",
+                       out, re.MULTILINE)
+    assert len(check) == 1, f"{name}: no single 'CHECK {stem}: ... OK' line in:\n{out[-6000:]}"
+    assert float(check[0]) <= 1e-5, check
+
+
+def test_every_example_is_run_and_documents_its_command() -> None:
+    on_disk = sorted(p.name for p in EXAMPLES_DIR.glob("*.py"))
+    assert on_disk == sorted(EXAMPLES), f"examples/ holds {on_disk}; this test runs {EXAMPLES}"
+    readme = (ROOT / "README.md").read_text()
+    for name, nproc in EXAMPLES.items():
+        assert f"`torchrun --nproc-per-node {nproc} examples/{name}`" in readme, (
+            f"README.md's Examples section does not list {name} with its command")
+        doc = ast.get_docstring(ast.parse((EXAMPLES_DIR / name).read_text()))
+        assert doc, f"{name} has no docstring header"
+        command = f"torchrun --nproc-per-node {nproc} examples/{name}"
+        assert command in doc, f"{name}: its docstring lacks the command {command!r}"
+        for section in ("What it shows:", "Run (", "Prints ("):
+            assert section in doc, f"{name}: its docstring lacks {section!r}"
+
+
+def _overlap_runtime_imports(tree: ast.Module) -> list[tuple[str, str]]:
+    """(module, name) of ``from overlap_runtime.x import name`` and ``import overlap_runtime.x``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("overlap_runtime"):
+            found += [(node.module or "", a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, "") for a in node.names if a.name.startswith("overlap_runtime")]
+    return found
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_example_uses_only_the_public_api(name: str) -> None:
+    imports = _overlap_runtime_imports(ast.parse((EXAMPLES_DIR / name).read_text()))
+    assert imports, f"{name} uses nothing of overlap_runtime"
+    for module, imported in imports:
+        parts = module.split(".")
+        assert len(parts) == 2 and parts[1] in PUBLIC_MODULES, (
+            f"{name} imports from {module!r}: examples use overlap_runtime.<subpackage> only "
+            f"({sorted(PUBLIC_MODULES)})")
+        if not imported:  # ``import overlap_runtime.x``: the module itself is public
+            continue
+        mod = importlib.import_module(module)
+        exported = getattr(mod, "__all__", None)
+        public = (imported in exported if exported is not None
+                  else not imported.startswith("_") and hasattr(mod, imported))
+        assert public, f"{name} imports {imported!r}, which {module} does not export"
