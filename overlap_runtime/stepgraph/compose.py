@@ -18,7 +18,8 @@ non-blocking in the runtime: they fork from the op before them and join the next
 (the combine joins ``moe.combine_wait``, so the shared expert runs beside it); the other
 collectives block their thread. In an OVERLAP_B_F step the expert all-to-alls of both sides are
 emitted in the HookCoordinator's launch order (backward side first, then alternating comm
-regions) and chained on ``comm:ep``: one all-to-all in flight per EP group.
+regions) and chained on ``comm:ep``: one all-to-all in flight per EP group. Without the
+coordinator (no ``overlap_b_f`` or no EP) a compound step's sub-actions run one after the other.
 
 Outside the graph: FSDP2's unshard / reduce-scatter (``GatheredStep``: one unshard and one
 reduce per step for pp > 1, per layer for pp == 1; they run inside torch's FSDP, not through
@@ -167,19 +168,24 @@ def _overlap_order(sides: dict[str, list[int]], ops: dict[str, list[LayerOp]]
     return order
 
 
-def compile_step(config: "TrainConfig", *, validate: bool = True) -> StepGraph:
+def compile_step(config: "TrainConfig", *, validate: bool = True,
+                 dims: "ParallelDims | None" = None) -> StepGraph:
     """The task graph of one training step of ``config`` on every rank (module doc).
 
     With ``validate`` the graph is proven deadlock-free before it is returned (raises a
-    :class:`~overlap_runtime.graph.GraphValidationError` naming the tasks).
+    :class:`~overlap_runtime.graph.GraphValidationError` naming the tasks). ``dims``: the
+    layout (default: ``config.train.accelerator.parallel_dims()``).
     """
     t0 = time.perf_counter()
-    dims = config.train.accelerator.parallel_dims()
+    dims = dims if dims is not None else config.train.accelerator.parallel_dims()
     shape = microbatch_shape(config)
     pipe = _pipeline(config)
     num_stages = max((t.meta.get("stage", 0) for t in pipe.tasks() if t.meta), default=0) + 1
     stage_layers = _stage_layers(config, num_stages)
     groups = _groups(dims)
+    # the HookCoordinator runs the two sides of a compound step on two threads only with
+    # overlap_b_f and EP (trainer.build); otherwise the sub-actions run in order
+    coordinated = config.train.pipeline.overlap_b_f and dims.ep > 1
     coords = [dims.coordinates(r) for r in range(dims.world_size)]
     graph = TaskGraph(f"step {pipe.name} x {dims.describe()}")
     tasks: list[Task] = []
@@ -269,7 +275,10 @@ def compile_step(config: "TrainConfig", *, validate: bool = True) -> StepGraph:
                     prev_sync = tid
                 for p in pending + ([combine] if combine is not None else []):
                     program.append((p, ids[-1]) if p != ids[-1] else (prev_sync, p))
-            if len(expanded) == 2:  # OVERLAP_B_F: chain the expert all-to-alls in launch order
+            if len(expanded) == 2 and not coordinated:  # sub-actions run in order, one thread
+                (a, _), (b, _) = list(expanded.items())
+                program.append((last[(rank, a)], first[(rank, b)]))
+            elif len(expanded) == 2:  # OVERLAP_B_F: chain the expert all-to-alls in launch order
                 sides = {}
                 ops_by = {}
                 for text, (t, ops, _) in expanded.items():
