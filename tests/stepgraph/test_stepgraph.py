@@ -143,3 +143,23 @@ def test_layer_program_follows_the_runtime() -> None:
     m = cfg.model  # one fp32 state [rows, HV, K, V]
     assert state.nbytes == 1 * m.linear_num_value_heads * m.linear_key_head_dim \
         * m.linear_value_head_dim * 4
+
+
+def test_checker_catches_a_missing_rank_a_launch_outside_any_task_and_a_task_never_run(
+        ) -> None:
+    sg = _graph("pp2_cp2")
+    rec = ideal_records(sg)
+    gone = {r: v for r, v in rec.items() if r != 2}
+    with pytest.raises(ConformanceError, match=r"no record for ranks \[2\]"):
+        check_conformance(sg, gone)
+    outside = copy.deepcopy(rec)
+    i = _index(outside[0], op="send", task="0F0")
+    outside[0][i]["task"] = None
+    outside[0][i]["group"] = "cp"
+    with pytest.raises(ConformanceError, match=r"rank 0, record #\d+: .*launched outside any "
+                                               r"task"):
+        check_conformance(sg, outside)
+    never = copy.deepcopy(rec)
+    never[3] = [e for e in never[3] if e.get("task") != "1B0"]
+    with pytest.raises(ConformanceError, match=r"rank 3: task 1B0 never ran"):
+        check_conformance(sg, never)
