@@ -171,3 +171,80 @@ def pp2_ep2_overlap_f_b(rank: int, world: int, csv_dir: str, fail: str | None = 
     errs = {n: rel_l2(g_ovl[n], g_seq[n]) for n in g_seq}
     return {"rank": rank, "errs": errs, "loss": (l_seq, l_ovl), "calls": calls,
             "coordinated_a2a": a2a, "n_params": len(params)}
+
+
+def torch_dump_in_our_runtime(rank: int, world: int, csv_path: str) -> dict[str, Any]:
+    """torch's own ``_dump_csv`` output (FSDP steps, OVERLAP_F_B, I/W, V placement) run by our
+    ``PipelineSchedule`` through ``compile_table``: no schedule kind registered."""
+    from overlap_runtime.pipeline import PipelineSchedule, PipelineStage
+    from overlap_runtime.schedules import compile_table, load_torch_csv
+
+    compiled = compile_table(load_torch_csv(csv_path))
+    spec = compiled.spec
+    mine = [s for s in range(spec.num_stages) if spec.stage_to_rank(s) == rank]
+    chunks = {s: dense_chunk(s) for s in mine}
+    sched = PipelineSchedule(compiled, [PipelineStage(chunks[s], s, spec.num_stages)
+                                        for s in mine], mse, timeout_s=30)
+    x, y = batch(spec.num_microbatches)
+    losses: list[torch.Tensor] = []
+    first, last = 0 in chunks, spec.num_stages - 1 in chunks
+    sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+    return {"grads": {f"S{s}.{n}": p.grad.clone() for s, c in chunks.items()
+                      for n, p in c.named_parameters()},
+            "loss": float(torch.stack(losses).mean()) if losses else None,
+            "placement": spec.placement, "kinds": sorted({a.kind.value for a in sched.program})}
+
+
+class _Scaled(nn.Module):
+    """Stage 0 with a keyword input: ``forward(x, *, scale)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = dense_chunk(0)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor, shift: float) -> torch.Tensor:
+        return self.inner(x * scale + shift)
+
+
+def torch_style_step(rank: int, world: int) -> dict[str, Any]:
+    """Schedule1F1B built with ``n_microbatches``, stepped like torch's (``**kwargs`` for stage
+    0, ``loss_kwargs``, ``return_outputs``), under the profiler (ranges named after actions)."""
+    from overlap_runtime.pipeline import PipelineStage, Schedule1F1B
+
+    module = _Scaled() if rank == 0 else dense_chunk(1)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor, *, weight: float) -> torch.Tensor:
+        return weight * mse(out, target)
+
+    sched = Schedule1F1B(PipelineStage(module, rank, 2), loss_fn=loss_fn, n_microbatches=4,
+                         timeout_s=30)
+    x, y = batch(4)
+    scale = torch.linspace(0.5, 2.0, 8).unsqueeze(1)
+    results = {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for ret in (True, False):
+            losses: list[torch.Tensor] = []
+            for p in module.parameters():
+                p.grad = None
+            out = sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None,
+                             losses=losses, return_outputs=ret, loss_kwargs={"weight": 3.0},
+                             **({"scale": scale, "shift": 0.25} if rank == 0 else {}))
+            results[ret] = out
+    names = sorted({e.name for e in prof.events() if e.name.startswith("pp.")})
+    return {"out_shape": None if results[True] is None else tuple(results[True].shape),
+            "out_false": results[False], "losses": [float(v) for v in losses],
+            "grads": {n: p.grad.clone() for n, p in module.named_parameters()},
+            "ranges": names, "num_microbatches": sched.spec.num_microbatches}
+
+
+def torch_style_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    first, second = _Scaled(), dense_chunk(1)
+    x, y = batch(4)
+    scale = torch.linspace(0.5, 2.0, 8).unsqueeze(1)
+    losses = []
+    for xm, ym, sm in zip(x.chunk(4), y.chunk(4), scale.chunk(4)):
+        losses.append(3.0 * mse(second(first(xm, scale=sm, shift=0.25)), ym))
+    torch.stack(losses).mean().backward()
+    grads = {f"S0.{n}": p.grad for n, p in first.named_parameters()}
+    grads.update({f"S1.{n}": p.grad for n, p in second.named_parameters()})
+    return grads, [float(v) for v in losses]

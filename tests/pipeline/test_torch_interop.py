@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _torch_jobs import csv_in_torch_runtime, pp2_ep2_overlap_f_b, reference_grads
+from _torch_jobs import (csv_in_torch_runtime, pp2_ep2_overlap_f_b, reference_grads,
+                         torch_dump_in_our_runtime, torch_style_reference, torch_style_step)
 from overlap_runtime.pipeline import torch_interop
 from overlap_runtime.pipeline.torch_interop import (PINNED, TESTED_TORCH, TorchInteropError,
                                                     make_torch_overlap_f_b_callback,
@@ -97,3 +98,45 @@ def test_shim_names_the_missing_attribute_and_the_tested_torch(monkeypatch) -> N
     with pytest.raises(TorchInteropError, match="needs a _PipelineScheduleRuntime"):
         cb(action, SimpleNamespace(schedule_ref=object()))
     assert torch_interop.__name__.endswith("torch_interop")
+
+
+def test_torchs_dualpipev_dump_with_fsdp_actions_runs_in_our_runtime(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """torch's ScheduleDualPipeV, dumped by torch (UNSHARD/RESHARD/REDUCE_GRAD, OVERLAP_F_B,
+    I/W, V placement), loads, validates, simulates and executes in our runtime."""
+    import torch.distributed.pipelining.schedules as ts
+
+    from overlap_runtime.schedules import compile_table, load_torch_csv
+
+    fake = [SimpleNamespace(group_size=2, group_rank=0, num_stages=4, stage_index=s,
+                            submod=torch.nn.Linear(1, 1)) for s in (0, 3)]
+    path = tmp_path / "dualpipev.csv"
+    ts.ScheduleDualPipeV(fake, 4)._dump_csv(str(path))
+    text = path.read_text()
+    assert "UNSHARD" in text and "REDUCE_GRAD" in text and "OVERLAP_F_B" in text
+    compiled = compile_table(load_torch_csv(path))  # rules + deadlock proof
+    assert compiled.spec.placement == "v" and compiled.spec.num_microbatches == 4
+    assert 0.0 < compiled.simulate().bubble_ratio < 1.0
+    reports = run_ranks(torch_dump_in_our_runtime, 2, timeout_s=60, args=(str(path),))
+    ref, ref_loss = reference_grads(4, 4)
+    got = {k: v for r in reports for k, v in r["grads"].items()}
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert rel_l2(got[k], ref[k]) <= 1e-5, k
+    assert reports[0]["loss"] == pytest.approx(ref_loss, rel=1e-5)  # stages 0 and 3 on rank 0
+    assert {"OVERLAP_F_B", "I", "W", "B"} <= set(reports[0]["kinds"])
+
+
+def test_torch_style_step_n_microbatches_kwargs_loss_kwargs_and_action_ranges() -> None:
+    reports = run_ranks(torch_style_step, 2, timeout_s=60)
+    ref, ref_losses = torch_style_reference()
+    r0, r1 = reports
+    assert r0["num_microbatches"] == r1["num_microbatches"] == 4
+    got = {**{f"S0.{n}": g for n, g in r0["grads"].items()},
+           **{f"S1.{n}": g for n, g in r1["grads"].items()}}
+    for k in ref:
+        assert rel_l2(got[k], ref[k]) <= 1e-5, k
+    assert r1["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    assert r1["out_shape"] == (8, 8) and r1["out_false"] is None and r0["out_shape"] is None
+    # profiler ranges named after each action, as torch prints it
+    assert {"pp.0F0", "pp.0B3", "pp.0SEND_F0", "pp.wait 0RECV_B0"} <= set(r0["ranges"]), r0
+    assert {"pp.1F0", "pp.1RECV_F0", "pp.1SEND_B3"} <= set(r1["ranges"]), r1
