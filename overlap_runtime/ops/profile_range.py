@@ -1,6 +1,6 @@
 """Named profiler ranges that cost (almost) nothing when no profiler runs.
 
-``with profile_range("pp.F mb3 stage1"):`` opens a ``torch.profiler.record_function`` range, so
+``with profile_range("pp.1F3"):`` opens a ``torch.profiler.record_function`` range, so
 Perfetto / chrome://tracing show our names (pipeline actions, all-to-alls, point-to-point
 messages, sync hooks) above the kernels they launch. ``name`` may be a callable returning the
 name, so that formatting is only paid while profiling.

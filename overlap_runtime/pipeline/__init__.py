@@ -2,7 +2,8 @@
 and split backward), ``PipelineSchedule.step`` (executes this rank's lowered program over
 torch.distributed), the public ``ActionContext`` that the built-in executor and user callbacks
 (``register_custom_function``) share, the deferred-W queue, the execution trace and the
-saved-activation meter, and the step's errors (``PipelineError``: ``PipelineTimeout``,
+saved-activation meter, the shim that runs our overlap inside torch.distributed.pipelining's
+runtime (``torch_interop``), and the step's errors (``PipelineError``: ``PipelineTimeout``,
 ``PipelinePeerFailed``, ``PipelineActionError``, each with its ``ActionSite``).
 
 May import: torch (``torch.distributed`` included), ``overlap_runtime.schedules`` (the pure IR,
@@ -41,6 +42,8 @@ _EXPORTS = {
     "gather_traces": "exec_trace",
     "measured_bubble": "exec_trace",
     "write_execution_trace": "exec_trace",
+    "TorchInteropError": "torch_interop",
+    "make_torch_overlap_f_b_callback": "torch_interop",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -61,3 +64,4 @@ if TYPE_CHECKING:  # pragma: no cover
                            ScheduleInterleaved1F1B)
     from .stage import PipelineStage
     from .tensor_meta import TensorMeta
+    from .torch_interop import TorchInteropError, make_torch_overlap_f_b_callback

@@ -25,8 +25,9 @@ tracing, position and failures
     ``ctx.action_error(exc, action=None)``  ``exc`` as a :class:`~.errors.PipelineActionError`
     ``ctx.comm_error(exc, action, peer)``  a failed SEND/RECV as a timeout or peer failure
 
-Data: ``ctx.stages`` (this rank's stages by index), ``ctx.inputs[m]`` / ``ctx.targets[m]``
-(microbatch inputs and targets), ``ctx.losses`` / ``ctx.outputs`` (last stage, by microbatch).
+Data: ``ctx.stages`` (this rank's stages by index), ``ctx.inputs[m]`` / ``ctx.kwinputs[m]`` /
+``ctx.targets[m]`` (microbatch inputs, keyword inputs of the first stage, targets),
+``ctx.loss_kwargs``, ``ctx.losses`` / ``ctx.outputs`` (last stage, by microbatch).
 
 Per-step state (received buffers, pending sends, local hand-offs) lives here, created fresh for
 every step; nothing per call is kept on the schedule or the stages beyond each stage's
@@ -78,11 +79,10 @@ META_TAG = 2**30 - 1  # the one-time metadata headers
 
 
 def range_name(action: Action, prefix: str = "pp.") -> str:
-    """The profiler range of ``action``: ``pp.F mb3 stage1`` (compute and comm actions),
-    ``pp.(1B3;0F4)OVERLAP_B_F`` (compound steps, whose sub-actions get their own ranges)."""
-    if action.is_compound:
-        return f"{prefix}{action}"
-    return f"{prefix}{action.kind.value} mb{action.microbatch} stage{action.stage}"
+    """The profiler range of ``action``, named after the action as torch prints it: ``pp.1F3``,
+    ``pp.0SEND_F1``, ``pp.(1B3;0F4)OVERLAP_B_F`` (a compound step; its sub-actions get their
+    own ranges); waits use the prefix ``pp.wait `` (``pp.wait 1RECV_B3``)."""
+    return f"{prefix}{action}"
 
 
 def message_tag(kind: ActionKind, stage: int, microbatch: int, num_stages: int,
@@ -117,6 +117,8 @@ class ActionContext:
     losses: dict[int, torch.Tensor]
     trace: ExecutionTrace | None
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # last-stage outputs by mb
+    kwinputs: list[dict[str, Any]] = field(default_factory=list)  # first stage's kwargs by mb
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)  # extra loss_fn keywords
     step_index: int = -1
     current_action: Action | None = None
     _acts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -199,7 +201,9 @@ class ActionContext:
         else:
             ins = (self.wait_recv(ActionKind.RECV_F, s, m),)
         out = stage.forward(m, ins, self.schedule.loss_fn,
-                            self.targets[m] if self.targets else None, self.schedule.loss_scale)
+                            self.targets[m] if self.targets else None, self.schedule.loss_scale,
+                            kwargs=self.kwinputs[m] if stage.is_first and self.kwinputs else None,
+                            loss_kwargs=self.loss_kwargs)
         if stage.is_last:
             self.outputs[m] = out
             loss = stage.microbatches[m].loss

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from overlap_runtime.graph.grid import format_grid
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S, CommFailedError, CommTimeoutError
-from overlap_runtime.schedules.compile import compile_spec
+from overlap_runtime.schedules.compile import CompiledSchedule, compile_spec
 from overlap_runtime.schedules.ir import Action, ActionKind
 from overlap_runtime.schedules.spec import ScheduleSpec
 
@@ -61,7 +61,9 @@ class PipelineSchedule:
     """Execute ``spec`` with this rank's ``stages``.
 
     Args:
-        spec: the schedule (validated, compiled and checked deadlock-free at construction).
+        spec: the schedule: a ``ScheduleSpec`` (validated, compiled and checked deadlock-free
+            here), or a ``CompiledSchedule`` from ``compile_spec`` or ``compile_table`` (a table
+            such as a torch CSV: ``compile_table(load_torch_csv(path))``).
         stages: the :class:`PipelineStage` objects of this rank, those the spec's placement puts
             here (any order).
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
@@ -71,10 +73,13 @@ class PipelineSchedule:
             so the gradients equal those of the mean loss over the whole batch.
     """
 
-    def __init__(self, spec: ScheduleSpec, stages: Sequence[PipelineStage],
-                 loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+    def __init__(self, spec: "ScheduleSpec | CompiledSchedule", stages: Sequence[PipelineStage],
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
                  group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
                  scale_grads: bool = True) -> None:
+        compiled = spec if isinstance(spec, CompiledSchedule) else None
+        if compiled is not None:
+            spec = compiled.spec  # a TableSpec for a table (compile_table), else the spec
         self.spec = spec
         self.group = group
         self.loss_fn = loss_fn
@@ -109,7 +114,7 @@ class PipelineSchedule:
                 raise ValueError(f"stage {st.stage_index} was built with num_stages={st.num_stages} "
                                  f"but the spec has {spec.num_stages} stages")
         self.stages = {st.stage_index: st for st in stages}
-        self.compiled = compile_spec(spec)
+        self.compiled = compiled if compiled is not None else compile_spec(spec)
         self.program: list[Action] = [a for a in self.compiled.lowered[self.rank] if a is not None]
         self._meta_done = all(self._meta_known(st) for st in stages)
 
@@ -130,37 +135,51 @@ class PipelineSchedule:
                     for r, acts in self.compiled.lowered.items()}
         return format_grid(programs, {mark} if mark else set())
 
-    def step(self, *inputs: torch.Tensor, target: Any = None,
-             losses: list[torch.Tensor] | None = None,
-             trace: ExecutionTrace | None = None) -> torch.Tensor | None:
+    def step(self, *args: torch.Tensor, target: Any = None,
+             losses: list[torch.Tensor] | None = None, return_outputs: bool = True,
+             loss_kwargs: dict[str, Any] | None = None, trace: ExecutionTrace | None = None,
+             **kwargs: Any) -> torch.Tensor | None:
         """One training step over all microbatches: forward, backward, gradients accumulated.
 
+        The signature is torch.distributed.pipelining's ``step`` (plus ``trace``).
+
         Args:
-            inputs: the whole batch on the rank holding stage 0 (split on dim 0 into
+            args: the whole batch on the rank holding stage 0 (each tensor split on dim 0 into
                 ``num_microbatches``); other ranks pass nothing.
             target: the batch's target on the rank holding the last stage (split the same way).
             losses: if given, each microbatch's (unscaled) loss is appended, in microbatch order.
+            return_outputs: False: return None (the last stage's outputs are not concatenated).
+            loss_kwargs: extra keywords of ``loss_fn(output, target, **loss_kwargs)``.
             trace: if given, filled with this rank's action and wait intervals.
+            kwargs: keyword inputs of stage 0's module: tensors are split on dim 0 like
+                ``args``, anything else is passed unchanged to every microbatch.
 
         Returns:
             The outputs of the last stage concatenated over microbatches on its rank, else None.
         """
+        inputs = args
         m = self.spec.num_microbatches
         has_first = 0 in self.stages
         has_last = (self.spec.num_stages - 1) in self.stages
         mb_inputs = _split_inputs(inputs, m, "inputs") if has_first else [() for _ in range(m)]
+        mb_kwargs = _split_kwargs(kwargs, m) if has_first and kwargs else []
         if has_last and target is not None:
             mb_targets: list[Any] = _split_target(target, m)
         else:
             mb_targets = [None] * m
-        if has_first and not inputs:
+        if has_first and not inputs and not kwargs:
             raise ValueError(f"rank {self.rank} holds stage 0 and needs the batch inputs")
+        if kwargs and not has_first:
+            raise ValueError(f"rank {self.rank}: keyword inputs {sorted(kwargs)} are for the rank "
+                             "holding stage 0; this rank does not hold it")
         if not self._meta_done:
-            self._exchange_metadata(mb_inputs[0] if has_first else ())
+            self._exchange_metadata(mb_inputs[0] if has_first else (),
+                                    mb_kwargs[0] if mb_kwargs else {})
             self._meta_done = True
         if trace is not None:
             trace.rank = self.rank
-        ctx = ActionContext(self, self.rank, self.stages, mb_inputs, mb_targets, {}, trace)
+        ctx = ActionContext(self, self.rank, self.stages, mb_inputs, mb_targets, {}, trace,
+                            kwinputs=mb_kwargs, loss_kwargs=dict(loss_kwargs or {}))
         try:
             self._execute(ctx)
             ctx.step_index, ctx.current_action = len(self.program), None  # the end of the step
@@ -184,7 +203,7 @@ class PipelineSchedule:
                                f"never ran: {leftover}")
         if losses is not None and has_last:
             losses.extend(ctx.losses[i] for i in sorted(ctx.losses))
-        if has_last:
+        if has_last and return_outputs:
             return torch.cat([ctx.outputs[i] for i in range(m)], dim=0)
         return None
 
@@ -233,7 +252,8 @@ class PipelineSchedule:
         need_out = not st.is_last and (st.stage_index + 1) not in self.stages
         return (not need_in or st.input_meta is not None) and (not need_out or st.output_meta is not None)
 
-    def _exchange_metadata(self, first_inputs: tuple[torch.Tensor, ...]) -> None:
+    def _exchange_metadata(self, first_inputs: tuple[torch.Tensor, ...],
+                           first_kwargs: dict[str, Any]) -> None:
         """Learn every boundary's shape and dtype once: stage by stage, a no-grad forward of
         microbatch 0 and a small header sent to the next rank (bounded waits)."""
         spec = self.spec
@@ -261,7 +281,7 @@ class PipelineSchedule:
                 continue
             ins = first_inputs if s == 0 else (example,)
             with torch.no_grad():
-                out = st.module(*ins)
+                out = st.module(*ins, **(first_kwargs if s == 0 else {}))
             st.output_meta = TensorMeta.of(out)
             example = out
             nxt = spec.stage_to_rank(s + 1)
@@ -296,10 +316,29 @@ def _split_inputs(inputs: Sequence[torch.Tensor], m: int, what: str) -> list[tup
     return [tuple(c[i] for c in chunks) for i in range(m)]
 
 
+def _split_kwargs(kwargs: dict[str, Any], m: int) -> list[dict[str, Any]]:
+    """Per microbatch: tensors split on dim 0 (as the positional inputs), other values as is."""
+    split = {k: _split_inputs([v], m, f"keyword input {k!r}") if isinstance(v, torch.Tensor)
+             else None for k, v in kwargs.items()}
+    return [{k: (split[k][i][0] if split[k] is not None else v) for k, v in kwargs.items()}
+            for i in range(m)]
+
+
 def _split_target(target: Any, m: int) -> list[Any]:
     if isinstance(target, torch.Tensor):
         return [t[0] for t in _split_inputs([target], m, "target")]
     raise TypeError(f"target must be a tensor split on dim 0, got {type(target).__name__}")
+
+
+def _microbatches(num_microbatches: int | None, n_microbatches: int | None) -> int:
+    """``num_microbatches`` or torch's name for it, ``n_microbatches`` (one of the two)."""
+    if num_microbatches is None and n_microbatches is None:
+        raise TypeError("give num_microbatches (or torch's name for it, n_microbatches)")
+    if num_microbatches is not None and n_microbatches is not None \
+            and num_microbatches != n_microbatches:
+        raise ValueError(f"num_microbatches={num_microbatches} and n_microbatches="
+                         f"{n_microbatches} differ: they are one setting under two names")
+    return int(num_microbatches if num_microbatches is not None else n_microbatches)
 
 
 def _spec(kind: str, stages: Sequence[PipelineStage], num_microbatches: int,
@@ -319,10 +358,12 @@ class ScheduleGPipe(PipelineSchedule):
     """GPipe (all forwards, then all backwards), one stage per rank; the spec is built from the
     stages and the pipeline group. ``overlap_p2p`` defaults to True, as in ``ScheduleSpec``."""
 
-    def __init__(self, stages: Sequence[PipelineStage] | PipelineStage, num_microbatches: int,
+    def __init__(self, stages: Sequence[PipelineStage] | PipelineStage,
+                 num_microbatches: int | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = True,
                  group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
-                 scale_grads: bool = True) -> None:
+                 scale_grads: bool = True, n_microbatches: int | None = None) -> None:
+        num_microbatches = _microbatches(num_microbatches, n_microbatches)
         st = [stages] if isinstance(stages, PipelineStage) else list(stages)
         spec = _spec("gpipe", st, num_microbatches, group, overlap_p2p=overlap_p2p)
         super().__init__(spec, st, loss_fn, group, timeout_s, scale_grads)
@@ -332,10 +373,13 @@ class Schedule1F1B(PipelineSchedule):
     """1F1B with one stage per rank (``overlap_b_f``: pair steady-state B and F into
     OVERLAP_B_F steps). ``overlap_p2p`` defaults to True, as in ``ScheduleSpec``."""
 
-    def __init__(self, stages: Sequence[PipelineStage] | PipelineStage, num_microbatches: int,
+    def __init__(self, stages: Sequence[PipelineStage] | PipelineStage,
+                 num_microbatches: int | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = True,
                  overlap_b_f: bool = False, group: dist.ProcessGroup | None = None,
-                 timeout_s: float | None = None, scale_grads: bool = True) -> None:
+                 timeout_s: float | None = None, scale_grads: bool = True,
+                 n_microbatches: int | None = None) -> None:
+        num_microbatches = _microbatches(num_microbatches, n_microbatches)
         st = [stages] if isinstance(stages, PipelineStage) else list(stages)
         spec = _spec("1f1b", st, num_microbatches, group, overlap_p2p=overlap_p2p,
                      overlap_b_f=overlap_b_f)
@@ -346,10 +390,12 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     """Interleaved 1F1B: several virtual stages (model chunks) per rank, loop placement.
     ``overlap_p2p`` defaults to True, as in ``ScheduleSpec``."""
 
-    def __init__(self, stages: Sequence[PipelineStage], num_microbatches: int,
+    def __init__(self, stages: Sequence[PipelineStage], num_microbatches: int | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, overlap_p2p: bool = True,
                  overlap_b_f: bool = False, group: dist.ProcessGroup | None = None,
-                 timeout_s: float | None = None, scale_grads: bool = True) -> None:
+                 timeout_s: float | None = None, scale_grads: bool = True,
+                 n_microbatches: int | None = None) -> None:
+        num_microbatches = _microbatches(num_microbatches, n_microbatches)
         st = list(stages)
         spec = _spec("interleaved_1f1b", st, num_microbatches, group, overlap_p2p=overlap_p2p,
                      overlap_b_f=overlap_b_f)

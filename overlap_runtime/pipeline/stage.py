@@ -119,12 +119,17 @@ class PipelineStage:
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
         target: Any = None,
         loss_scale: float = 1.0,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        loss_kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Run the chunk on one microbatch and keep what the backward needs.
 
         ``inputs``: the user's microbatch tensors on the first stage, else the one received
         activation (made a leaf requiring grad here). On the last stage ``loss_fn(output,
-        target)`` is computed and kept (scaled by ``loss_scale`` for the backward).
+        target, **loss_kwargs)`` is computed and kept (scaled by ``loss_scale`` for the
+        backward). ``kwargs``: keyword inputs of the module (the first stage's, split per
+        microbatch by ``PipelineSchedule.step(**kwargs)``).
         Returns the output (detached view for sending downstream).
         """
         if microbatch in self.microbatches:
@@ -140,7 +145,7 @@ class PipelineStage:
                 raise ValueError(f"stage {self.stage_index} microbatch {microbatch}: received "
                                  f"{TensorMeta.of(x)} but expected {self.input_meta}")
             ins = (x.detach().requires_grad_(True),)
-        out = self.module(*ins)
+        out = self.module(*ins, **(kwargs or {}))
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"stage {self.stage_index}: the module returned {type(out).__name__}; "
                             f"a stage returns one tensor")
@@ -150,7 +155,7 @@ class PipelineStage:
                              f"{self.output_meta}")
         state = MicrobatchState(inputs=ins, output=out)
         if self.is_last and loss_fn is not None:
-            loss = loss_fn(out, target)
+            loss = loss_fn(out, target, **(loss_kwargs or {}))
             state.loss = loss
             state.loss_scale = loss_scale
         self.microbatches[microbatch] = state

@@ -41,6 +41,10 @@ _EXPORTS = {
     "compile_schedule": "compile",
     "compile_spec": "compile",
     "validate_schedule": "compile",
+    "TableSpec": "torch_csv",
+    "compile_table": "torch_csv",
+    "load_torch_csv": "torch_csv",
+    "to_torch_csv": "torch_csv",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -58,3 +62,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from .registry import get_schedule_kind, register_schedule_kind, schedule_kinds
     from .rules import ScheduleValidationError
     from .spec import MAX_SCHEDULE_ACTIONS, ScheduleSpec, ScheduleTooLargeError
+    from .torch_csv import TableSpec, compile_table, load_torch_csv, to_torch_csv

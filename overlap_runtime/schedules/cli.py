@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Chrome/Perfetto trace to write (default trace.json; '' to skip)")
     parser.add_argument("--csv", metavar="PATH",
                         help="also write the compute-only schedule as torch-format CSV")
+    parser.add_argument("--csv-format", choices=["ours", "torch"], default="ours",
+                        help="'torch': write OVERLAP_B_F pairs as torch's (F;B)OVERLAP_F_B, the "
+                             "form _PipelineScheduleRuntime._load_csv loads (default ours)")
     parser.add_argument("--plot", metavar="PNG", help="draw the timeline (needs matplotlib)")
     parser.add_argument("--no-grid", action="store_true", help="do not print the action grid")
     parser.add_argument("--width", type=int, default=100, help="timeline width in characters")
@@ -126,7 +129,12 @@ def run(args: argparse.Namespace) -> int:
         write_chrome_trace(result, args.trace, pairs=compiled.comm_pairs)
         print(f"wrote {args.trace}")
     if args.csv:
-        dump_csv(compiled.compute, args.csv)
+        if args.csv_format == "torch":
+            from .torch_csv import to_torch_csv
+
+            to_torch_csv(compiled.compute, args.csv)
+        else:
+            dump_csv(compiled.compute, args.csv)
         print(f"wrote {args.csv}")
     if args.plot:
         _plot(result, args.plot, title=f"{spec.kind} pp={p} m={m} v={v}")

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .registry import get_schedule_kind
 
@@ -57,7 +57,8 @@ class ScheduleSpec(BaseModel):
       with :func:`~overlap_runtime.schedules.registry.register_schedule_kind`.
     - ``pp_size``: pipeline ranks; ``virtual_stages``: model chunks (stages) per rank, so the
       model has ``pp_size * virtual_stages`` stages.
-    - ``num_microbatches``: microbatches per step.
+    - ``num_microbatches``: microbatches per step (torch's name ``n_microbatches`` is accepted
+      as input).
     - ``overlap_b_f``: pair steady-state backward i with the next forward into one
       ``OVERLAP_B_F`` step that runs on two threads (seed 001 section 2.2).
     - ``overlap_p2p`` (default True, as in every ``Schedule*`` constructor of
@@ -75,7 +76,8 @@ class ScheduleSpec(BaseModel):
 
     kind: str
     pp_size: int = Field(ge=1)
-    num_microbatches: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1, validation_alias=AliasChoices("num_microbatches",
+                                                                    "n_microbatches"))
     virtual_stages: int = Field(default=1, ge=1)
     overlap_b_f: bool = False
     overlap_p2p: bool = True

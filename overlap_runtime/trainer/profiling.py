@@ -7,7 +7,7 @@
   recording), CPU activities plus CUDA on GPUs. Worker threads (the OVERLAP_B_F FWD/BWD
   threads) are recorded too (``profile_all_threads`` where torch has it). Each step is the
   range ``train.step <n>``; our ranges (``ops.profile_range``) name pipeline actions
-  (``pp.F mb3 stage1``, ``pp.wait RECV_B mb2 stage0``), expert all-to-alls (``ep.dispatch
+  (``pp.1F3``, ``pp.wait 0RECV_B2``), expert all-to-alls (``ep.dispatch
   S1.L0``, ``a2a S1.L0.combine fwd|bwd``), sync hooks (``hook A forward L0``), point-to-point
   messages (``p2p.send ...``, ``comm.wait ...``) and the GDN state chain (``gdn.p2p ...``).
 * ``exec_trace.json`` (pp > 1 or ep > 1): the runtime's own :class:`ExecutionTrace` of the same

@@ -62,10 +62,11 @@ def test_one_trace_per_rank_for_the_window_with_our_range_names(run_dir: Path) -
         steps = sorted(n for n in names if n.startswith("train.step "))
         assert steps == ["train.step 2", "train.step 3"], (r, steps)  # the window only
         joined = "\n".join(names)
-        assert re.search(r"^pp\.F mb\d stage\d$", joined, re.M), r
-        assert re.search(r"^pp\.B mb\d stage\d$", joined, re.M), r
+        # pipeline ranges are named after each action, as torch prints it
+        assert re.search(r"^pp\.\dF\d$", joined, re.M), r
+        assert re.search(r"^pp\.\dB\d$", joined, re.M), r
         assert re.search(r"^pp\.\(\dB\d;\dF\d\)OVERLAP_B_F$", joined, re.M), r
-        assert re.search(r"^pp\.wait RECV_[FB] mb\d stage\d$", joined, re.M), r
+        assert re.search(r"^pp\.wait \dRECV_[FB]\d$", joined, re.M), r
         for label in ("dispatch", "combine"):
             for side in ("fwd", "bwd"):
                 assert re.search(rf"^a2a S\d\.L\d\.{label} {side}$", joined, re.M), (r, label)
