@@ -24,7 +24,7 @@ from overlap_runtime.context_parallel.varlen_attention import (
 from overlap_runtime.ops.attention import attention
 from overlap_runtime.testing import rel_l2
 
-from ._gdn_cp_util import HIDDEN, make_module
+from _gdn_cp_util import HIDDEN, make_module
 
 Case = tuple[int, int, list[int]]
 

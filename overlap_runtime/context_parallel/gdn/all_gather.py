@@ -87,6 +87,6 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         h_in, gathered = gathered_initial_state(m, s, plan)
         o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, q.shape[-1] ** -0.5,
                                  layer.chunk_size, plan.backend)
-        if h_in is None:
-            o = comm.attach(o, gathered)
-        return o
+        # Always attached: a rank whose rows all start a document at its first token reads no
+        # summary either, and the gather's backward collective must run on every rank.
+        return comm.attach(o, gathered)
