@@ -2,7 +2,8 @@
 
 Document-length mixes come from a hypothesis strategy: :func:`draw_cases` lets hypothesis
 generate a bounded number of mixes in the parent (no ranks involved, generate phase only), and
-each test checks all of them in one spawn, so every spawn covers many mixes. Fixed cases cover a document longer than the whole shard (it spans several ranks,
+each test checks all of them in one spawn, so every spawn covers many mixes. Fixed cases
+cover a document longer than the whole shard (it spans several ranks,
 the middle ones passing the state through), documents shorter than a chunk and than the conv
 halo, a document starting exactly at a shard start, and a row made of one-token documents.
 float64, tolerance 1e-6 (measured ~1e-15).
