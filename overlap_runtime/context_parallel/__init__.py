@@ -29,6 +29,7 @@ from overlap_runtime.context_parallel.gdn import (
     gdn_p2p_task_graph,
     simulate_gdn_p2p,
 )
+from overlap_runtime.context_parallel.packed import PackedLayout
 from overlap_runtime.context_parallel.ring import ring_attention
 from overlap_runtime.context_parallel.sharding import (
     LoadBalance,
@@ -39,6 +40,10 @@ from overlap_runtime.context_parallel.sharding import (
     unshard_sequence,
 )
 from overlap_runtime.context_parallel.ulysses import ulysses_attention
+from overlap_runtime.context_parallel.varlen_attention import (
+    packed_ring_attention,
+    packed_ulysses_attention,
+)
 from overlap_runtime.ops.comm_stats import CommStats
 
 __all__ = [
@@ -51,10 +56,13 @@ __all__ = [
     "LinearAttentionContextParallel",
     "LoadBalance",
     "Mode",
+    "PackedLayout",
     "all_gather_kv_attention",
     "gather_sequence",
     "gdn_p2p_cost_model",
     "gdn_p2p_task_graph",
+    "packed_ring_attention",
+    "packed_ulysses_attention",
     "ring_attention",
     "shard_batch",
     "shard_positions",

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -68,13 +69,42 @@ class ContextParallelCoreAttention(nn.Module):
         self.timeout_s = timeout_s
         self.backend = backend
 
+    #: Accepts ``cu_seqlens`` (packed documents, issue #23); layers check this flag.
+    supports_packed = True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                stats: CommStats | None = None) -> torch.Tensor:
-        """Local shards q ``[B, S/P, Hq, D]``, k/v ``[B, S/P, Hkv, D]`` -> ``[B, S/P, Hq, D]``."""
+                stats: CommStats | None = None, cu_seqlens: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Local shards q ``[B, S/P, Hq, D]``, k/v ``[B, S/P, Hkv, D]`` -> ``[B, S/P, Hq, D]``.
+
+        ``cu_seqlens``: packed documents over the ``B * S`` tokens of the whole rows (global,
+        the same on every rank): causal within each document, tokens dealt by this wrapper's
+        rule as a :class:`~.packed.PackedLayout` (``load_balance=None`` -> ``contiguous``,
+        ``"zigzag"`` -> ``zigzag``); ring and ulysses only (``varlen_attention.py``).
+        """
+        if cu_seqlens is not None:
+            return self._packed(q, k, v, causal, cu_seqlens)
         fn = _CP_FUNCS[self.mode]
         return fn(q, k, v, group=self.group, causal=causal, load_balance=self.load_balance,
                   scale=self.softmax_scale, timeout_s=self.timeout_s, stats=stats,
                   backend=self.backend)
+
+    def _packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                cu_seqlens: torch.Tensor) -> torch.Tensor:
+        from .packed import PackedLayout
+        from .varlen_attention import packed_ring_attention, packed_ulysses_attention
+
+        if self.mode not in ("ring", "ulysses") or not causal:
+            raise NotImplementedError(
+                f"ContextParallel(mode={self.mode!r}) with cu_seqlens (packed documents, "
+                f"causal={causal}): packed batches run causal attention in modes 'ring' and "
+                f"'ulysses' only")
+        world = dist.get_world_size(self.group)
+        layout = PackedLayout.from_cu_seqlens(
+            cu_seqlens, q.shape[0], q.shape[1] * world, world,
+            "contiguous" if self.load_balance is None else "zigzag")
+        fn = packed_ring_attention if self.mode == "ring" else packed_ulysses_attention
+        return fn(q, k, v, layout, self.group, self.softmax_scale, self.timeout_s)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, load_balance={self.load_balance!r}"

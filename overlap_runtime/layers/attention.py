@@ -94,7 +94,8 @@ class Qwen3_5Attention(nn.Module):
 
         ``stats``: an optional per-call communication record passed to the CP core attention.
         ``cu_seqlens``: packed documents (``layers.segments``): attention is causal within each
-        document only (the core runs per segment; single-device core only). RoPE follows
+        document only (single device: the core per segment; a context-parallel core takes the
+        global ``cu_seqlens`` itself). RoPE follows
         ``position_ids``, so pass per-document positions to restart them too.
         """
         b, s, _ = x.shape
@@ -111,14 +112,17 @@ class Qwen3_5Attention(nn.Module):
         if cu_seqlens is None:
             o = self.core_attention(q, k, v, causal=True, stats=stats)  # [B, S, H, D]
         else:
-            if type(self.core_attention) is not CoreAttention:
+            if getattr(self.core_attention, "supports_packed", False):  # CP core (issue #23)
+                o = self.core_attention(q, k, v, causal=True, stats=stats, cu_seqlens=cu_seqlens)
+            elif type(self.core_attention) is CoreAttention:
+                o = apply_per_segment(
+                    lambda qs, ks, vs: self.core_attention(qs, ks, vs, causal=True),
+                    (q, k, v), cu_seqlens)
+            else:
                 raise NotImplementedError(
-                    f"Qwen3_5Attention with cu_seqlens (reset at document boundaries) runs the "
-                    f"single-device CoreAttention per document; got "
-                    f"{type(self.core_attention).__name__} (context parallel: issue #23)")
-            o = apply_per_segment(
-                lambda qs, ks, vs: self.core_attention(qs, ks, vs, causal=True),
-                (q, k, v), cu_seqlens)
+                    f"Qwen3_5Attention with cu_seqlens (reset at document boundaries) needs "
+                    f"CoreAttention or a core with supports_packed=True; got "
+                    f"{type(self.core_attention).__name__}")
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(b, s, h * d))

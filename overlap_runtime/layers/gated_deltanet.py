@@ -51,7 +51,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_runtime.layers.norm import RMSNormGated
-from overlap_runtime.layers.segments import apply_per_segment
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, LocalGDNMixer
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
@@ -305,23 +304,15 @@ class GatedDeltaNet(nn.Module):
             attention_mask: ``[B, T]`` 1 = real token, 0 = padding (see the module docstring).
             cu_seqlens: packed documents (``layers.segments``): the conv and the recurrence
                 run on each document alone (zero conv context and a zero state at its start),
-                exactly as if each were its own sequence. Single-device mixer only
-                (:class:`~overlap_runtime.layers.sequence_mixer.LocalGDNMixer`; the
-                context-parallel version is issue #23).
+                exactly as if each were its own sequence. Global: over the ``B * T`` tokens of
+                the whole rows, also under context parallelism (the mixer's
+                ``forward_packed``; CP: ``context_parallel/gdn/varlen.py``).
         """
         mixer = self.sequence_mixer
-        if cu_seqlens is not None and not isinstance(mixer, LocalGDNMixer):
-            raise NotImplementedError(
-                f"GatedDeltaNet ({type(mixer).__name__}): packed input (cu_seqlens, reset at "
-                f"document boundaries) needs the single-device LocalGDNMixer (context "
-                f"parallel: issue #23)"
-            )
         hidden, mask, restore = mixer.prepare_inputs(self, hidden_states, attention_mask)
         proj = self.project(self.mask_input(hidden, mask))
         if cu_seqlens is None:
             o = mixer(self, proj, mask)  # [B, T, HV, V]
         else:
-            o = apply_per_segment(
-                lambda qkv, z, b, a, m: mixer(self, GDNProjections(qkv, z, b, a), m),
-                (proj.mixed_qkv, proj.z, proj.b, proj.a, mask), cu_seqlens)
+            o = mixer.forward_packed(self, proj, mask, cu_seqlens)
         return restore(self.finish(o, proj.z, mask))

@@ -33,6 +33,13 @@ The protocol (:class:`GDNSequenceMixer`)
     pieces - ``causal_conv``, ``split_qkv``, ``gates``, ``core``, ``conv_channels``,
     ``conv_halo`` - and never copies them, so their gradients land on the layer.
 
+``forward_packed(layer, proj, mask, cu_seqlens) -> o``
+    The same for a packed batch (``layers.segments``): conv and recurrence restart at every
+    document start. ``cu_seqlens`` is global (over the ``B * T_global`` tokens of the whole
+    rows, the same on every CP rank). Default: ``forward`` on each document alone
+    (``apply_per_segment``, single device); the CP mixers override it (issue #23,
+    ``context_parallel/gdn/varlen.py``).
+
 A mixer holds configuration only (immutable after construction). Everything one call needs
 travels as arguments and return values, so two microbatches may be in flight through one layer
 (pipeline schedules, the comm/compute overlap threads, activation-checkpoint recompute).
@@ -108,6 +115,16 @@ class GDNSequenceMixer(nn.Module):
         raise NotImplementedError(
             f"{type(self).__name__} must implement forward(layer, proj, mask) -> o [B, T, HV, V]"
         )
+
+    def forward_packed(self, layer: "GatedDeltaNet", proj: "GDNProjections",
+                       mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``o [B, T, HV, V]`` of a packed batch: :meth:`forward` on each document alone."""
+        from overlap_runtime.layers.gated_deltanet import GDNProjections
+        from overlap_runtime.layers.segments import apply_per_segment
+
+        return apply_per_segment(
+            lambda qkv, z, b, a, m: self(layer, GDNProjections(qkv, z, b, a), m),
+            (proj.mixed_qkv, proj.z, proj.b, proj.a, mask), cu_seqlens)
 
 
 class LocalGDNMixer(GDNSequenceMixer):

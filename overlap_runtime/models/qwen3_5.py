@@ -21,7 +21,10 @@ makes every layer reset at document boundaries - full attention causal within ea
 GDN conv and state restarting at each document - and, with ``position_ids=None``, RoPE positions
 restarting too (otherwise pass per-document positions). The eager single-device path (cp == 1,
 the whole model on one pipeline stage): each document runs through the mixers on its own, so the
-result equals running the documents separately.
+result equals running the documents separately. Under context parallelism (issue #23) the same
+call takes this rank's contiguous shard and the *global* ``cu_seqlens`` (over the ``B * S`` tokens
+of the whole rows): the GDN mixers chain per-document state maps
+(``context_parallel/gdn/varlen.py``), attention masks by document (``varlen_attention.py``).
 
 Activation checkpointing (``model.set_activation_checkpointing(True)``) recomputes each decoder
 layer in backward (``torch.utils.checkpoint``, non-reentrant, inside the layer's forward so that
@@ -234,16 +237,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         Returns:
             ``[B, S, vocab]`` in the parameters' dtype.
         """
-        if cu_seqlens is not None and self.cp_size > 1:
-            raise NotImplementedError(
-                f"Qwen3_5ForCausalLM: cu_seqlens (reset at document boundaries) is implemented "
-                f"for cp == 1; this model is context-parallel over {self.cp_size} ranks "
-                f"(issue #23)")
         if position_ids is None:
             if cu_seqlens is None:
                 position_ids = self.default_position_ids(input_ids.shape[1], input_ids.device)
-            else:
-                position_ids = document_positions(cu_seqlens, *input_ids.shape)
+            else:  # cu_seqlens is global: this rank's contiguous slice of the document positions
+                b, local = input_ids.shape
+                start = self.cp_rank * local
+                position_ids = document_positions(cu_seqlens, b, local * self.cp_size)[
+                    :, start:start + local]
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h, position_ids, cu_seqlens)

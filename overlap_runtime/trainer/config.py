@@ -14,7 +14,7 @@
       tokenizer: null # a local tokenizer.json (Hugging Face tokenizers); null: bytes
       bos_token: <bos>
       eos_token: <eos>
-      packing: concat # or reset_at_document_boundaries (cp == 1, pp == 1)
+      packing: concat # or reset_at_document_boundaries (pp == 1; cp > 1: eager GDN, ring/ulysses)
     optimizer:        # AdamW
       lr: 1.0e-3
     train:
@@ -231,15 +231,22 @@ def _data_problems(config: "TrainConfig") -> list[str]:
                 f"the byte-level vocabulary of the data ({vocab}: 256 bytes + 4 specials)")
         out.append(f"model.vocab_size={m.vocab_size} is smaller than {what}")
     if data.packing == "reset_at_document_boundaries":
-        rule = ("data.packing='reset_at_document_boundaries' is implemented for cp == 1 and "
-                "pp == 1 (the eager per-document path; the context-parallel version is issue #23)")
-        if acc.cp > 1:
-            out.append(f"{rule}; got train.accelerator.cp={acc.cp}")
+        rule = "data.packing='reset_at_document_boundaries'"
         if acc.pp > 1:
-            out.append(f"{rule}; got train.accelerator.pp={acc.pp}")
+            out.append(f"{rule} is implemented for pp == 1 (the eager per-document path); got "
+                       f"train.accelerator.pp={acc.pp}")
         if m.gdn_backend != "eager":
-            out.append(f"data.packing='reset_at_document_boundaries' runs the GDN per document "
-                       f"with the eager backend; got model.gdn_backend={m.gdn_backend!r}")
+            out.append(f"{rule} runs the GDN per document with the eager backend; got "
+                       f"model.gdn_backend={m.gdn_backend!r}")
+        if acc.cp > 1:  # issue #23: every GDN mode, attention ring / ulysses
+            if acc.linear_attention_gdn_backend != "eager":
+                out.append(f"{rule} under cp={acc.cp} runs the GDN CP modes on the eager "
+                           f"backend; got train.accelerator.linear_attention_gdn_backend="
+                           f"{acc.linear_attention_gdn_backend!r}")
+            if acc.full_attention_cp_mode not in ("ring", "ulysses"):
+                out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
+                           f"full_attention_cp_mode 'ring' or 'ulysses' (causal within each "
+                           f"document); got {acc.full_attention_cp_mode!r}")
     return out
 
 

@@ -213,7 +213,7 @@ def errors_worker(rank: int, world: int) -> dict[str, str]:
     p2p = LinearAttentionContextParallel("p2p").apply(make_module(), mesh)
     out["short_local_seq"] = _raises(lambda: p2p(local[:, :2]), ValueError)
     out["cu_seqlens"] = _raises(
-        lambda: p2p(local, cu_seqlens=torch.tensor([0, 64])), NotImplementedError)
+        lambda: p2p(local, cu_seqlens=torch.tensor([0, 64])), ValueError)  # global: 128
     out["mask_shape"] = _raises(lambda: p2p(local, attention_mask=torch.ones(1, 63)), ValueError)
     out["apply_twice"] = _raises(
         lambda: LinearAttentionContextParallel("p2p").apply(p2p, mesh), RuntimeError)

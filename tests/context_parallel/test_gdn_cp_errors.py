@@ -58,8 +58,7 @@ def test_single_device_module_checks_cu_seqlens() -> None:
 EXPECTED = {
     "ulysses_heads": ("ValueError", "num_value_heads % cp == 0, got num_value_heads=3, cp=2"),
     "short_local_seq": ("ValueError", "local sequence 2 is shorter than the conv halo 3"),
-    "cu_seqlens": ("NotImplementedError", "packed input (cu_seqlens, reset at document "
-                                          "boundaries) needs the single-device LocalGDNMixer"),
+    "cu_seqlens": ("ValueError", "cu_seqlens must start at 0 and end at B * T = 1 * 128"),
     "mask_shape": ("ValueError", "attention_mask must be [B, S/P] = [1, 64]"),
     "apply_twice": ("RuntimeError", "already runs context-parallel ('p2p')"),
     "dtensor_replicate": ("ValueError", "placements (Shard(1),)"),

@@ -89,6 +89,8 @@ def test_the_trainer_trains_on_packed_documents(jsonl_data: dict[str, Any]) -> N
     configs = {
         "dp2_reset": _config(jsonl_data, "reset_at_document_boundaries", cp=1, world_size=2),
         "cp2_concat": _config(jsonl_data, "concat", cp=2, linear_attention_cp_mode="p2p"),
+        "cp2_reset": _config(jsonl_data, "reset_at_document_boundaries", cp=2,
+                             linear_attention_cp_mode="p2p", full_attention_cp_mode="ring"),
     }
     out = run_ranks(train_worker, 2, timeout_s=300, args=(list(configs.values()),))[0]
     runs = {name: TrainResult.from_dict(r) for name, r in zip(configs, out)}

@@ -68,3 +68,25 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         if h_in is None:  # rank 0 reads no summary; keep the collective in its graph
             o = comm.attach(o, gathered)
         return o
+
+    def forward_packed(self, layer: GatedDeltaNet, proj: GDNProjections,
+                       mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed batch: each rank's summary is its last document's tail map
+        (``gdn/varlen.py``); the gathered prefix enters only a first piece that continues a
+        document."""
+        from .varlen import (check_packed_call, packed_core_inputs, packed_local_outputs,
+                             packed_tail_maps, shard_pieces)
+
+        plan = self.plan
+        batch, local_len = proj.mixed_qkv.shape[:2]
+        check_packed_call(layer, plan, cu_seqlens, batch, local_len)
+        pieces = shard_pieces(cu_seqlens, batch, local_len, plan.cp_size, plan.rank,
+                              layer.conv_halo)
+        q, k, v, g, beta = packed_core_inputs(layer, plan, proj, mask, pieces)
+        m, s = packed_tail_maps(q, k, v, g, beta, pieces, layer.chunk_size)
+        h_in, gathered = gathered_initial_state(m, s, plan)
+        o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, q.shape[-1] ** -0.5,
+                                 layer.chunk_size, plan.backend)
+        # Always attached: a rank whose rows all start a document at its first token reads no
+        # summary either, and the gather's backward collective must run on every rank.
+        return comm.attach(o, gathered)

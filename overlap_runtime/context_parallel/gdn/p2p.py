@@ -325,3 +325,18 @@ class P2PGDNMixer(ContextParallelGDNMixer):
         """This rank's shard ``proj`` (``[B, T_local, ...]``) -> ``o [B, T_local, HV, V]``."""
         q, k, v, g, beta = local_core_inputs(layer, self.plan, proj, mask)
         return gdn_state_chain(q, k, v, g, beta, self.plan, layer.chunk_size)
+
+    def forward_packed(self, layer: GatedDeltaNet, proj: GDNProjections,
+                       mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed batch (global ``cu_seqlens``): the chain with per-document maps
+        (``gdn/varlen.py``) -> ``o [B, T_local, HV, V]``."""
+        from .varlen import PackedStateChain, check_packed_call, packed_core_inputs, shard_pieces
+
+        plan = self.plan
+        batch, local_len = proj.mixed_qkv.shape[:2]
+        check_packed_call(layer, plan, cu_seqlens, batch, local_len)
+        pieces = shard_pieces(cu_seqlens, batch, local_len, plan.cp_size, plan.rank,
+                              layer.conv_halo)
+        q, k, v, g, beta = packed_core_inputs(layer, plan, proj, mask, pieces)
+        return PackedStateChain.apply(q, k, v, g, beta, pieces, plan, q.shape[-1] ** -0.5,
+                                      layer.chunk_size)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
+from overlap_runtime.layers.segments import apply_per_segment
 from overlap_runtime.ops import comm
 
 from .common import ContextParallelGDNMixer
@@ -83,8 +84,18 @@ def ulysses_head_layout(num_key_heads: int, num_value_heads: int, cp_size: int) 
 class UlyssesGDNMixer(ContextParallelGDNMixer):
     """Sequence mixer of ``mode="ulysses"`` (see the module docstring)."""
 
+    def forward_packed(self, layer: GatedDeltaNet, proj: GDNProjections,
+                       mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed batch: after the all-to-all each rank holds whole rows, so the documents of
+        the global ``cu_seqlens`` run alone (``apply_per_segment``) -> ``o [B, S/P, HV, V]``."""
+        from .varlen import check_packed_call
+
+        check_packed_call(layer, self.plan, cu_seqlens, *proj.mixed_qkv.shape[:2])
+        return self.forward(layer, proj, mask, cu_seqlens)
+
     def forward(self, layer: GatedDeltaNet, proj: GDNProjections,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """This rank's shard ``proj`` (``[B, S/P, ...]``) -> ``o [B, S/P, HV, V]``.
 
         ``mask`` ``[B, S/P]`` (1 = real token) rides in the all-to-all as one extra channel, so
@@ -121,10 +132,17 @@ class UlyssesGDNMixer(ContextParallelGDNMixer):
         full_mask = full[..., n_conv + 2 * hv].detach() if mask is not None else None
 
         channels = layer.conv_channels(layout.key_heads[rank], layout.value_heads[rank])
-        conv = layer.causal_conv(mixed, channels=channels)
-        q, k, v = layer.split_qkv(conv, h, hv)
-        g, beta = layer.gates(a, b, layout.value_heads[rank], full_mask)
-        o = layer.core(q, k, v, g, beta, backend=plan.backend)  # [B, S, hv, V]
+
+        def mix(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                m: torch.Tensor | None) -> torch.Tensor:
+            q, k, v = layer.split_qkv(layer.causal_conv(mixed, channels=channels), h, hv)
+            g, beta = layer.gates(a, b, layout.value_heads[rank], m)
+            return layer.core(q, k, v, g, beta, backend=plan.backend)  # [B, S, hv, V]
+
+        if cu_seqlens is None:
+            o = mix(mixed, a, b, full_mask)
+        else:  # whole rows here: each document alone, as on one device
+            o = apply_per_segment(mix, (mixed, a, b, full_mask), cu_seqlens)
 
         # Inverse: tokens of rank i go back to rank i; we receive every rank's heads of our
         # tokens.

@@ -1,0 +1,307 @@
+"""GDN context parallelism on packed (THD) batches: documents reset the conv and the state.
+
+Every rank holds the contiguous shard ``[r L, (r+1) L)`` of each row (``L = T / P``) and the
+global ``cu_seqlens`` (the same on every rank). Cut by the document starts, a row of a shard is
+a list of **pieces**; only the first can continue a document from the previous rank
+(``cont_in``: no document starts at the shard's first token), only the last can continue into
+the next::
+
+    row    | d0 d0 d0 d1 d1 | d1 d1 d1 d1 d1 | d1 d2 d2 d3 d3 |     P = 3, L = 5
+    rank 0: pieces [d0 d0 d0] [d1 d1]     cont_in False
+    rank 1: pieces [d1 d1 d1 d1 d1]       cont_in True   (one piece: passes the state through)
+    rank 2: pieces [d1] [d2 d2] [d3 d3]   cont_in True
+
+**State chain.** A shard's affine map ``H_out = M' H_in + S'`` (per row) is that of its *last*
+piece, from the last document's start inside the shard: when the shard is one piece that
+continues a document, ``(M', S')`` is the whole shard's summary; otherwise ``M' = 0`` and ``S'``
+is the last piece's final state from zero (earlier documents are ignored). ``H_in`` enters only
+the first piece, and only when it continues a document. The p2p chain (:class:`PackedStateChain`)
+and the summary all-gather then run exactly as in the unpacked modes with these maps; a
+document spanning several ranks passes through the one-piece ranks' ``M'``.
+
+**Conv halo.** The previous rank's last ``halo`` positions still travel (:class:`HaloExchange`),
+and the depthwise conv is computed tap by tap with each tap kept only where the tap's token is
+in the output token's document (:func:`document_causal_conv`), so no window crosses a document
+start, inside a shard or across the rank boundary.
+
+**Ulysses** gathers whole rows per head group, so it runs the single-device per-document path
+(``apply_per_segment``) on the full rows with the global ``cu_seqlens``.
+
+Eager backend only: ``backend="triton"`` with ``cu_seqlens`` raises (the Triton op has no
+per-piece entry yet). The pieces run one call each (a Python loop over pieces), like the
+single-device eager path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
+from overlap_runtime.layers.segments import segments_of
+from overlap_runtime.ops.gdn import (
+    apply_summary,
+    apply_summary_backward,
+    chunk_gated_delta_rule,
+    state_summary,
+)
+
+from .common import GDNCPPlan, check_halo, post_recv, post_send
+
+__all__ = ["ShardPieces", "shard_pieces", "HaloExchange", "document_causal_conv",
+           "packed_local_outputs", "packed_tail_maps", "PackedStateChain",
+           "packed_core_inputs", "check_packed_call"]
+
+
+@dataclass(frozen=True)
+class ShardPieces:
+    """The pieces of one rank's contiguous shard (module docstring).
+
+    Attributes:
+        rows: per row, the ``(start, end)`` of each piece in local positions ``[0, L)``.
+        cont_in: per row, whether the first piece continues a document from the previous rank.
+        doc_ids: ``[B, halo + L]`` int64 document of the ``halo`` positions before the shard
+            and of the shard's tokens (-1 before the first row's start).
+    """
+
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+    cont_in: tuple[bool, ...]
+    doc_ids: torch.Tensor
+
+
+def shard_pieces(cu_seqlens: torch.Tensor, batch: int, local_len: int, cp_size: int,
+                 rank: int, halo: int) -> ShardPieces:
+    """Pieces of rank ``rank``'s shard of a packed batch ``[B, P * local_len]``."""
+    seq_len = local_len * cp_size
+    segs = segments_of(cu_seqlens, batch, seq_len)
+    starts = torch.tensor([a for a, _ in segs], dtype=torch.int64)
+    start_set = set(starts.tolist())
+    rows, cont = [], []
+    for b in range(batch):
+        lo = b * seq_len + rank * local_len
+        cuts = [0] + [i for i in range(1, local_len) if lo + i in start_set] + [local_len]
+        rows.append(tuple(zip(cuts[:-1], cuts[1:])))
+        cont.append(lo not in start_set)
+    flat = (torch.arange(batch)[:, None] * seq_len + rank * local_len
+            + torch.arange(-halo, local_len)[None, :])
+    doc = torch.searchsorted(starts, flat.clamp(min=0), right=True) - 1
+    doc = torch.where(flat < 0, -1, doc)
+    return ShardPieces(tuple(rows), tuple(cont), doc)
+
+
+class HaloExchange(torch.autograd.Function):
+    """``x [B, L, C]`` -> the previous rank's last ``halo`` positions ``[B, halo, C]`` (zeros on
+    rank 0). Backward: the halo's gradient goes back to the previous rank and is added to the
+    last ``halo`` positions of ``x``'s gradient. Forward sends ``r -> r+1`` before the state
+    chain's ``H``; backward sends ``r+1 -> r`` after the chain's ``dH`` (autograd reaches the
+    conv after the chain), the same order as the unpacked p2p mode."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, halo: int, plan: GDNCPPlan) -> torch.Tensor:
+        rank, world = plan.rank, plan.cp_size
+        buf = x.new_zeros(x.shape[0], halo, x.shape[2])
+        recv = post_recv(buf, rank - 1, plan, "gdn packed halo") if rank > 0 else None
+        send = (post_send(x[:, -halo:].contiguous(), rank + 1, plan, "gdn packed halo")
+                if rank < world - 1 else None)
+        for h in (recv, send):
+            if h is not None:
+                h.wait()
+        ctx.plan, ctx.halo, ctx.shape = plan, halo, x.shape
+        return buf
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        plan: GDNCPPlan = ctx.plan
+        rank, world = plan.rank, plan.cp_size
+        grad_x = grad.new_zeros(ctx.shape)
+        tail = grad.new_zeros(grad.shape)
+        recv = (post_recv(tail, rank + 1, plan, "gdn packed halo gradient")
+                if rank < world - 1 else None)
+        send = (post_send(grad.contiguous(), rank - 1, plan, "gdn packed halo gradient")
+                if rank > 0 else None)
+        for h in (recv, send):
+            if h is not None:
+                h.wait()
+        grad_x[:, grad_x.shape[1] - ctx.halo:] = tail
+        return grad_x, None, None
+
+
+def document_causal_conv(layer: GatedDeltaNet, mixed_qkv: torch.Tensor, left: torch.Tensor,
+                         doc_ids: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv + SiLU whose windows stop at document starts.
+
+    Args:
+        mixed_qkv: ``[B, L, C]`` (C = conv_dim); left: ``[B, halo, C]`` positions before it.
+        doc_ids: ``[B, halo + L]`` document of every position of ``[left | mixed_qkv]``.
+
+    Returns:
+        ``[B, L, C]`` in mixed_qkv's dtype: tap ``j`` (lag ``halo - j * dilation``) adds
+        ``w[:, j] * x[t - lag]`` only where ``x[t - lag]`` is in ``t``'s document.
+    """
+    halo, dil = layer.conv_halo, layer.conv1d.dilation[0]
+    length = mixed_qkv.shape[1]
+    xp = torch.cat([left, mixed_qkv], dim=1)  # [B, halo + L, C]
+    weight = layer.conv1d.weight[:, 0, :]  # [C, kernel]
+    own = doc_ids[:, halo:]  # [B, L]
+    out = None
+    for j in range(layer.conv_kernel_size):
+        off = j * dil
+        x_tap = xp[:, off:off + length]
+        same = (doc_ids[:, off:off + length] == own).to(xp.device)[..., None]
+        term = torch.where(same, x_tap, 0.0) * weight[:, j]
+        out = term if out is None else out + term
+    return F.silu(out)
+
+
+def packed_core_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections,
+                       mask: torch.Tensor | None, pieces: ShardPieces
+                       ) -> tuple[torch.Tensor, ...]:
+    """q, k ``[B, L, H, K]``, v ``[B, L, HV, V]``, g ``[B, L, HV]`` fp32, beta of this shard,
+    with the conv kept inside documents (halo from the previous rank)."""
+    check_halo(layer, proj.mixed_qkv.shape[1], plan)
+    halo = layer.conv_halo
+    if halo and plan.cp_size > 1:
+        left = HaloExchange.apply(proj.mixed_qkv, halo, plan)
+    else:
+        left = proj.mixed_qkv.new_zeros(proj.mixed_qkv.shape[0], halo, proj.mixed_qkv.shape[2])
+    conv = document_causal_conv(layer, proj.mixed_qkv, left, pieces.doc_ids)
+    q, k, v = layer.split_qkv(conv)
+    g, beta = layer.gates(proj.a, proj.b, mask=mask)
+    return q, k, v, g, beta
+
+
+def packed_local_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, h_in: torch.Tensor | None, pieces: ShardPieces,
+                         scale: float, chunk_size: int, backend: str) -> torch.Tensor:
+    """``o [B, L, HV, V]``: every piece from a zero state, except a first piece that continues
+    a document, which starts from ``h_in[b]`` (``[B, HV, K, V]`` fp32, or None on rank 0)."""
+    rows = []
+    for b, row in enumerate(pieces.rows):
+        outs = []
+        for i, (s, e) in enumerate(row):
+            init = h_in[b:b + 1] if (i == 0 and pieces.cont_in[b] and h_in is not None) else None
+            o, _ = chunk_gated_delta_rule(
+                q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], g[b:b + 1, s:e],
+                beta[b:b + 1, s:e], scale=scale, initial_state=init, use_qk_l2norm=True,
+                chunk_size=chunk_size, backend=backend)
+            outs.append(o)
+        rows.append(torch.cat(outs, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def packed_tail_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, pieces: ShardPieces, chunk_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the shard's map ``(M' [B, HV, K, K], S' [B, HV, K, V])`` fp32 (docstring)."""
+    ms, ss = [], []
+    for b, row in enumerate(pieces.rows):
+        s, e = row[-1]
+        m, st = state_summary(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e],
+                              g[b:b + 1, s:e], beta[b:b + 1, s:e], use_qk_l2norm=True,
+                              chunk_size=chunk_size)
+        if not (len(row) == 1 and pieces.cont_in[b]):
+            m = torch.zeros_like(m)  # the last document starts inside the shard: H_in is lost
+        ms.append(m)
+        ss.append(st)
+    return torch.cat(ms, 0), torch.cat(ss, 0)
+
+
+class PackedStateChain(torch.autograd.Function):
+    """``apply(q, k, v, g, beta, pieces, plan, scale, chunk_size) -> o [B, L, HV, V]``.
+
+    The p2p state chain of ``gdn/p2p.py`` (``GDNStateChain``) with the packed maps: post
+    ``irecv H_in``; ``(M', S')`` of the last piece; wait; ``H_out = M' H_in + S'`` sent at once;
+    the pieces' outputs. Backward: post ``irecv dH_out``; the pieces' backward (``dH_in_local``
+    from the first piece); ``dH_in = M'^T dH_out + dH_in_local`` sent at once; the last piece's
+    summary backward with ``dM' = dH_out H_in^T``, ``dS' = dH_out``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, pieces: ShardPieces, plan: GDNCPPlan, scale: float,
+                chunk_size: int) -> torch.Tensor:
+        rank, world = plan.rank, plan.cp_size
+        state_dtype = torch.promote_types(q.dtype, torch.float32)
+        shape = (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+        recv = h_in = None
+        if rank > 0:
+            h_in = torch.empty(shape, dtype=state_dtype, device=q.device)
+            recv = post_recv(h_in, rank - 1, plan, "gdn packed p2p forward H_in")
+        m = None
+        if rank < world - 1:
+            m, s = packed_tail_maps(q, k, v, g, beta, pieces, chunk_size)
+        if recv is not None:
+            recv.wait()
+        send = None
+        if rank < world - 1:
+            h_out = s if h_in is None else apply_summary(m, s, h_in)
+            send = post_send(h_out.contiguous(), rank + 1, plan, "gdn packed p2p forward H_out")
+        o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, scale, chunk_size, "eager")
+        if send is not None:
+            send.wait()
+        ctx.save_for_backward(q, k, v, g, beta, h_in, m)
+        ctx.pieces, ctx.plan, ctx.scale, ctx.chunk_size = pieces, plan, scale, chunk_size
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, g, beta, h_in, m = ctx.saved_tensors
+        plan: GDNCPPlan = ctx.plan
+        rank, world = plan.rank, plan.cp_size
+        state_dtype = torch.promote_types(q.dtype, torch.float32)
+        shape = (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+        recv = dh_out = None
+        if rank < world - 1:
+            dh_out = torch.empty(shape, dtype=state_dtype, device=q.device)
+            recv = post_recv(dh_out, rank + 1, plan, "gdn packed p2p backward dH_out")
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
+        with torch.enable_grad():
+            h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
+            o = packed_local_outputs(*leaves, h_leaf, ctx.pieces, ctx.scale, ctx.chunk_size,
+                                     "eager")
+            wanted = leaves + ([h_leaf] if h_leaf is not None else [])
+            local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
+        dh_local = local.pop() if h_leaf is not None else None
+        if dh_local is None and h_leaf is not None:  # no row continues a document
+            dh_local = torch.zeros_like(h_leaf)
+        grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(local, leaves)]
+        if recv is not None:
+            recv.wait()
+        send = None
+        if rank > 0:
+            dh_in = dh_local if dh_out is None else apply_summary_backward(m, dh_out, dh_local)
+            send = post_send(dh_in.contiguous(), rank - 1, plan, "gdn packed p2p backward dH_in")
+        if dh_out is not None:
+            with torch.enable_grad():
+                m2, s2 = packed_tail_maps(*leaves, ctx.pieces, ctx.chunk_size)
+                outs, gouts = [s2], [dh_out.to(s2.dtype)]
+                if h_in is not None and m2.requires_grad:
+                    outs.append(m2)
+                    gouts.append(dh_out.to(m2.dtype) @ h_in.to(m2.dtype).transpose(-1, -2))
+                extra = torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
+            grads = [gr if e is None else gr + e for gr, e in zip(grads, extra)]
+        if send is not None:
+            send.wait()
+        grads = [gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
+        return (*grads, None, None, None, None)
+
+
+def check_packed_call(layer: GatedDeltaNet, plan: GDNCPPlan, cu_seqlens: torch.Tensor,
+                      batch: int, local_len: int) -> None:
+    """The packed rules, on every rank alike: ranks agree on ``cu_seqlens``; it is valid over
+    ``B * P * L`` tokens; the backend is eager. Raises naming the value and the rule."""
+    from overlap_runtime.ops import comm
+
+    cu = tuple(int(c) for c in cu_seqlens.tolist()) if cu_seqlens.dim() == 1 else None
+    comm.check_ranks_agree(f"GatedDeltaNet context parallelism (mode={plan.mode!r}, packed)",
+                           [("cu_seqlens", cu)], plan.group, device=cu_seqlens.device,
+                           group_name="cp", timeout_s=plan.timeout_s)
+    segments_of(cu_seqlens, batch, local_len * plan.cp_size)
+    if plan.backend != "eager":
+        raise NotImplementedError(
+            f"GatedDeltaNet context parallelism (mode={plan.mode!r}) with cu_seqlens (packed "
+            f"documents) runs the eager backend only; got backend={plan.backend!r} (the Triton "
+            f"op has no per-document entry yet: issue #23)")

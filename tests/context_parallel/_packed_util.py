@@ -1,0 +1,127 @@
+"""Rank workers for the packed (THD) CP tests: every case against each document run alone.
+
+A case is ``(batch, local_len, lengths)``: ``lengths`` are the document lengths of the
+``batch`` rows of ``P * local_len`` tokens, in order (they fill every row exactly). The
+reference runs the single-process module (float64) on each document as its own sequence, no
+``cu_seqlens`` involved; the CP run gets this rank's shard and the global ``cu_seqlens``.
+Workers return the worst rel-L2 per tensor over all cases, so one spawn checks many mixes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from overlap_runtime.context_parallel import LinearAttentionContextParallel
+from overlap_runtime.context_parallel.packed import PackedLayout
+from overlap_runtime.context_parallel.varlen_attention import (
+    packed_ring_attention,
+    packed_ulysses_attention,
+)
+from overlap_runtime.ops.attention import attention
+from overlap_runtime.testing import rel_l2
+
+from _gdn_cp_util import HIDDEN, make_module
+
+Case = tuple[int, int, list[int]]
+
+
+def cu_of(lengths: list[int]) -> torch.Tensor:
+    """``cu_seqlens`` (int32) of consecutive documents."""
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _worst(worst: dict[str, float], name: str, err: float) -> None:
+    worst[name] = max(worst.get(name, 0.0), err)
+
+
+def _gather(x: torch.Tensor, world: int) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous())
+    return parts
+
+
+def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case]) -> dict[str, float]:
+    """Each mode x case: output, input gradient and every parameter gradient (summed over ranks)
+    against the per-document float64 reference; returns ``{"<mode>:<tensor>": worst}``."""
+    mesh = init_device_mesh("cpu", (world,))
+    ref = make_module().double()
+    worst: dict[str, float] = {}
+    for mode in modes:
+        cp = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(ref), mesh)
+        for i, (batch, local_len, lengths) in enumerate(cases):
+            seq = world * local_len
+            gen = torch.Generator().manual_seed(1000 + i)
+            x = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
+            w = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
+            # reference: every document alone
+            ref.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_(True)
+            flat, wf = xr.reshape(1, -1, HIDDEN), w.reshape(1, -1, HIDDEN)
+            ys, start = [], 0
+            for n in lengths:
+                ys.append(ref(flat[:, start:start + n]))
+                start += n
+            y_ref = torch.cat(ys, 1)
+            (y_ref * wf).sum().backward()
+            y_ref = y_ref.reshape(batch, seq, HIDDEN).detach()
+            g_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            # CP
+            cp.zero_grad(set_to_none=True)
+            sl = slice(rank * local_len, (rank + 1) * local_len)
+            xl = x[:, sl].clone().requires_grad_(True)
+            y = cp(xl, cu_seqlens=cu_of(lengths))
+            (y * w[:, sl]).sum().backward()
+            _worst(worst, f"{mode}:out", rel_l2(torch.cat(_gather(y.detach(), world), 1), y_ref))
+            _worst(worst, f"{mode}:dx",
+                   rel_l2(torch.cat(_gather(xl.grad, world), 1), xr.grad))
+            for n, p in cp.named_parameters():
+                g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(g)
+                _worst(worst, f"{mode}:param:{n}", rel_l2(g, g_ref[n]))
+    return worst
+
+
+def attention_worker(rank: int, world: int, modes: list[str], rules: list[str],
+                     cases: list[Case], heads: tuple[int, int] = (4, 2)) -> dict[str, float]:
+    """Each mode x layout rule x case: out, dq, dk, dv of the packed CP attention against
+    ``ops.attention.attention`` (causal, float64) on each document alone."""
+    hq, hkv = heads
+    fns = {"ring": packed_ring_attention, "ulysses": packed_ulysses_attention}
+    group = dist.new_group(list(range(world)))
+    worst: dict[str, float] = {}
+    for i, (batch, local_len, lengths) in enumerate(cases):
+        seq = world * local_len
+        gen = torch.Generator().manual_seed(2000 + i)
+        q, k, v = (torch.randn(batch, seq, h, 8, generator=gen, dtype=torch.float64)
+                   for h in (hq, hkv, hkv))
+        w = torch.randn(batch, seq, hq, 8, generator=gen, dtype=torch.float64)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        flat = [x.reshape(1, -1, *x.shape[2:]) for x in leaves]
+        outs, start = [], 0
+        for n in lengths:
+            outs.append(attention(*(x[:, start:start + n] for x in flat), causal=True))
+            start += n
+        o_ref = torch.cat(outs, 1).reshape(batch, seq, hq, 8)
+        (o_ref * w).sum().backward()
+        for rule in rules:
+            try:
+                layout = PackedLayout.from_cu_seqlens(cu_of(lengths), batch, seq, world, rule)
+            except ValueError:
+                continue  # e.g. document_zigzag with a length not a multiple of 2P
+            loc = [layout.shard(x, rank).requires_grad_(True) for x in (q, k, v)]
+            for mode in modes:
+                for x in loc:
+                    x.grad = None
+                o = fns[mode](*loc, layout, group)
+                (o * layout.shard(w, rank)).sum().backward()
+                key = f"{mode}:{rule}"
+                _worst(worst, f"{key}:out",
+                       rel_l2(layout.unshard(_gather(o.detach(), world)), o_ref.detach()))
+                for name, x, ref in zip("qkv", loc, leaves):
+                    _worst(worst, f"{key}:d{name}",
+                           rel_l2(layout.unshard(_gather(x.grad, world)), ref.grad))
+    return worst
