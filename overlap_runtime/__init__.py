@@ -21,7 +21,8 @@ architecture.md has the map and tests/schedules/test_import_graph.py checks it):
 - ``moe``: the MoE layer, token dispatcher, expert parallelism and its overlap
 - ``context_parallel``: sequence sharding, full-attention CP and (``context_parallel.gdn``) GDN CP
 - ``models``: the Qwen3.5-style hybrid decoder and its parallelisation
-- ``trainer``: ``ParallelDims``, the YAML config and the training loop
+- ``trainer``: ``ParallelDims``, the YAML config and the training loop; ``stepgraph`` (same
+  layer): one task graph per training step, validated before the run, checked after it
 - ``cli``, ``demo``, ``info``: the ``overlap-runtime`` command and its subcommands
 """
 

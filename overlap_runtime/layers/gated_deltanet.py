@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_runtime.layers.norm import RMSNormGated
-from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, LocalGDNMixer
+from overlap_runtime.layers.sequence_mixer import GDNProjections, GDNSequenceMixer, LocalGDNMixer
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
 __all__ = ["GatedDeltaNet", "GDNProjections"]
@@ -60,23 +60,6 @@ __all__ = ["GatedDeltaNet", "GDNProjections"]
 def _keep(mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` mask (any dtype, 0 = padding) -> ``[B, T, 1]`` bool, True at real tokens."""
     return (mask != 0).unsqueeze(-1)
-
-
-@dataclass(frozen=True)
-class GDNProjections:
-    """Per-call output of :meth:`GatedDeltaNet.project` (all in the input dtype).
-
-    Attributes:
-        mixed_qkv: ``[B, T, 2*H*K + HV*V]`` q, k, v channels before the conv.
-        z: ``[B, T, HV, V]`` output gate.
-        b: ``[B, T, HV]`` beta logits.
-        a: ``[B, T, HV]`` decay logits.
-    """
-
-    mixed_qkv: torch.Tensor
-    z: torch.Tensor
-    b: torch.Tensor
-    a: torch.Tensor
 
 
 class GatedDeltaNet(nn.Module):

@@ -47,15 +47,34 @@ travels as arguments and return values, so two microbatches may be in flight thr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
+    from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 
-__all__ = ["GDNSequenceMixer", "LocalGDNMixer", "MixerInputs", "check_layer_inputs"]
+__all__ = ["GDNProjections", "GDNSequenceMixer", "LocalGDNMixer", "MixerInputs",
+           "check_layer_inputs"]
+
+
+@dataclass(frozen=True)
+class GDNProjections:
+    """Per-call output of :meth:`GatedDeltaNet.project` (all in the input dtype).
+
+    Attributes:
+        mixed_qkv: ``[B, T, 2*H*K + HV*V]`` q, k, v channels before the conv.
+        z: ``[B, T, HV, V]`` output gate.
+        b: ``[B, T, HV]`` beta logits.
+        a: ``[B, T, HV]`` decay logits.
+    """
+
+    mixed_qkv: torch.Tensor
+    z: torch.Tensor
+    b: torch.Tensor
+    a: torch.Tensor
 
 
 class MixerInputs(NamedTuple):
@@ -119,7 +138,6 @@ class GDNSequenceMixer(nn.Module):
     def forward_packed(self, layer: "GatedDeltaNet", proj: "GDNProjections",
                        mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """``o [B, T, HV, V]`` of a packed batch: :meth:`forward` on each document alone."""
-        from overlap_runtime.layers.gated_deltanet import GDNProjections
         from overlap_runtime.layers.segments import apply_per_segment
 
         return apply_per_segment(

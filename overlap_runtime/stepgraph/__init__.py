@@ -3,7 +3,11 @@
 ``layer_program`` (what one decoder layer issues, op by op, as functions of the microbatch
 shape), ``compose`` (``compile_step(config) -> StepGraph``: the pipeline schedule expanded on
 every rank of the layout, validated deadlock-free), ``record`` / ``conformance`` (what really
-ran, per rank, checked against the graph).
+ran, per rank, checked against the graph; the recorder itself is ``ops.step_record``).
+
+May import: ``graph``, ``models`` (lazily, the layer split), the trainer's configuration
+(``trainer.config``; the same layer as ``trainer``, which validates and checks through this
+package), the standard library. No torch.distributed: it runs at any scale without ranks.
 """
 
 from .layer_program import (Direction, LayerOp, MicrobatchShape, layer_program,

@@ -165,7 +165,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("overlap_runtime.moe",),
     ("overlap_runtime.context_parallel",),
     ("overlap_runtime.models",),
-    ("overlap_runtime.trainer",),
+    ("overlap_runtime.trainer", "overlap_runtime.stepgraph"),
     ("overlap_runtime.cli", "overlap_runtime.demo", "overlap_runtime.info"),
 ]
 
