@@ -168,6 +168,30 @@ def _overlap_order(sides: dict[str, list[int]], ops: dict[str, list[LayerOp]]
     return order
 
 
+def estimate_tasks(config: "TrainConfig") -> int:
+    """About how many tasks :func:`compile_step` builds for ``config``: each pipeline rank's
+    actions expanded into their ops (as on CP rank 0), times the ranks per pipeline rank. Cheap
+    (no graph is built), so the trainer checks it before compiling."""
+    dims = config.train.accelerator.parallel_dims()
+    shape = microbatch_shape(config)
+    pipe = _pipeline(config)
+    num_stages = max((t.meta.get("stage", 0) for t in pipe.tasks() if t.meta), default=0) + 1
+    stage_layers = _stage_layers(config, num_stages)
+    per_kind: dict[tuple[int, str], int] = {}
+    total = 0
+    for t in pipe.tasks():
+        if t.kind not in _COMPUTE_KINDS:
+            total += 1
+            continue
+        s = t.meta["stage"]
+        key = (s, t.kind)
+        if key not in per_kind:
+            per_kind[key] = len(stage_program(config, stage_layers[s], t.kind, shape,  # type: ignore[arg-type]
+                                              stage=s, first=s == 0, last=s == num_stages - 1))
+        total += per_kind[key]
+    return total * (dims.world_size // dims.pp)
+
+
 def compile_step(config: "TrainConfig", *, validate: bool = True,
                  dims: "ParallelDims | None" = None) -> StepGraph:
     """The task graph of one training step of ``config`` on every rank (module doc).

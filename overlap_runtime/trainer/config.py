@@ -25,6 +25,7 @@
       metrics: null               # path of the metrics JSON (or --metrics)
       validate_step_graph: true   # stepgraph.compile_step proven deadlock-free before step 1
       check_conformance: false    # record step 1 and check it against the step graph
+      step_graph_max_tasks: 500000 # a larger step graph is an error while validating (below)
       accelerator:                # seed 000, 5.1
         device: cpu
         world_size: 4             # ranks `overlap-runtime train` spawns (torchrun: WORLD_SIZE)
@@ -280,6 +281,7 @@ class TrainSection(_Strict):
     log_every: int = Field(1, ge=1)
     validate_step_graph: bool = True  # prove the step's task graph deadlock-free first
     check_conformance: bool = False  # record step 1, check it against the graph (tests)
+    step_graph_max_tasks: int = Field(500_000, ge=1)  # larger graphs: validate offline
     metrics: str | None = None
     accelerator: AcceleratorConfig = AcceleratorConfig()
     pipeline: PipelineConfig = PipelineConfig()

@@ -2,7 +2,9 @@
 
 ``train.validate_step_graph`` (default true): every rank compiles the step graph of its
 configuration (``stepgraph.compile_step``: pure Python, the same on every rank) and proves it
-deadlock-free before the first step; rank 0 logs the task count. ``train.check_conformance``
+deadlock-free before the first step; rank 0 logs the task count. A layout whose graph would hold
+more than ``train.step_graph_max_tasks`` tasks (``stepgraph.compose.estimate_tasks``; 500K
+take about 12 s to build on one CPU core) is an error naming both fields, not a silent skip. ``train.check_conformance``
 (default false; the multi-rank trainer tests turn it on): the first step runs with a
 ``StepRecorder`` active, then the ranks all-gather their records (bounded, JSON bytes) and every
 rank checks them against the graph (``stepgraph.conformance``), raising the same
@@ -36,8 +38,18 @@ class StepCheck:
         self.graph = None
         t = config.train
         if t.validate_step_graph or t.check_conformance:
-            from overlap_runtime.stepgraph.compose import compile_step
+            from overlap_runtime.stepgraph.compose import compile_step, estimate_tasks
+            from overlap_runtime.trainer.config import ConfigError
 
+            n = estimate_tasks(config)
+            if n > t.step_graph_max_tasks:
+                raise ConfigError(
+                    f"train.validate_step_graph: the step graph of this layout has about {n:,} "
+                    f"tasks, more than train.step_graph_max_tasks={t.step_graph_max_tasks:,} "
+                    f"(every rank would build it before step 1). Set "
+                    f"train.validate_step_graph: false (and check_conformance: false) and "
+                    f"validate the layout offline with `overlap-runtime simulate`, or raise "
+                    f"train.step_graph_max_tasks")
             self.graph = compile_step(config, validate=True, dims=dims)
             if log is not None:
                 log(self.graph.summary())

@@ -163,3 +163,19 @@ def test_checker_catches_a_missing_rank_a_launch_outside_any_task_and_a_task_nev
     never[3] = [e for e in never[3] if e.get("task") != "1B0"]
     with pytest.raises(ConformanceError, match=r"rank 3: task 1B0 never ran"):
         check_conformance(sg, never)
+
+
+def test_the_task_estimate_matches_the_graph_and_bounds_the_trainer() -> None:
+    from overlap_runtime.stepgraph.compose import estimate_tasks
+    from overlap_runtime.trainer.config import ConfigError
+    from overlap_runtime.trainer.step_check import StepCheck
+
+    for name in ("pp2_ep2_overlap_b_f", "pp2_cp2", "pp2_ep2_cp2"):
+        config = config_from_dict(LAYOUTS[name])
+        n, built = estimate_tasks(config), len(_graph(name).graph)
+        assert abs(n - built) <= 0.1 * built, (name, n, built)
+    small = copy.deepcopy(LAYOUTS["pp2_cp2"])
+    small["train"]["step_graph_max_tasks"] = 10
+    with pytest.raises(ConfigError, match=r"about [\d,]+ tasks, more than "
+                                          r"train.step_graph_max_tasks=10"):
+        StepCheck(config_from_dict(small), None, None)
