@@ -101,7 +101,7 @@ class TensorMeta:
         return s + " (no grad)" if not self.requires_grad and _differentiable(self.dtype) else s
 
 
-BoundaryMeta = Union[TensorMeta, "tuple[TensorMeta, ...]"]
+BoundaryMeta = Union[TensorMeta, tuple[TensorMeta, ...]]
 """What one stage boundary carries per microbatch: a bare tensor (``TensorMeta``), or a tuple
 (``tuple[TensorMeta, ...]``, one or more) that the next stage receives as positional inputs."""
 
