@@ -1,7 +1,8 @@
 """Tuples of tensors across stage boundaries (issue #27 item 4): a model passes
 ``(hidden, aux, ids)`` between stages - ``hidden`` needs grad, ``aux`` is a float computed without
-grad, ``ids`` is int64 - under 1F1B and interleaved 1F1B with OVERLAP_B_F on 2 gloo ranks, the
-losses and every gradient equal to one process; plus in-process checks of the stage's rules.
+grad, ``ids`` is int64 - under 1F1B and interleaved 1F1B with OVERLAP_B_F (plus zero bubble's
+split I/W and dualpipev's same-rank hand-off) on 2 gloo ranks, the losses and every gradient
+equal to one process; plus in-process checks of the stage's rules.
 """
 
 from __future__ import annotations
@@ -12,13 +13,23 @@ import pytest
 import torch
 from torch import nn
 
-from overlap_runtime.pipeline import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
-                                      TensorMeta)
-from overlap_runtime.schedules import ActionKind
+from overlap_runtime.pipeline import (PipelineSchedule, PipelineStage, Schedule1F1B,
+                                      ScheduleInterleaved1F1B, TensorMeta)
+from overlap_runtime.schedules import ActionKind, ScheduleSpec
 from overlap_runtime.testing import rel_l2, run_ranks
 
 TOL = 1e-6
 HIDDEN, BATCH, M, VOCAB = 8, 8, 4, 5
+# name -> virtual stages: the two the issue asks for, plus split backward (I/W through
+# autograd.grad) and the V placement (a tuple handed from stage 1 to stage 2 on one rank)
+SCHEDULES = {"1f1b": 1, "interleaved_overlap_b_f": 2, "zero_bubble": 1, "dualpipev": 2}
+
+
+def _spec(name: str, world: int) -> ScheduleSpec:
+    kind = "interleaved_1f1b" if name.startswith("interleaved") else name
+    return ScheduleSpec(kind=kind, pp_size=world, num_microbatches=M,
+                        virtual_stages=SCHEDULES[name], overlap_b_f=name.endswith("overlap_b_f"),
+                        placement="v" if name == "dualpipev" else "loop")
 
 
 class TupleChunk(nn.Module):
@@ -84,16 +95,20 @@ def _run(rank: int, world: int) -> dict[str, Any]:
 
     comm.isend = counting_isend  # type: ignore[assignment]
     results: dict[str, Any] = {}
-    for name, virtual in (("1f1b", 1), ("interleaved_overlap_b_f", 2)):
-        n = world * virtual
-        mine = [s for s in range(n) if s % world == rank]
+    for name, virtual in SCHEDULES.items():
+        spec = _spec(name, world)
+        n = spec.num_stages
+        mine = [s for s in range(n) if spec.stage_to_rank(s) == rank]
         chunks = {s: TupleChunk(s, n) for s in mine}
         stages = [PipelineStage(chunks[s], s, n) for s in mine]
-        if virtual == 1:
-            sched: Any = Schedule1F1B(stages, M, loss_fn=_loss, timeout_s=30)
-        else:
+        sched: Any
+        if name == "1f1b":  # torch-style constructors for the two the issue names
+            sched = Schedule1F1B(stages, M, loss_fn=_loss, timeout_s=30)
+        elif name == "interleaved_overlap_b_f":
             sched = ScheduleInterleaved1F1B(stages, M, loss_fn=_loss, overlap_b_f=True,
                                             timeout_s=30)
+        else:
+            sched = PipelineSchedule(spec, stages, _loss, timeout_s=30)
         x, y = _data()
         losses: list[torch.Tensor] = []
         sent_b.clear()
@@ -106,20 +121,22 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             "input_meta": {s: sched.stages[s].input_meta for s in mine if s > 0},
             "sent_b": list(sent_b),
             "overlapped": sum(a.kind is ActionKind.OVERLAP_B_F for a in sched.program),
+            "split": sum(a.kind is ActionKind.I for a in sched.program),
         }
     return results
 
 
-def test_tuple_boundary_matches_one_process_under_1f1b_and_interleaved_overlap_b_f() -> None:
+def test_tuple_boundary_matches_one_process_under_four_schedules() -> None:
     out = run_ranks(_run, 2, timeout_s=90)
-    for name, virtual in (("1f1b", 1), ("interleaved_overlap_b_f", 2)):
-        n = 2 * virtual
+    for name in SCHEDULES:
+        spec = _spec(name, 2)
+        n = spec.num_stages
         ref_losses, ref_grads = _reference(n)
         got = {k: v for r in out for k, v in r[name]["grads"].items()}
         assert sorted(got) == sorted(ref_grads)
         for k, g in got.items():
             assert rel_l2(g, ref_grads[k]) <= TOL, (name, k, rel_l2(g, ref_grads[k]))
-        last = out[(n - 1) % 2][name]["losses"]
+        last = out[spec.stage_to_rank(n - 1)][name]["losses"]
         assert rel_l2(torch.tensor(last), torch.tensor(ref_losses)) <= TOL, name
         # the metadata exchange learnt which tensors carry a gradient (torch 2.13's rule)
         for rank, r in enumerate(out):
@@ -128,10 +145,12 @@ def test_tuple_boundary_matches_one_process_under_1f1b_and_interleaved_overlap_b
                                 TensorMeta((BATCH // M, HIDDEN), torch.float32, False),
                                 TensorMeta((BATCH // M, HIDDEN), torch.int64)), (name, s)
             # one gradient message per microbatch and boundary: hidden's, none for aux or ids
-            n_boundaries_sending_b = sum(1 for s in range(1, n) if s % 2 == rank)
+            n_boundaries_sending_b = sum(1 for s in range(1, n) if spec.stage_to_rank(s) == rank
+                                         and spec.stage_to_rank(s - 1) != rank)
             assert len(r[name]["sent_b"]) == M * n_boundaries_sending_b, r[name]["sent_b"]
             assert all(e.endswith("torch.float32") for e in r[name]["sent_b"])
     assert out[0]["interleaved_overlap_b_f"]["overlapped"] > 0
+    assert out[0]["zero_bubble"]["split"] > 0
 
 
 # ---------------------------------------------------------------------- in-process rules
