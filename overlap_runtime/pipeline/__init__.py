@@ -22,6 +22,7 @@ from .._lazy import lazy_exports
 
 _EXPORTS = {
     "PipelineStage": "stage",
+    "BoundaryMeta": "tensor_meta",
     "TensorMeta": "tensor_meta",
     "PipelineSchedule": "schedule",
     "ScheduleGPipe": "schedule",
@@ -63,5 +64,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from .schedule import (PipelineSchedule, Schedule1F1B, ScheduleGPipe,
                            ScheduleInterleaved1F1B)
     from .stage import PipelineStage
-    from .tensor_meta import TensorMeta
+    from .tensor_meta import BoundaryMeta, TensorMeta
     from .torch_interop import TorchInteropError, make_torch_overlap_f_b_callback

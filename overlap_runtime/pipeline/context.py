@@ -18,7 +18,7 @@ point-to-point (bounded by the schedule's timeout; a stall raises :class:`Pipeli
     ``ctx.wait_recv(kind, stage, mb)``  its buffer, waited
     ``ctx.recv_completed(kind, stage, mb)``  poll: True / False (in flight) / None (not posted)
     ``ctx.input_recv(action)``   the receive a compute action consumes, or None
-    ``ctx.send(action, wait=False)``  send SEND_F/SEND_B's tensor; ``wait_sends()`` waits all
+    ``ctx.send(action, wait=False)``  send SEND_F/SEND_B's tensor(s); ``wait_sends()`` waits all
 tracing, position and failures
     ``ctx.span(name, cat)``, ``ctx.step_index``, ``ctx.current_action``
     ``ctx.site(action=None)``     where this thread is (:class:`~.errors.ActionSite`)
@@ -28,6 +28,17 @@ tracing, position and failures
 Data: ``ctx.stages`` (this rank's stages by index), ``ctx.inputs[m]`` / ``ctx.kwinputs[m]`` /
 ``ctx.targets[m]`` (microbatch inputs, keyword inputs of the first stage, targets),
 ``ctx.loss_kwargs``, ``ctx.losses`` / ``ctx.outputs`` (last stage, by microbatch).
+
+Tuples across a boundary: a stage output that is a tuple travels as **one message per tensor**
+(the tensor's index ``i`` offsets the message tag, :func:`message_tag`), and its backward as one
+message per tensor that carries a gradient (:mod:`.tensor_meta`'s rule; none for an integer
+tensor or a detached float). Chosen over one flat buffer with a header because it keeps the
+bare-tensor boundary byte-for-byte what it was (one message, the same tag, no copy), needs no
+pack/unpack copy of each activation and gradient, and mixes dtypes (a float activation beside
+int64 positions) without reinterpreting bytes; the cost is a few extra small messages for a
+tuple, posted together and waited as one group with one deadline (:class:`_HandleGroup`). A
+tuple's receive buffer and ``wait_recv`` value is a tuple (None in the slots of a backward that
+carry no gradient), and so is what ``send`` takes from the stage.
 
 Per-step state (received buffers, pending sends, local hand-offs) lives here, created fresh for
 every step; nothing per call is kept on the schedule or the stages beyond each stage's
@@ -62,7 +73,7 @@ from .errors import (ActionSite, PipelineActionError, PipelineError, PipelinePee
                      PipelineTimeout, side_of)
 from .exec_trace import ExecutionTrace
 from .stage import PipelineStage
-from .tensor_meta import TensorMeta
+from .tensor_meta import BoundaryMeta, TensorMeta, boundary_metas, describe_boundary
 
 if TYPE_CHECKING:
     from .schedule import PipelineSchedule
@@ -86,18 +97,50 @@ def range_name(action: Action, prefix: str = "pp.") -> str:
 
 
 def message_tag(kind: ActionKind, stage: int, microbatch: int, num_stages: int,
-                num_microbatches: int) -> int:
+                num_microbatches: int, index: int = 0) -> int:
     """A tag unique per message of a step, the same on both ends: keyed by the direction and
-    the *sending* stage (RECV_F at stage s receives from s-1, RECV_B from s+1)."""
+    the *sending* stage (RECV_F at stage s receives from s-1, RECV_B from s+1), and by the
+    tensor's ``index`` in a tuple boundary (0: a bare tensor or a tuple's first, the same tag
+    a bare tensor always had). Raises ``ValueError`` when the tag would reach :data:`META_TAG`."""
     direction = 0 if kind in (ActionKind.SEND_F, ActionKind.RECV_F) else 1
     sender = stage - 1 if kind is ActionKind.RECV_F else stage + 1 if kind is ActionKind.RECV_B else stage
-    return 1 + (direction * num_stages + sender) * num_microbatches + microbatch
+    tag = 1 + (direction * num_stages + sender) * num_microbatches + microbatch
+    if index:
+        tag += index * 2 * num_stages * num_microbatches
+        if tag >= META_TAG - 1:
+            raise ValueError(f"message tag {tag} of tensor {index} of {stage}{kind.value}"
+                             f"{microbatch} reaches the metadata tags ({META_TAG - 1}); too many "
+                             f"tensors in a tuple boundary for {num_stages} stages x "
+                             f"{num_microbatches} microbatches")
+    return tag
+
+
+class _HandleGroup:
+    """The handles of one tuple message (one per tensor), waited as one: one deadline of
+    ``timeout_s`` for all of them (each wait gets what is left), so the bound is the one
+    timeout, not one per tensor. Empty for a backward that carries no gradient."""
+
+    def __init__(self, handles: list[AsyncHandle], timeout_s: float) -> None:
+        self.handles = handles
+        self.timeout_s = timeout_s
+
+    @property
+    def completed(self) -> bool:
+        return all(h.completed for h in self.handles)
+
+    def is_completed(self) -> bool:
+        return all(h.is_completed() for h in self.handles)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for h in self.handles:
+            h.wait(max(deadline - time.monotonic(), 1e-3))
 
 
 @dataclass
 class _Slot:
-    buffer: torch.Tensor
-    handle: AsyncHandle
+    buffer: "torch.Tensor | tuple[torch.Tensor | None, ...] | None"  # a tuple for a tuple boundary
+    handle: "AsyncHandle | _HandleGroup"
     peer: int
     action: Action
 
@@ -116,15 +159,16 @@ class ActionContext:
     targets: list[Any]
     losses: dict[int, torch.Tensor]
     trace: ExecutionTrace | None
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # last-stage outputs by mb
+    outputs: dict[int, Any] = field(default_factory=dict)  # last-stage outputs (tensor or tuple) by mb
     kwinputs: list[dict[str, Any]] = field(default_factory=list)  # first stage's kwargs by mb
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # extra loss_fn keywords
     step_index: int = -1
     current_action: Action | None = None
-    _acts: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
-    _grads: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict, repr=False)
+    # outputs and input gradients by (stage, mb): a tensor, or a tuple for a tuple boundary
+    _acts: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)
+    _grads: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)
     _slots: dict[tuple[ActionKind, int, int], _Slot] = field(default_factory=dict, repr=False)
-    _sends: list[tuple[AsyncHandle, Action, int]] = field(default_factory=list, repr=False)
+    _sends: list[tuple["AsyncHandle | _HandleGroup", Action, int]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # the action ``run`` is executing in each thread (for the site of an error)
     _running: threading.local = field(default_factory=threading.local, repr=False)
@@ -196,10 +240,12 @@ class ActionContext:
         stage = self.stages[s]
         if stage.is_first:
             ins: tuple[torch.Tensor, ...] = self.inputs[m]
-        elif (s - 1) in self.stages:  # local hand-off
-            ins = (self._take(self._acts, (s - 1, m), action, "the previous stage's output"),)
         else:
-            ins = (self.wait_recv(ActionKind.RECV_F, s, m),)
+            if (s - 1) in self.stages:  # local hand-off
+                x = self._take(self._acts, (s - 1, m), action, "the previous stage's output")
+            else:
+                x = self.wait_recv(ActionKind.RECV_F, s, m)
+            ins = x if isinstance(x, tuple) else (x,)
         out = stage.forward(m, ins, self.schedule.loss_fn,
                             self.targets[m] if self.targets else None, self.schedule.loss_scale,
                             kwargs=self.kwinputs[m] if stage.is_first and self.kwinputs else None,
@@ -278,8 +324,9 @@ class ActionContext:
         return None
 
     def post_recv(self, action: Action) -> None:
-        """Allocate the buffer of a RECV_F/RECV_B (shape from the stage's metadata) and post
-        the receive, not waited. Posting one twice raises."""
+        """Allocate the buffer(s) of a RECV_F/RECV_B (shapes from the stage's metadata) and post
+        the receive(s), not waited: one per tensor of a tuple boundary, and for RECV_B one per
+        tensor that carries a gradient. Posting one twice raises."""
         if action.kind not in _RECV:
             raise ValueError(f"rank {self.rank}: post_recv({action}): not a RECV_F/RECV_B")
         s, m = action.stage, action.microbatch
@@ -289,19 +336,34 @@ class ActionContext:
         if meta is None:
             raise RuntimeError(f"rank {self.rank}: no shape known for {action} "
                                f"(metadata exchange did not run)")
-        buf = torch.empty(meta.shape, dtype=meta.dtype, device=stage.device)
         peer = self.peer(action)
         with self._lock:
             if key in self._slots:
                 raise RuntimeError(f"rank {self.rank}: {action} was posted twice in one step")
+        grads = action.kind is ActionKind.RECV_B
+        bufs: list[torch.Tensor | None] = []
+        handles: list[AsyncHandle] = []
         try:
             with profile_range(lambda: range_name(action)):
-                handle = comm.irecv(buf, peer, self.schedule.group, tag=self._tag(action),
-                                    timeout_s=self.schedule.timeout_s, what=str(action))
+                for i, tm in enumerate(boundary_metas(meta)):
+                    if grads and not tm.requires_grad:
+                        bufs.append(None)  # no gradient crosses for this tensor
+                        continue
+                    buf = torch.empty(tm.shape, dtype=tm.dtype, device=stage.device)
+                    bufs.append(buf)
+                    handles.append(comm.irecv(buf, peer, self.schedule.group,
+                                              tag=self._tag(action, i),
+                                              timeout_s=self.schedule.timeout_s,
+                                              what=str(action) if not i else f"{action}[{i}]"))
         except RuntimeError as exc:  # gloo refuses to post on a pair a dead peer closed
             raise self.comm_error(exc, action, peer) from exc
+        if isinstance(meta, tuple):
+            slot = _Slot(tuple(bufs), _HandleGroup(handles, self.schedule.timeout_s), peer, action)
+        else:  # a bare tensor: its one receive, as always
+            slot = _Slot(bufs[0], handles[0] if handles else
+                         _HandleGroup(handles, self.schedule.timeout_s), peer, action)
         with self._lock:
-            self._slots[key] = _Slot(buf, handle, peer, action)
+            self._slots[key] = slot
 
     def recv_completed(self, kind: ActionKind, stage: int, microbatch: int) -> bool | None:
         """Poll the receive ``{stage}{kind}{microbatch}`` without waiting: True when its data
@@ -313,9 +375,10 @@ class ActionContext:
             return None
         return slot.handle.is_completed()
 
-    def wait_recv(self, kind: ActionKind, stage: int, microbatch: int) -> torch.Tensor:
+    def wait_recv(self, kind: ActionKind, stage: int, microbatch: int) -> Any:
         """The buffer of the posted receive ``{stage}{kind}{microbatch}``, waited (bounded by
-        the schedule's timeout; the wait is recorded in the trace)."""
+        the schedule's timeout; the wait is recorded in the trace): a tensor, or for a tuple
+        boundary a tuple of tensors (None where a backward carries no gradient)."""
         key = (ActionKind(kind), stage, microbatch)
         with self._lock:
             slot = self._slots.get(key)
@@ -328,25 +391,33 @@ class ActionContext:
             self.trace.record(f"wait {slot.action}", "comm", t0, time.time_ns())
         return slot.buffer
 
-    def send(self, action: Action, *, wait: bool = False) -> AsyncHandle:
+    def send(self, action: Action, *, wait: bool = False) -> "AsyncHandle | _HandleGroup":
         """Send the activation (SEND_F) or input gradient (SEND_B) named by ``action`` to its
-        peer. ``wait=False``: the send stays pending until :meth:`wait_sends` (its buffer is
-        kept alive); ``wait=True``: waited here (bounded). Returns the handle."""
+        peer: one message, or one per tensor of a tuple boundary (per tensor that carries a
+        gradient for SEND_B). ``wait=False``: the send stays pending until :meth:`wait_sends`
+        (its buffer is kept alive); ``wait=True``: waited here (bounded). Returns the handle
+        (a group of handles, waited as one, for a tuple)."""
         if action.kind not in _SEND:
             raise ValueError(f"rank {self.rank}: send({action}): not a SEND_F/SEND_B")
         s, m = action.stage, action.microbatch
+        expect: BoundaryMeta | None
         if action.kind is ActionKind.SEND_F:
-            tensor = self._take(self._acts, (s, m), action, f"the output of {s}F{m}")
+            value = self._take(self._acts, (s, m), action, f"the output of {s}F{m}")
             expect = self.stages[s].output_meta
         else:
-            tensor = self._take(self._grads, (s, m), action, f"the input gradient of stage {s}")
+            value = self._take(self._grads, (s, m), action, f"the input gradient of stage {s}")
             expect = self.stages[s].input_meta
-            if tensor is None:
-                raise RuntimeError(f"rank {self.rank}: {action}: stage {s} produced no input gradient")
-        if expect is not None and TensorMeta.of(tensor) != expect:
+        peer = self.peer(action)
+        if isinstance(value, tuple) or isinstance(expect, tuple):
+            return self._send_tuple(action, value, expect, peer, wait)
+        if value is None and action.kind is ActionKind.SEND_B:
+            if isinstance(expect, TensorMeta) and not expect.requires_grad:
+                return _HandleGroup([], self.schedule.timeout_s)  # no gradient crosses
+            raise RuntimeError(f"rank {self.rank}: {action}: stage {s} produced no input gradient")
+        tensor = value
+        if expect is not None and not expect.matches(tensor):
             raise ValueError(f"rank {self.rank}: {action} would send {TensorMeta.of(tensor)} but "
                              f"the receiver expects {expect}")
-        peer = self.peer(action)
         # The handle keeps the sent payload alive until waited (``AsyncHandle.keep_alive``).
         try:
             with profile_range(lambda: range_name(action)):
@@ -360,6 +431,49 @@ class ActionContext:
             with self._lock:
                 self._sends.append((handle, action, peer))
         return handle
+
+    def _send_tuple(self, action: Action, value: Any, expect: BoundaryMeta | None, peer: int,
+                    wait: bool) -> _HandleGroup:
+        """:meth:`send` of a tuple boundary: one isend per tensor (per gradient for SEND_B)."""
+        grads = action.kind is ActionKind.SEND_B
+        what = "input gradient" if grads else "output"
+        if not isinstance(value, tuple) or not isinstance(expect, tuple) \
+                or len(value) != len(expect):
+            got = f"{len(value)} tensors" if isinstance(value, tuple) else type(value).__name__
+            want = describe_boundary(expect) if expect is not None else "(metadata unknown)"
+            raise ValueError(f"rank {self.rank}: {action}: the {what} is {got} but the boundary "
+                             f"carries {want}")
+        sends: list[tuple[int, torch.Tensor]] = []
+        for i, (t, tm) in enumerate(zip(value, expect)):
+            if grads and not tm.requires_grad:
+                if t is not None:
+                    raise ValueError(f"rank {self.rank}: {action}: input {i} ({tm}) carries no "
+                                     "gradient but the stage produced one")
+                continue
+            if t is None:
+                raise RuntimeError(f"rank {self.rank}: {action}: stage {action.stage} produced "
+                                   f"no {what} for tensor {i} ({tm})")
+            if not tm.matches(t):
+                raise ValueError(f"rank {self.rank}: {action} would send {TensorMeta.of(t)} as "
+                                 f"tensor {i} but the receiver expects {tm}")
+            sends.append((i, t))
+        handles: list[AsyncHandle] = []
+        try:
+            with profile_range(lambda: range_name(action)):
+                for i, t in sends:
+                    handles.append(comm.isend(t, peer, self.schedule.group,
+                                              tag=self._tag(action, i),
+                                              timeout_s=self.schedule.timeout_s,
+                                              what=f"{action}[{i}]" if i else str(action)))
+        except RuntimeError as exc:  # gloo refuses to post on a pair a dead peer closed
+            raise self.comm_error(exc, action, peer) from exc
+        group = _HandleGroup(handles, self.schedule.timeout_s)
+        if wait:
+            self._wait(group, action, peer)
+        else:
+            with self._lock:
+                self._sends.append((group, action, peer))
+        return group
 
     def wait_sends(self) -> None:
         """Wait every pending send of the step (bounded; each wait is traced)."""
@@ -445,12 +559,12 @@ class ActionContext:
                                    "(its producer has not run on this rank, or it was taken)")
             return store.pop(key)
 
-    def _tag(self, action: Action) -> int:
+    def _tag(self, action: Action, index: int = 0) -> int:
         spec = self.schedule.spec
         return message_tag(action.kind, action.stage, action.microbatch,  # type: ignore[arg-type]
-                           spec.num_stages, spec.num_microbatches)
+                           spec.num_stages, spec.num_microbatches, index)
 
-    def _wait(self, handle: AsyncHandle, action: Action, peer: int) -> None:
+    def _wait(self, handle: "AsyncHandle | _HandleGroup", action: Action, peer: int) -> None:
         try:
             with profile_range(lambda: range_name(action, "pp.wait ")):
                 handle.wait()

@@ -46,7 +46,9 @@ from .context import META_TAG, ActionContext, ActionFn
 from .errors import ActionSite, PipelineError, PipelinePeerFailed, PipelineTimeout
 from .exec_trace import ExecutionTrace
 from .stage import PipelineStage
-from .tensor_meta import HEADER_LEN, TensorMeta, decode_meta, encode_meta
+from .tensor_meta import (HEADER_LEN, BoundaryMeta, as_boundary_value, boundary_length,
+                          boundary_meta_of, boundary_metas, decode_boundary, describe_boundary,
+                          encode_boundary)
 
 __all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "CUSTOM_FUNCTION_KINDS"]
@@ -155,7 +157,8 @@ class PipelineSchedule:
                 ``args``, anything else is passed unchanged to every microbatch.
 
         Returns:
-            The outputs of the last stage concatenated over microbatches on its rank, else None.
+            The outputs of the last stage concatenated over microbatches on its rank (a tuple
+            of them, element by element, when the last stage returns a tuple), else None.
         """
         inputs = args
         m = self.spec.num_microbatches
@@ -204,7 +207,10 @@ class PipelineSchedule:
         if losses is not None and has_last:
             losses.extend(ctx.losses[i] for i in sorted(ctx.losses))
         if has_last and return_outputs:
-            return torch.cat([ctx.outputs[i] for i in range(m)], dim=0)
+            outs = [ctx.outputs[i] for i in range(m)]
+            if isinstance(outs[0], tuple):  # a tuple output: each element concatenated
+                return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))  # type: ignore[return-value]
+            return torch.cat(outs, dim=0)
         return None
 
     # ------------------------------------------------------------------ execution
@@ -254,47 +260,76 @@ class PipelineSchedule:
 
     def _exchange_metadata(self, first_inputs: tuple[torch.Tensor, ...],
                            first_kwargs: dict[str, Any]) -> None:
-        """Learn every boundary's shape and dtype once: stage by stage, a no-grad forward of
-        microbatch 0 and a small header sent to the next rank (bounded waits)."""
+        """Learn every boundary's tensors (shapes, dtypes, which carry a gradient) once: stage
+        by stage, a forward of microbatch 0 with grad enabled (as torch 2.13 does, so each
+        output's ``requires_grad`` is known; the graph is dropped at once) and the boundary's
+        headers sent to the next rank (bounded waits): the first header, whose tuple length
+        says how many follow, then the others in one message."""
         spec = self.spec
         device = next(iter(self.stages.values())).device  # headers travel on the stages' device
-        example: torch.Tensor | None = None
+        example: tuple[torch.Tensor, ...] | None = None
         for s in range(spec.num_stages):
             here = spec.stage_to_rank(s)
             if s > 0 and spec.stage_to_rank(s - 1) != here and here == self.rank:
-                header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
-                self._p2p("recv", header, spec.stage_to_rank(s - 1), f"metadata for stage {s}")
-                meta = decode_meta(header.cpu())
+                meta = self._recv_boundary(spec.stage_to_rank(s - 1), s, device)
                 st = self.stages[s]
                 if st.input_meta is not None and st.input_meta != meta:
-                    raise ValueError(f"stage {s} was given input_meta {st.input_meta} but stage "
-                                     f"{s - 1} produces {meta}")
+                    raise ValueError(f"stage {s} was given input_meta "
+                                     f"{describe_boundary(st.input_meta)} but stage {s - 1} "
+                                     f"produces {describe_boundary(meta)}")
                 st.input_meta = meta
-                example = torch.zeros(meta.shape, dtype=meta.dtype, device=st.device)
+                example = _examples(meta, st.device)
             if here != self.rank:
                 example = None
                 continue
             st = self.stages[s]
-            if s > 0 and st.input_meta is None and example is not None:
-                st.input_meta = TensorMeta.of(example)
             if st.is_last:
                 continue
-            ins = first_inputs if s == 0 else (example,)
-            with torch.no_grad():
-                out = st.module(*ins, **(first_kwargs if s == 0 else {}))
-            st.output_meta = TensorMeta.of(out)
-            example = out
+            ins = first_inputs if s == 0 else example
+            assert ins is not None
+            with torch.enable_grad():
+                out = as_boundary_value(st.module(*ins, **(first_kwargs if s == 0 else {})),
+                                        f"stage {s} (metadata forward)")
+            st.output_meta = boundary_meta_of(out)
+            # the next stage here runs on the real values (detached leaves, as in a step)
+            example = tuple(t.detach().requires_grad_(bool(m.requires_grad)) for t, m in
+                            zip(out if isinstance(out, tuple) else (out,),
+                                boundary_metas(st.output_meta)))
+            del out
             nxt = spec.stage_to_rank(s + 1)
             if nxt != self.rank:
-                self._p2p("send", encode_meta(st.output_meta).to(device), nxt, f"metadata of stage {s}")
+                headers = encode_boundary(st.output_meta).to(device)
+                self._p2p("send", headers[0], nxt, f"metadata of stage {s}")
+                if headers.shape[0] > 1:
+                    self._p2p("send", headers[1:].reshape(-1), nxt,
+                              f"metadata of stage {s} (tensors 1..{headers.shape[0] - 1})",
+                              tag=META_TAG - 1)
             else:
-                self.stages[s + 1].input_meta = st.output_meta
+                nst = self.stages[s + 1]
+                if nst.input_meta is not None and nst.input_meta != st.output_meta:
+                    raise ValueError(f"stage {s + 1} was given input_meta "
+                                     f"{describe_boundary(nst.input_meta)} but stage {s} "
+                                     f"produces {describe_boundary(st.output_meta)}")
+                nst.input_meta = st.output_meta
 
-    def _p2p(self, op: str, t: torch.Tensor, peer: int, what: str) -> None:
+    def _recv_boundary(self, src: int, s: int, device: torch.device) -> BoundaryMeta:
+        first = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+        self._p2p("recv", first, src, f"metadata for stage {s}")
+        first = first.cpu()
+        n = boundary_length(first)
+        rows = [first.unsqueeze(0)]
+        if n > 1:
+            rest = torch.zeros((n - 1) * HEADER_LEN, dtype=torch.int64, device=device)
+            self._p2p("recv", rest, src, f"metadata for stage {s} (tensors 1..{n - 1})",
+                      tag=META_TAG - 1)
+            rows.append(rest.cpu().reshape(n - 1, HEADER_LEN))
+        return decode_boundary(torch.cat(rows))
+
+    def _p2p(self, op: str, t: torch.Tensor, peer: int, what: str, tag: int = META_TAG) -> None:
         post = comm.isend if op == "send" else comm.irecv
         try:
             # On cuda/npu the wait is device-side; ``header.cpu()`` in the caller then synchronises.
-            post(t, peer, self.group, tag=META_TAG, timeout_s=self.timeout_s, what=what).wait()
+            post(t, peer, self.group, tag=tag, timeout_s=self.timeout_s, what=what).wait()
         except (CommTimeoutError, CommFailedError) as exc:
             site = ActionSite(self.global_rank, self.rank, -1, len(self.program), what, what,
                               None, None, None, threading.current_thread().name)
@@ -303,6 +338,14 @@ class PipelineSchedule:
             kind = "pipeline timeout" if cls is PipelineTimeout else "pipeline peer failed"
             raise cls(f"{kind} on {site.who()}: {what} ({op} with rank {gpeer}): {exc}", site,
                       gpeer, what) from exc
+
+
+def _examples(meta: BoundaryMeta, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Zero tensors standing for a boundary in the metadata forward of the next stage, leaves
+    requiring grad where the boundary carries a gradient (so that stage's outputs say whether
+    they need one)."""
+    return tuple(torch.zeros(m.shape, dtype=m.dtype, device=device).requires_grad_(
+        bool(m.requires_grad)) for m in boundary_metas(meta))
 
 
 def _split_inputs(inputs: Sequence[torch.Tensor], m: int, what: str) -> list[tuple[torch.Tensor, ...]]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overlap_runtime.pipeline.tensor_meta import (DTYPE_CODES, HEADER_LEN, TensorMeta,
-                                                  decode_meta, encode_meta)
+from overlap_runtime.pipeline.tensor_meta import (DTYPE_CODES, HEADER_LEN, MAX_NDIM, TensorMeta,
+                                                  as_boundary_value, boundary_length,
+                                                  boundary_meta_of, decode_boundary, decode_meta,
+                                                  describe_boundary, encode_boundary, encode_meta)
 
 # The wire format between ranks: a code never changes (new dtypes get new codes at the end).
 PINNED = {
@@ -22,7 +24,7 @@ def test_codes_are_pinned_unique_and_never_zero() -> None:
 
 
 @pytest.mark.parametrize("dtype", list(PINNED))
-@pytest.mark.parametrize("shape", [(), (3,), (1, 16, 32), tuple(range(1, HEADER_LEN - 1))])
+@pytest.mark.parametrize("shape", [(), (3,), (1, 16, 32), tuple(range(1, MAX_NDIM + 1))])
 def test_every_supported_dtype_round_trips(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     meta = TensorMeta(shape, dtype)
     header = encode_meta(meta)
@@ -47,5 +49,47 @@ def test_unknown_dtype_and_bad_headers_are_named_errors() -> None:
     bad[0], bad[1] = 1, 9
     with pytest.raises(ValueError, match="ndim 9, outside 0..8"):
         decode_meta(bad)
-    with pytest.raises(ValueError, match=r"must be \[10\] int64"):
+    with pytest.raises(ValueError, match=rf"must be \[{HEADER_LEN}\] int64"):
         decode_meta(torch.zeros(HEADER_LEN, dtype=torch.int32))
+
+
+def test_gradient_flag_defaults_to_the_dtype_rule_and_round_trips() -> None:
+    assert TensorMeta((2,), torch.float32).requires_grad is True
+    assert TensorMeta((2,), torch.int64).requires_grad is False
+    assert TensorMeta((2,), torch.float32) == TensorMeta((2,), torch.float32, True)
+    aux = TensorMeta((2, 3), torch.float32, requires_grad=False)
+    assert str(aux) == "[2, 3] float32 (no grad)" and decode_meta(encode_meta(aux)) == aux
+    assert aux.matches(torch.zeros(2, 3)) and not aux.matches(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"requires_grad=True\): only floating point"):
+        TensorMeta((2,), torch.int64, requires_grad=True)
+    bad = encode_meta(aux)
+    bad[MAX_NDIM + 2] = 7
+    with pytest.raises(ValueError, match="requires_grad 7, not 0 or 1"):
+        decode_meta(bad)
+
+
+def test_tuple_boundary_headers_round_trip_and_a_bare_tensor_stays_one_header() -> None:
+    h = torch.zeros(2, 4, requires_grad=True) * 2
+    value = as_boundary_value((h, torch.ones(2, 4), torch.arange(2)), "stage 0")
+    meta = boundary_meta_of(value)
+    assert meta == (TensorMeta((2, 4), torch.float32), TensorMeta((2, 4), torch.float32, False),
+                    TensorMeta((2,), torch.int64))
+    assert describe_boundary(meta) == "([2, 4] float32, [2, 4] float32 (no grad), [2] int64)"
+    headers = encode_boundary(meta)
+    assert headers.shape == (3, HEADER_LEN) and boundary_length(headers[0]) == 3
+    assert decode_boundary(headers) == meta
+    one = (TensorMeta((5,), torch.float32),)  # a 1-tuple is not a bare tensor
+    assert decode_boundary(encode_boundary(one)) == one and boundary_length(encode_boundary(one)[0]) == 1
+    bare = TensorMeta((5,), torch.bfloat16)
+    assert encode_boundary(bare).shape == (1, HEADER_LEN) and decode_boundary(encode_boundary(bare)) == bare
+    with pytest.raises(ValueError, match=r"tuple lengths \[3, 3\] for 2 headers"):
+        decode_boundary(headers[:2])
+
+
+def test_non_tensor_outputs_are_named_errors() -> None:
+    with pytest.raises(TypeError, match=r"stage 1 microbatch 0: output 1 is int, not a tensor"):
+        as_boundary_value((torch.zeros(1), 3), "stage 1 microbatch 0")
+    with pytest.raises(TypeError, match=r"stage 1: the module returned dict"):
+        as_boundary_value({"h": torch.zeros(1)}, "stage 1")
+    with pytest.raises(ValueError, match="empty tuple"):
+        as_boundary_value((), "stage 1")
