@@ -4,7 +4,7 @@ The three modes run the Triton op under the CPU interpreter (``TRITON_INTERPRET=
 ranks' environment only, as ``test_gdn_cp_triton.py``), fp32, head dims K = V = 16, 64 tokens
 per rank, against the single-process float64 eager layer run on each document alone: output,
 input gradient and every parameter gradient (summed over the ranks) within rel-L2 1e-5, the
-Triton CP tests' tolerance (fp32 kernels; measured ~1e-7).
+Triton CP tests' tolerance (fp32 kernels; measured <= 2.6e-6, a parameter gradient).
 
 Cases: one document over every rank (the state crosses the boundary, the middle ranks of CP4
 pass it through), a document crossing the boundary between one shorter than the conv halo and
