@@ -93,8 +93,7 @@ def parallelize_qwen3_5_cp(
         (after the arguments are validated).
 
     Raises:
-        NotImplementedError: ``ulysses_degree`` not in (None, cp size); ``all_gather`` with
-            ``triton``.
+        NotImplementedError: ``ulysses_degree`` not in (None, cp size).
         ValueError: an unknown mode or backend; head counts Ulysses cannot split.
     """
     cp_size = _check_cp_mesh(cp_mesh)

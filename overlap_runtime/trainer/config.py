@@ -14,7 +14,7 @@
       tokenizer: null # a local tokenizer.json (Hugging Face tokenizers); null: bytes
       bos_token: <bos>
       eos_token: <eos>
-      packing: concat # or reset_at_document_boundaries (pp == 1; cp > 1: eager GDN, ring/ulysses)
+      packing: concat # or reset_at_document_boundaries (pp == 1; cp > 1: ring/ulysses attention)
     optimizer:        # AdamW
       lr: 1.0e-3
     train:
@@ -220,8 +220,10 @@ def _data_source_problems(data: DataConfig) -> list[str]:
 
 def _data_problems(config: "TrainConfig") -> list[str]:
     """Rules of ``data`` against the model and the layout: the tokenizer's vocabulary fits
-    ``model.vocab_size``; ``reset_at_document_boundaries`` needs cp == 1, pp == 1 and the eager
-    GDN (the model's exact per-document path, ``layers.segments``)."""
+    ``model.vocab_size``; ``reset_at_document_boundaries`` needs pp == 1, the eager GDN for
+    cp == 1 (``model.gdn_backend``: the model's per-document path, ``layers.segments``) and,
+    for cp > 1, ring or ulysses full attention (the GDN CP modes take ``cu_seqlens`` on either
+    backend, ``context_parallel/gdn/varlen.py``)."""
     from overlap_runtime.trainer.documents import load_tokenizer
 
     data, acc, m = config.data, config.train.accelerator, config.model
@@ -239,11 +241,7 @@ def _data_problems(config: "TrainConfig") -> list[str]:
         if m.gdn_backend != "eager":
             out.append(f"{rule} runs the GDN per document with the eager backend; got "
                        f"model.gdn_backend={m.gdn_backend!r}")
-        if acc.cp > 1:  # issue #23: every GDN mode, attention ring / ulysses
-            if acc.linear_attention_gdn_backend != "eager":
-                out.append(f"{rule} under cp={acc.cp} runs the GDN CP modes on the eager "
-                           f"backend; got train.accelerator.linear_attention_gdn_backend="
-                           f"{acc.linear_attention_gdn_backend!r}")
+        if acc.cp > 1:  # issue #23: every GDN mode and backend, attention ring / ulysses
             if acc.full_attention_cp_mode not in ("ring", "ulysses"):
                 out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
                            f"full_attention_cp_mode 'ring' or 'ulysses' (causal within each "
@@ -333,10 +331,6 @@ class TrainConfig(_Strict):
         if acc.ulysses_degree is not None and acc.ulysses_degree != acc.cp:
             errors.append(f"train.accelerator.ulysses_degree={acc.ulysses_degree}: only None or "
                           f"cp={acc.cp} (pure Ulysses) is supported")
-        backend = acc.linear_attention_gdn_backend
-        if acc.linear_attention_cp_mode == "all_gather" and backend != "eager":
-            errors.append(f"train.accelerator.linear_attention_cp_mode='all_gather' supports only "
-                          f"linear_attention_gdn_backend='eager', got {backend!r}")
         errors.extend(_data_problems(self))
         if self.data.seq_len % acc.cp:
             errors.append(f"data.seq_len={self.data.seq_len} is not a multiple of "

@@ -10,6 +10,8 @@ Workers return the worst rel-L2 per tensor over all cases, so one spawn checks m
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ from overlap_runtime.context_parallel.varlen_attention import (
 from overlap_runtime.ops.attention import attention
 from overlap_runtime.testing import rel_l2
 
-from _gdn_cp_util import HIDDEN, make_module
+from _gdn_cp_util import HEAD_DIM, HIDDEN, make_module
 
 Case = tuple[int, int, list[int]]
 
@@ -44,14 +46,21 @@ def _gather(x: torch.Tensor, world: int) -> list[torch.Tensor]:
     return parts
 
 
-def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case]) -> dict[str, float]:
+def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case],
+               backend: str = "eager", head_dim: int = HEAD_DIM) -> dict[str, float]:
     """Each mode x case: output, input gradient and every parameter gradient (summed over ranks)
-    against the per-document float64 reference; returns ``{"<mode>:<tensor>": worst}``."""
+    against the per-document float64 reference; returns ``{"<mode>:<tensor>": worst}``.
+
+    ``backend="eager"`` runs the CP layer in float64; ``"triton"`` (under the interpreter,
+    head dims 16/32) in fp32, the Triton backend's dtype, against the same float64 reference.
+    """
     mesh = init_device_mesh("cpu", (world,))
-    ref = make_module().double()
+    ref = make_module(head_dim=head_dim).double()
+    dtype = torch.float64 if backend == "eager" else torch.float32
     worst: dict[str, float] = {}
     for mode in modes:
-        cp = LinearAttentionContextParallel(mode=mode).apply(copy.deepcopy(ref), mesh)
+        cp = LinearAttentionContextParallel(mode=mode, backend=backend).apply(
+            copy.deepcopy(ref).to(dtype), mesh)
         for i, (batch, local_len, lengths) in enumerate(cases):
             seq = world * local_len
             gen = torch.Generator().manual_seed(1000 + i)
@@ -72,9 +81,9 @@ def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case]) -> di
             # CP
             cp.zero_grad(set_to_none=True)
             sl = slice(rank * local_len, (rank + 1) * local_len)
-            xl = x[:, sl].clone().requires_grad_(True)
+            xl = x[:, sl].to(dtype, copy=True).requires_grad_(True)
             y = cp(xl, cu_seqlens=cu_of(lengths))
-            (y * w[:, sl]).sum().backward()
+            (y * w[:, sl].to(dtype)).sum().backward()
             _worst(worst, f"{mode}:out", rel_l2(torch.cat(_gather(y.detach(), world), 1), y_ref))
             _worst(worst, f"{mode}:dx",
                    rel_l2(torch.cat(_gather(xl.grad, world), 1), xr.grad))
@@ -82,6 +91,9 @@ def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case]) -> di
                 g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                 dist.all_reduce(g)
                 _worst(worst, f"{mode}:param:{n}", rel_l2(g, g_ref[n]))
+    if backend == "triton" and not ("triton" in sys.modules
+                                    and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError(f"rank {rank}: backend='triton' did not run the interpreted kernels")
     return worst
 
 

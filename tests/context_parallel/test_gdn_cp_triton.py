@@ -19,10 +19,12 @@ from the Triton backward raises the gradient errors to ~0.3-0.5).
   from the reverse chain before its per-chunk reverse scan.
 * p2p CP3, local 64 (one chunk, one segment): the hooks fall back to the scan's own ends (the
   state is sent after the scan, dH_in after the reverse scan); the middle rank does both.
+* all_gather CP2: the eager summaries gathered, the Triton op from ``H_in`` on each rank
+  (its backward's ``dh0`` carries the gradient back into the gathered summaries).
 * p2p CP2 with padding (B=2, right and left, one rank holding only padding): exact zeros.
 * p2p CP2 under ``checkpoint(use_reentrant=False)``, twice: bitwise the plain run.
 
-About 105 s on two shared cores (the interpreter dominates; the checkpoint case is ~45 s).
+About 115 s on two shared cores (the interpreter dominates; the checkpoint case is ~45 s).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("mode,cp,local_len", [("ulysses", 2, 64), ("p2p", 2, 128),
-                                               ("p2p", 3, 64)])
+                                               ("p2p", 3, 64), ("all_gather", 2, 64)])
 def test_triton_matches_single_process_eager(mode: str, cp: int, local_len: int) -> None:
     results = run_ranks(
         compare_worker, cp, timeout_s=300.0, env=INTERPRETER_ENV,

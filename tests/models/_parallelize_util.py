@@ -93,8 +93,6 @@ def cp1_and_errors_worker(rank: int, world: int) -> dict[str, Any]:
         "ulysses_degree": {"ulysses_degree": 1},
         "gdn_mode": {"linear_attention_cp_mode": "ring"},
         "backend": {"linear_attention_gdn_backend": "auto"},
-        "all_gather_triton": {"linear_attention_cp_mode": "all_gather",
-                              "linear_attention_gdn_backend": "triton"},
         "attn_mode": {"full_attention_cp_mode": "zigzag"},
     }.items():
         fresh = _model()

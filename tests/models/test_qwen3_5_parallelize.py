@@ -51,9 +51,8 @@ def test_cp1_untouched_and_errors() -> None:
     assert "ulysses_degree=1" in errors["ulysses_degree"][1]
     assert errors["gdn_mode"][0] == "ValueError" and "'ring'" in errors["gdn_mode"][1]
     assert errors["backend"][0] == "ValueError" and "'auto'" in errors["backend"][1]
-    assert errors["all_gather_triton"][0] == "NotImplementedError"
     assert errors["attn_mode"][0] == "ValueError"
     assert "full_attention_cp_mode" in errors["attn_mode"][1]
     assert errors["mesh_2d"][0] == "ValueError" and "mesh['cp']" in errors["mesh_2d"][1]
-    for name in ("ulysses_degree", "gdn_mode", "backend", "all_gather_triton", "attn_mode"):
+    for name in ("ulysses_degree", "gdn_mode", "backend", "attn_mode"):
         assert errors[name + "_untouched"], name

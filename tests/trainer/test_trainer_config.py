@@ -93,8 +93,6 @@ def test_gpu_config_is_local_16k_bf16() -> None:
     ({"data": {"batch_size": 4}, **_pp(schedule="dualpipev", virtual_stages=1)},
      "train.pipeline (schedule 'dualpipev', pp=2)"),
     (_acc(cp=2, ulysses_degree=1), "train.accelerator.ulysses_degree=1"),
-    (_acc(linear_attention_cp_mode="all_gather", linear_attention_gdn_backend="triton"),
-     "linear_attention_cp_mode='all_gather' supports only linear_attention_gdn_backend='eager'"),
     ({"data": {"seq_len": 130}, **_acc(cp=4)}, "data.seq_len=130 is not a multiple of "
                                                "train.accelerator.cp=4"),
     ({"model": {"linear_num_value_heads": 6, "linear_num_key_heads": 2}, **_acc(cp=4)},

@@ -167,10 +167,14 @@ def test_data_config_errors_name_the_field(files: dict[str, Path], tmp_path: Pat
     assert "data.tokenizer=" in _error({"tokenizer": str(files["tokenizer"])})
     small = _error(base, model={"vocab_size": 8})
     assert f"model.vocab_size=8 is smaller than data.tokenizer={str(files['tokenizer'])!r}" in small
-    # reset needs pp == 1; under cp > 1 ring/ulysses attention and the eager GDN (issue #23)
+    # reset needs pp == 1; under cp > 1 ring/ulysses attention, either GDN backend (issue #23)
     reset = {**base, "packing": "reset_at_document_boundaries"}
     assert "full_attention_cp_mode 'ring' or 'ulysses'" in _error(
         reset, train={"accelerator": {"cp": 2, "full_attention_cp_mode": "all_gather_kv"}})
+    for mode in ("p2p", "all_gather", "ulysses"):
+        triton_cp = {"cp": 2, "full_attention_cp_mode": "ring", "linear_attention_cp_mode": mode,
+                     "linear_attention_gdn_backend": "triton"}
+        config_from_dict({"data": {**reset, "seq_len": 128}, "train": {"accelerator": triton_cp}})
     assert "got train.accelerator.pp=2" in _error(
         reset, train={"accelerator": {"pp": 2}, "pipeline": {"microbatches": 1}},
         model={"tie_word_embeddings": False})

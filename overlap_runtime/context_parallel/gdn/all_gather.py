@@ -13,8 +13,12 @@ its prefix (a tree over ``r`` entries). Backward is plain autograd: the gradient
 flows through the compose into the gathered summaries, the all_gather's backward (all-to-all +
 sum) returns each rank the gradient of its own (M, S), and autograd continues through
 ``summarize``. The summary keeps a chunk-level graph until backward (more memory than p2p);
-this mode exists to compare the mathematics and the communication pattern, not to ship with
-the fused backend (``all_gather`` + ``triton`` is refused at construction).
+this mode exists to compare the mathematics and the communication pattern. The summaries are
+always the eager :func:`state_summary` (plain PyTorch autograd: the prefix compose sends an
+arbitrary ``dM`` back to every rank, which the forward-only Triton summary kernels could not
+take); ``backend`` picks the local GDN op that runs from ``H_in`` (``"triton"``: the fused op,
+whose backward returns ``dH_in``), so ``all_gather`` + ``triton`` runs the Triton kernels for
+the outputs and eager PyTorch for the summaries.
 """
 
 from __future__ import annotations

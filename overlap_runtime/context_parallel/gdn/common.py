@@ -229,7 +229,7 @@ def check_backend_before_comm(layer: GatedDeltaNet, hidden: torch.Tensor, plan: 
     gb = torch.empty(1, 1, 1, dtype=gate_dtype, device=device)
     beta = torch.empty(1, 1, 1, dtype=dtype, device=device)
     state = None
-    if plan.mode == "p2p":  # the chain hands the state in fp32
+    if plan.mode in ("p2p", "all_gather"):  # H_in reaches the op as an fp32 state
         state = torch.empty(1, 1, layer.head_k_dim, layer.head_v_dim, dtype=gate_dtype,
                             device=device)
     check_triton_inputs(qk, qk, v, gb, beta, state, layer.chunk_size)

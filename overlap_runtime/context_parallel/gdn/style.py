@@ -12,7 +12,7 @@ mode           what crosses ranks                         eager       triton
 =============  =========================================  ==========  =====================
 ``ulysses``    q/k/v/a/b (seq -> head a2a), o (inverse)   yes         yes (the Triton GDN op)
 ``p2p``        conv halo, fp32 state chain H / dH         yes         yes (Triton summaries)
-``all_gather`` conv halo, every rank's summary (M, S)     yes         refused (see below)
+``all_gather`` conv halo, every rank's summary (M, S)     yes         yes (eager summaries)
 =============  =========================================  ==========  =====================
 
 There is no ``auto`` and no fallback: an unsupported combination raises, naming the value and the
@@ -80,8 +80,8 @@ class LinearAttentionContextParallel:
 
     Raises:
         ValueError: unknown mode or backend.
-        NotImplementedError: ``all_gather`` with ``triton``; ``tp_size > 1``. (``triton`` with
-            a local sequence that is not whole 64-token chunks raises at the first forward.)
+        NotImplementedError: ``tp_size > 1``. (``triton`` with a local sequence that is not
+            whole 64-token chunks raises at the first forward.)
     """
 
     def __init__(
@@ -100,17 +100,6 @@ class LinearAttentionContextParallel:
             raise ValueError(
                 f"unknown GDN backend {backend!r}; supported backends: {SUPPORTED_BACKENDS} "
                 "(there is no 'auto': choose one explicitly)"
-            )
-        if mode == "all_gather" and backend != "eager":
-            # all_gather differentiates *through* the gathered summaries: the prefix compose
-            # sends an arbitrary dM (not dH_out H_in^T) back to every rank, and the Triton
-            # summary kernels are forward-only (no summary backward). p2p needs only dH_out,
-            # which the Triton chunk op's own backward covers.
-            raise NotImplementedError(
-                f"mode='all_gather' with backend={backend!r} is not supported: all_gather is the "
-                "eager comparison path (every rank gathers and re-composes all P summaries and "
-                "autograd runs through them, but the Triton summary kernels are forward-only); "
-                "use mode='p2p' or 'ulysses' for the Triton backend, or backend='eager'"
             )
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size={tp_size!r} must be a positive int")

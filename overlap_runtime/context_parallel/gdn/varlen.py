@@ -27,9 +27,16 @@ start, inside a shard or across the rank boundary.
 **Ulysses** gathers whole rows per head group, so it runs the single-device per-document path
 (``apply_per_segment``) on the full rows with the global ``cu_seqlens``.
 
-Eager backend only: ``backend="triton"`` with ``cu_seqlens`` raises (the Triton op has no
-per-piece entry yet). The pieces run one call each (a Python loop over pieces), like the
-single-device eager path.
+**Backends.** The pieces run one call each of the plan's local op (a Python loop over pieces,
+like the single-device per-document path): ``backend="eager"`` or ``"triton"``. With Triton each
+piece is one launch sequence of the fused op (a piece shorter than a chunk or not a multiple of
+64 is a partial chunk, which the kernels mask), the continuing first piece takes ``H_in`` as its
+``initial_state`` and its backward returns ``dH_in_local`` as the op's ``dh0``. The tail maps
+``(M', S')`` are always computed by the eager :func:`state_summary` (plain PyTorch, fp32,
+differentiable), with either backend: exact, but one extra prepare of the last piece per row
+(the unpacked Triton p2p chain reuses the op's own segment summaries instead). The cost is one
+op call per piece and row, so many short documents mean many small launches; a fused varlen
+kernel (one launch over ``cu_seqlens``) is issue #22's.
 """
 
 from __future__ import annotations
@@ -239,7 +246,8 @@ class PackedStateChain(torch.autograd.Function):
         if rank < world - 1:
             h_out = s if h_in is None else apply_summary(m, s, h_in)
             send = post_send(h_out.contiguous(), rank + 1, plan, "gdn packed p2p forward H_out")
-        o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, scale, chunk_size, "eager")
+        o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, scale, chunk_size,
+                                 plan.backend)
         if send is not None:
             send.wait()
         ctx.save_for_backward(q, k, v, g, beta, h_in, m)
@@ -261,7 +269,7 @@ class PackedStateChain(torch.autograd.Function):
         with torch.enable_grad():
             h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
             o = packed_local_outputs(*leaves, h_leaf, ctx.pieces, ctx.scale, ctx.chunk_size,
-                                     "eager")
+                                     plan.backend)
             wanted = leaves + ([h_leaf] if h_leaf is not None else [])
             local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
         dh_local = local.pop() if h_leaf is not None else None
@@ -292,7 +300,8 @@ class PackedStateChain(torch.autograd.Function):
 def check_packed_call(layer: GatedDeltaNet, plan: GDNCPPlan, cu_seqlens: torch.Tensor,
                       batch: int, local_len: int) -> None:
     """The packed rules, on every rank alike: ranks agree on ``cu_seqlens``; it is valid over
-    ``B * P * L`` tokens; the backend is eager. Raises naming the value and the rule."""
+    ``B * P * L`` tokens. Raises naming the value and the rule (either backend: the Triton rules
+were checked in ``prepare_inputs``)."""
     from overlap_runtime.ops import comm
 
     cu = tuple(int(c) for c in cu_seqlens.tolist()) if cu_seqlens.dim() == 1 else None
@@ -300,8 +309,3 @@ def check_packed_call(layer: GatedDeltaNet, plan: GDNCPPlan, cu_seqlens: torch.T
                            [("cu_seqlens", cu)], plan.group, device=cu_seqlens.device,
                            group_name="cp", timeout_s=plan.timeout_s)
     segments_of(cu_seqlens, batch, local_len * plan.cp_size)
-    if plan.backend != "eager":
-        raise NotImplementedError(
-            f"GatedDeltaNet context parallelism (mode={plan.mode!r}) with cu_seqlens (packed "
-            f"documents) runs the eager backend only; got backend={plan.backend!r} (the Triton "
-            f"op has no per-document entry yet: issue #23)")
