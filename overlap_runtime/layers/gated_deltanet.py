@@ -44,12 +44,12 @@ zeros in the padded slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from overlap_runtime.layers.elementwise import causal_conv_silu, gdn_gates
 from overlap_runtime.layers.norm import RMSNormGated
 from overlap_runtime.layers.sequence_mixer import GDNProjections, GDNSequenceMixer, LocalGDNMixer
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
@@ -126,6 +126,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         self.sequence_mixer: GDNSequenceMixer = LocalGDNMixer()
+        # the elementwise pieces: eager functions, or their compiled form
+        # (layers.elementwise.compile_elementwise; configuration, the same for every call)
+        self.conv_fn: Callable[..., torch.Tensor] = causal_conv_silu
+        self.gates_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gates
 
     # -- geometry --------------------------------------------------------------------------
     @property
@@ -176,17 +180,10 @@ class GatedDeltaNet(nn.Module):
         Returns:
             ``[B, T, C]`` in mixed_qkv's dtype.
         """
-        weight = self.conv1d.weight  # [conv_dim, 1, kernel]
+        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, kernel]
         if channels is not None:
             weight = weight.index_select(0, channels.to(weight.device))
-        halo = self.conv_halo
-        x = mixed_qkv.transpose(1, 2)  # [B, C, T]
-        if left_context is None:
-            x = F.pad(x, (halo, 0))
-        else:
-            x = torch.cat([left_context.transpose(1, 2), x], dim=2)
-        out = F.conv1d(x, weight, None, 1, 0, self.conv1d.dilation, weight.shape[0])
-        return F.silu(out).transpose(1, 2)
+        return self.conv_fn(mixed_qkv, weight, left_context, self.conv1d.dilation[0])
 
     def split_qkv(
         self, conv_out: torch.Tensor, num_key_heads: int | None = None,
@@ -226,9 +223,7 @@ class GatedDeltaNet(nn.Module):
         if value_heads is not None:
             idx = value_heads.to(a_log.device)
             a_log, dt_bias = a_log.index_select(0, idx), dt_bias.index_select(0, idx)
-        gate_dtype = torch.promote_types(a.dtype, torch.float32)  # g is never half precision
-        g = -a_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + dt_bias.to(gate_dtype))
-        beta = torch.sigmoid(b)
+        g, beta = self.gates_fn(a, b, a_log, dt_bias)
         if mask is not None:  # select, never multiply: NaN * 0 = NaN (module docstring)
             keep = _keep(mask)
             g = torch.where(keep, g, 0.0)

@@ -159,6 +159,10 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
     acc, pl = config.train.accelerator, config.train.pipeline
     model = build_model(config, device)
     n_params = parameter_count(model)
+    if config.train.compile:  # regional: before CP, the pipeline split and FSDP2 wrap it
+        from overlap_runtime.layers.compile import compile_elementwise
+
+        compile_elementwise(model)
     parallelize_qwen3_5_cp(
         model, dims.mesh("cp"), ulysses_degree=acc.ulysses_degree,
         linear_attention_cp_mode=acc.linear_attention_cp_mode,

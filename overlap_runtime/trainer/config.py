@@ -21,6 +21,7 @@
       steps: 20
       seed: 0
       activation_checkpoint: false
+      compile: false              # torch.compile norms, GDN conv and gates (layers.compile)
       precision: fp32             # or bf16 (see below)
       metrics: null               # path of the metrics JSON (or --metrics)
       validate_step_graph: true   # stepgraph.compile_step proven deadlock-free before step 1
@@ -275,6 +276,7 @@ class TrainSection(_Strict):
     steps: int = Field(20, ge=1)
     seed: int = 0
     activation_checkpoint: bool = False
+    compile: bool = False  # torch.compile the elementwise pieces (layers.compile)
     precision: Literal["fp32", "bf16"] = "fp32"
     log_every: int = Field(1, ge=1)
     validate_step_graph: bool = True  # prove the step's task graph deadlock-free first

@@ -293,6 +293,10 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     compute = model
     if config.train.precision == "bf16":
         compute = copy.deepcopy(model).to(torch.bfloat16)
+    if config.train.compile:
+        from overlap_runtime.layers.compile import compile_elementwise
+
+        compile_elementwise(compute)
     master_params = list(model.parameters())
     compute_params = list(compute.parameters())
     ckpt = Checkpointer(config.checkpoint, [model], optimizer, scheduler, data,

@@ -1,0 +1,42 @@
+"""``compile_elementwise``: torch.compile on the elementwise pieces of a model
+(``layers.elementwise``), regional compilation that leaves the GDN / attention cores and every
+collective eager. What ``train.compile: true`` applies (before FSDP2 wraps the model)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from overlap_runtime.layers.elementwise import causal_conv_silu, gdn_gates
+from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
+from overlap_runtime.layers.norm import RMSNorm, RMSNormGated
+
+__all__ = ["compile_elementwise", "compiled"]
+
+
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(fn)``, one compiled function per ``fn`` shared by every layer."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
+
+
+def compile_elementwise(model: nn.Module) -> nn.Module:
+    """Compile the elementwise pieces of ``model`` in place (module docstring); returns it.
+
+    Every ``RMSNorm`` / ``RMSNormGated`` is compiled (``nn.Module.compile``); every
+    ``GatedDeltaNet`` calls the compiled :func:`causal_conv_silu` and :func:`gdn_gates`. Call it
+    before FSDP2 wraps the model (as torchtitan does); the cores and collectives stay eager.
+    """
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RMSNormGated)):
+            module.compile()
+        elif isinstance(module, GatedDeltaNet):
+            module.conv_fn = compiled(causal_conv_silu)
+            module.gates_fn = compiled(gdn_gates)
+    return model
