@@ -20,9 +20,14 @@ GDN, cp > 1        forward: ``agree`` (all-gather of 9 int64: the ranks compare 
                    p2p        halo: recv from r-1 (r > 0), send to r+1 (r < P-1); chain: recv
                               H_in (r > 0), prepare + summary, send H_out (r < P-1), output
                    all_gather halo as p2p, summary, all-gather of (M, S) fp32, core
+                   prefix_scan halo as p2p; the scan's receives of every round (from r - 2^d),
+                              prepare + summary, its sends round by round (to r + 2^d; an
+                              (M, S) pair, or a state once the window reaches rank 0), output
                    backward (I): the mirror; p2p: recv dH_out (r < P-1), local backward, send
                    dH_in (r > 0), summary backward, then the halo gradient: send to r-1, recv
-                   from r+1; all_gather: the gather's backward is an all-to-all
+                   from r+1; all_gather: the gather's backward is an all-to-all; prefix_scan:
+                   the reversed scan's receives (from r + 2^d), local backward, its sends (to
+                   r - 2^d), summary backward, then the halo gradient
 attention, cp > 1  forward: ``agree`` (all-gather of 10 int64)
                    ulysses    a2a q/k/v seq->heads, local attention, a2a outputs heads->seq
                    ring       P-1 ring hops of K/V (send to r+1, recv from r-1)
@@ -171,8 +176,37 @@ def _gdn_forward(config: "TrainConfig", s: MicrobatchShape, r: int) -> list[Laye
         return ops + [_c("gdn.summary", core / 2),
                       _coll("gdn.gather_summary", "cp", "all_gather", summary),
                       _c("gdn.core", core)]
+    if mode == "prefix_scan":
+        pair = s.rows * hv * k * (k + v) * _FP32
+        recvs, sends = _scan_messages(p, r, reverse=False, state=state, pair=pair, tag="")
+        return (ops + recvs + [_c("gdn.prepare_summary", core / 2)] + sends
+                + [_c("gdn.output", core / 2)])
     raise ValueError(f"train.accelerator.linear_attention_cp_mode={mode!r}: layer_program knows "
-                     f"ulysses, p2p and all_gather")
+                     f"ulysses, p2p, all_gather and prefix_scan")
+
+
+def _scan_messages(p: int, r: int, *, reverse: bool, state: int, pair: int, tag: str
+                   ) -> tuple[list[LayerOp], list[LayerOp]]:
+    """The receives and sends of the prefix scan on CP rank ``r`` (``gdn/scan_rounds.py``):
+    position ``r`` (``P - 1 - r`` when ``reverse``); round ``d`` receives from position
+    ``pos - 2^d`` and sends to ``pos + 2^d``; a message is a state when its sender's window
+    reaches position 0 (sender position ``< 2^d``), else an ``(M, S)`` pair. All receives are
+    posted first, the sends follow round by round."""
+    pos = p - 1 - r if reverse else r
+    sign = -1 if reverse else 1
+    recvs: list[LayerOp] = []
+    sends: list[LayerOp] = []
+    d = 0
+    while (1 << d) < p:
+        step = 1 << d
+        if pos - step >= 0:
+            recvs.append(_p2p(f"gdn.scan{tag}{d}.recv", "recv", -sign * step,
+                              pair if pos - step >= step else state))
+        if pos + step < p:
+            sends.append(_p2p(f"gdn.scan{tag}{d}.send", "send", sign * step,
+                              pair if pos >= step else state))
+        d += 1
+    return recvs, sends
 
 
 def _gdn_backward(config: "TrainConfig", s: MicrobatchShape, r: int,
@@ -194,6 +228,15 @@ def _gdn_backward(config: "TrainConfig", s: MicrobatchShape, r: int,
         ops.append(_c("gdn.output.bwd", core / 2))
         if r > 0:
             ops.append(_p2p("gdn.chain.send_dH", "send", -1, state))
+        ops.append(_c("gdn.summary.bwd", core / 2))
+    elif mode == "prefix_scan":  # the reversed scan over (M^T, dH_local)
+        m = config.model
+        state = s.rows * m.linear_num_value_heads * m.linear_key_head_dim \
+            * m.linear_value_head_dim * _FP32
+        pair = s.rows * m.linear_num_value_heads * m.linear_key_head_dim \
+            * (m.linear_key_head_dim + m.linear_value_head_dim) * _FP32
+        recvs, sends = _scan_messages(p, r, reverse=True, state=state, pair=pair, tag=".bwd")
+        ops += recvs + [_c("gdn.output.bwd", core / 2)] + sends
         ops.append(_c("gdn.summary.bwd", core / 2))
     else:  # all_gather: the gather's backward is an all-to-all of P times its input
         g = by["gdn.gather_summary"]

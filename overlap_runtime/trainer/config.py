@@ -37,7 +37,7 @@
         pp: 1
         ep: 1                     # borrowed from dp_shard x cp (see trainer.parallel_dims)
         ulysses_degree: null
-        linear_attention_cp_mode: ulysses     # ulysses | p2p | all_gather
+        linear_attention_cp_mode: ulysses     # ulysses | p2p | all_gather | prefix_scan
         linear_attention_gdn_backend: eager   # eager | triton
         full_attention_cp_mode: ulysses       # ulysses | ring | all_gather_kv
       pipeline:                   # used when accelerator.pp > 1
@@ -119,7 +119,7 @@ class AcceleratorConfig(_Strict):
     pp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     ulysses_degree: int | None = None
-    linear_attention_cp_mode: Literal["ulysses", "p2p", "all_gather"] = "ulysses"
+    linear_attention_cp_mode: Literal["ulysses", "p2p", "all_gather", "prefix_scan"] = "ulysses"
     linear_attention_gdn_backend: Literal["eager", "triton"] = "eager"
     full_attention_cp_mode: Literal["ulysses", "ring", "all_gather_kv"] = "ulysses"
     comm_timeout_s: float | None = Field(None, gt=0)
@@ -247,6 +247,10 @@ def _data_problems(config: "TrainConfig") -> list[str]:
                 out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
                            f"full_attention_cp_mode 'ring' or 'ulysses' (causal within each "
                            f"document); got {acc.full_attention_cp_mode!r}")
+            if acc.linear_attention_cp_mode == "prefix_scan":
+                out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
+                           f"linear_attention_cp_mode 'p2p', 'all_gather' or 'ulysses' (packed "
+                           f"batches are not implemented for 'prefix_scan')")
     return out
 
 
@@ -476,7 +480,7 @@ def _gdn_length_problems(config: "TrainConfig") -> list[str]:
                 f"tokens per CP rank")
     out: list[str] = []
     halo = m.linear_conv_kernel_dim - 1
-    if acc.linear_attention_cp_mode in ("p2p", "all_gather") and local < halo:
+    if acc.linear_attention_cp_mode in ("p2p", "all_gather", "prefix_scan") and local < halo:
         # Ulysses gathers the whole sequence before the conv; the other modes pass a halo
         out.append(f"{per_rank} is shorter than the GDN conv halo model.linear_conv_kernel_dim "
                    f"- 1 = {halo} (train.accelerator.linear_attention_cp_mode="

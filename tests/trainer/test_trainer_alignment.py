@@ -20,9 +20,19 @@ from overlap_runtime.trainer import TrainResult, compare_runs, config_from_dict,
 LOSS_REL_TOL = 1e-4
 GRAD_NORM_REL_TOL = 1e-3
 
+
+def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``train.check_conformance`` (step 1 recorded, checked against the graph)."""
+    cfg["train"]["check_conformance"] = True
+    return cfg
+
+
 CP4_CONFIGS = {
     "cp4_ulysses": tiny_config(20, cp=4, linear_attention_cp_mode="ulysses"),
     "cp4_p2p": tiny_config(20, cp=4, linear_attention_cp_mode="p2p"),
+    # the GDN prefix scan (peers r +- 1, r +- 2; pairs and states): checked against the step
+    # graph too (stepgraph.layer_program), so a drift of the runtime's messages fails
+    "cp4_prefix_scan": _checked(tiny_config(10, cp=4, linear_attention_cp_mode="prefix_scan")),
     # dp=2 x cp=2: FSDP over 4 ranks, two different sequences per step; ring attention; a tied
     # LM head (one parameter shared by the embedding and the head, in FSDP's root group).
     "dp2_cp2_p2p_ring": tiny_config(10, cp=2, world_size=4, linear_attention_cp_mode="p2p",
@@ -78,7 +88,8 @@ def _assert_aligned(run: TrainResult, base: TrainResult, name: str) -> dict[str,
     return diff
 
 
-@pytest.mark.parametrize("name", ["cp4_ulysses", "cp4_p2p", "dp2_cp2_p2p_ring"])
+@pytest.mark.parametrize("name", ["cp4_ulysses", "cp4_p2p", "cp4_prefix_scan",
+                                  "dp2_cp2_p2p_ring"])
 def test_fsdp_cp_matches_single_device(cp4_runs: dict[str, TrainResult], name: str) -> None:
     run = cp4_runs[name]
     cfg = CP4_CONFIGS[name]

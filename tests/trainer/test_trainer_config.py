@@ -68,7 +68,8 @@ def test_gpu_config_is_local_16k_bf16() -> None:
     (_acc(cp=3, world_size=4), "train.accelerator.cp=3 does not divide "
                                "train.accelerator.world_size=4"),
     (_acc(linear_attention_cp_mode="ring"), "train.accelerator.linear_attention_cp_mode: Input "
-                                            "should be 'ulysses', 'p2p' or 'all_gather'"),
+                                            "should be 'ulysses', 'p2p', 'all_gather' or "
+                                            "'prefix_scan'"),
     (_acc(linear_attention_gdn_backend="auto"), "train.accelerator.linear_attention_gdn_backend"),
     (_acc(full_attention_cp_mode="zigzag"), "train.accelerator.full_attention_cp_mode"),
     (_acc(pp=2, cp=1, world_size=2), "train.pipeline.microbatches=4 must divide "

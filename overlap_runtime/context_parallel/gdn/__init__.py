@@ -1,11 +1,12 @@
-"""Gated DeltaNet context parallelism: ``LinearAttentionContextParallel`` and its three modes.
+"""Gated DeltaNet context parallelism: ``LinearAttentionContextParallel`` and its four modes.
 
 ``LinearAttentionContextParallel(mode, backend).apply(gdn_layer, cp_mesh)`` swaps the layer's
 sequence mixer (the strategy protocol of ``overlap_runtime.layers.sequence_mixer``) for the
 mode's CP mixer; the layer's token-wise work stays the layer's. One algorithm per module:
 ``common`` (``GDNCPPlan``, the CP mixers' base and boundary checks, bounded p2p helpers, the
 halo conv), ``ulysses`` (head all-to-all), ``p2p`` (the state chain, eager and Triton),
-``all_gather`` (summary all-gather + prefix compose), ``task_graph`` (the p2p chain as a
+``all_gather`` (summary all-gather + prefix compose), ``prefix_scan`` (the entering states
+by an exclusive scan in ceil(log2 P) point-to-point rounds, ``scan_rounds``), ``task_graph`` (the p2p chain as a
 ``TaskGraph`` for the validator and simulator), ``style`` (the public style). See
 docs/gdn_context_parallel.md.
 

@@ -49,7 +49,7 @@ class GDNCPPlan:
     """What ``LinearAttentionContextParallel.apply`` binds to a layer (never per-call data).
 
     Attributes:
-        mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"``.
+        mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"prefix_scan"``.
         backend: local GDN backend (``"eager"`` or ``"triton"``).
         group: the CP process group (``cp_mesh.get_group()``).
         cp_size: number of ranks in ``group``.
@@ -90,7 +90,7 @@ class ContextParallelGDNMixer(GDNSequenceMixer):
 
     @property
     def mode(self) -> str:
-        """The CP mode (``"ulysses"``, ``"p2p"`` or ``"all_gather"``)."""
+        """The CP mode (``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"prefix_scan"``)."""
         return self.plan.mode
 
     def extra_repr(self) -> str:
@@ -229,7 +229,7 @@ def check_backend_before_comm(layer: GatedDeltaNet, hidden: torch.Tensor, plan: 
     gb = torch.empty(1, 1, 1, dtype=gate_dtype, device=device)
     beta = torch.empty(1, 1, 1, dtype=dtype, device=device)
     state = None
-    if plan.mode in ("p2p", "all_gather"):  # H_in reaches the op as an fp32 state
+    if plan.mode in ("p2p", "all_gather", "prefix_scan"):  # H_in reaches the op as fp32
         state = torch.empty(1, 1, layer.head_k_dim, layer.head_v_dim, dtype=gate_dtype,
                             device=device)
     check_triton_inputs(qk, qk, v, gb, beta, state, layer.chunk_size)
@@ -326,7 +326,7 @@ def halo_conv_qkv(
 def local_core_inputs(
     layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GDN core's inputs on a contiguous shard (the p2p and all_gather modes): halo conv,
+    """The GDN core's inputs on a contiguous shard (p2p, all_gather, prefix_scan): halo conv,
     split, gates.
 
     Args:

@@ -83,7 +83,8 @@ from .common import (
     post_send,
 )
 
-__all__ = ["GDNStateChain", "TritonStateChain", "gdn_state_chain", "P2PGDNMixer"]
+__all__ = ["GDNStateChain", "TritonStateChain", "gdn_state_chain", "P2PGDNMixer",
+           "local_output_grads", "add_summary_grads"]
 
 
 class GDNStateChain(torch.autograd.Function):
@@ -144,21 +145,9 @@ class GDNStateChain(torch.autograd.Function):
             dh_out = m.new_empty((v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]))
             recv = post_recv(dh_out, rank + 1, plan, "gdn p2p backward dH_out")
         needs = ctx.needs_input_grad[:5]
-        with torch.enable_grad(), profile_range("gdn.p2p bwd local output"):
-            leaves = [x.detach().requires_grad_(need) for x, need in zip((q, k, v, g, beta), needs)]
-            h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
-            o, _ = chunk_gated_delta_rule(
-                *leaves, scale=ctx.scale, initial_state=h_leaf, use_qk_l2norm=True,
-                chunk_size=ctx.chunk_size, backend=plan.backend,
-            )
-            wanted = [x for x in leaves if x.requires_grad] + ([h_leaf] if h_leaf is not None else [])
-            local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
-        dh_in_local = local.pop() if h_leaf is not None else None
-        grads: list[torch.Tensor | None] = [None] * 5
-        it = iter(local)
-        for i, need in enumerate(needs):
-            if need:
-                grads[i] = next(it)
+        with profile_range("gdn.p2p bwd local output"):
+            grads, dh_in_local, leaves = local_output_grads(
+                (q, k, v, g, beta), needs, h_in, do, ctx.scale, ctx.chunk_size, plan.backend)
 
         send = None
         if recv is not None:
@@ -172,28 +161,72 @@ class GDNStateChain(torch.autograd.Function):
                 send = post_send(dh_in, rank - 1, plan, "gdn p2p backward dH_in")
 
         if dh_out is not None and any(needs):
-            # Gradient through the summary (M, S) that produced H_out.
-            with torch.enable_grad(), profile_range("gdn.p2p bwd summary"):
-                prep = prepare_chunks(*leaves, ctx.scale, True, ctx.chunk_size)
-                m2, s2 = summarize(prep)
-                outs, gouts = [s2], [dh_out.to(s2.dtype)]
-                if h_in is not None:
-                    outs.append(m2)
-                    gouts.append(dh_out.to(m2.dtype) @ h_in.to(m2.dtype).transpose(-1, -2))
-                targets = [x for x in leaves if x.requires_grad]
-                extra = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
-            it = iter(extra)
-            for i, need in enumerate(needs):
-                if need:
-                    e = next(it)
-                    if e is not None:
-                        grads[i] = e if grads[i] is None else grads[i] + e
+            with profile_range("gdn.p2p bwd summary"):
+                add_summary_grads(grads, leaves, needs, h_in, dh_out, ctx.scale, ctx.chunk_size)
         if send is not None:
             send.wait()
         grads = [
             gr.to(x.dtype) if gr is not None else None for gr, x in zip(grads, (q, k, v, g, beta))
         ]
         return (*grads, None, None, None)
+
+
+def local_output_grads(
+    inputs: tuple[torch.Tensor, ...], needs: tuple[bool, ...], h_in: torch.Tensor | None,
+    do: torch.Tensor, scale: float, chunk_size: int, backend: str,
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None, list[torch.Tensor]]:
+    """Backward of a rank's local output ``o = GDN(q, k, v, g, beta; H_in)`` alone (recomputed).
+
+    Args:
+        inputs: ``(q, k, v, g, beta)`` as saved by the forward; needs: which need a gradient.
+        h_in: ``[B, HV, K, V]`` the state that entered the rank (None: zeros, rank 0).
+        do: ``[B, T, HV, V]`` gradient of the output.
+
+    Returns:
+        ``(grads, dH_in_local, leaves)``: the five input gradients of the local output (None
+        where not needed), ``dH_in_local [B, HV, K, V]`` (None when ``h_in`` is None) and the
+        detached leaves (for :func:`add_summary_grads`).
+    """
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(need) for x, need in zip(inputs, needs)]
+        h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
+        o, _ = chunk_gated_delta_rule(
+            *leaves, scale=scale, initial_state=h_leaf, use_qk_l2norm=True,
+            chunk_size=chunk_size, backend=backend,
+        )
+        wanted = [x for x in leaves if x.requires_grad] + ([h_leaf] if h_leaf is not None else [])
+        local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
+    dh_in_local = local.pop() if h_leaf is not None else None
+    grads: list[torch.Tensor | None] = [None] * len(inputs)
+    it = iter(local)
+    for i, need in enumerate(needs):
+        if need:
+            grads[i] = next(it)
+    return grads, dh_in_local, leaves
+
+
+def add_summary_grads(
+    grads: list[torch.Tensor | None], leaves: list[torch.Tensor], needs: tuple[bool, ...],
+    h_in: torch.Tensor | None, dh_out: torch.Tensor, scale: float, chunk_size: int,
+) -> None:
+    """Add (in ``grads``, in place) the gradient through the rank's summary ``(M, S)`` that
+    produced ``H_out = M H_in + S``, given ``dH_out [B, HV, K, V]``: ``dM = dH_out H_in^T``,
+    ``dS = dH_out`` (``M`` is skipped when ``h_in`` is None: it multiplied zeros)."""
+    with torch.enable_grad():
+        prep = prepare_chunks(*leaves, scale, True, chunk_size)
+        m2, s2 = summarize(prep)
+        outs, gouts = [s2], [dh_out.to(s2.dtype)]
+        if h_in is not None:
+            outs.append(m2)
+            gouts.append(dh_out.to(m2.dtype) @ h_in.to(m2.dtype).transpose(-1, -2))
+        targets = [x for x in leaves if x.requires_grad]
+        extra = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
+    it = iter(extra)
+    for i, need in enumerate(needs):
+        if need:
+            e = next(it)
+            if e is not None:
+                grads[i] = e if grads[i] is None else grads[i] + e
 
 
 class _ChainLink(StateLink):

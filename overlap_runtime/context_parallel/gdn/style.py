@@ -7,13 +7,14 @@
 ``mode`` picks the distributed algorithm, ``backend`` the local GDN implementation; they are
 orthogonal (seed 000, 5.4):
 
-=============  =========================================  ==========  =====================
-mode           what crosses ranks                         eager       triton
-=============  =========================================  ==========  =====================
-``ulysses``    q/k/v/a/b (seq -> head a2a), o (inverse)   yes         yes (the Triton GDN op)
-``p2p``        conv halo, fp32 state chain H / dH         yes         yes (Triton summaries)
-``all_gather`` conv halo, every rank's summary (M, S)     yes         yes (eager summaries)
-=============  =========================================  ==========  =====================
+===============  =========================================  ==========  =====================
+mode             what crosses ranks                         eager       triton
+===============  =========================================  ==========  =====================
+``ulysses``      q/k/v/a/b (seq -> head a2a), o (inverse)   yes         yes (the Triton GDN op)
+``p2p``          conv halo, fp32 state chain H / dH         yes         yes (Triton summaries)
+``all_gather``   conv halo, every rank's summary (M, S)     yes         yes (eager summaries)
+``prefix_scan``  conv halo, (M, S) or H in log2 P rounds    yes         yes (Triton summaries)
+===============  =========================================  ==========  =====================
 
 There is no ``auto`` and no fallback: an unsupported combination raises, naming the value and the
 rule. With ``backend="triton"`` the local sequence must be a multiple of the chunk size 64 and the
@@ -22,7 +23,8 @@ forward, before any communication, on every rank at the same point.
 
 ``apply`` installs the mode's sequence mixer as ``module.sequence_mixer`` (the strategy protocol
 of ``overlap_runtime.layers.sequence_mixer``: :class:`~.ulysses.UlyssesGDNMixer`,
-:class:`~.p2p.P2PGDNMixer`, :class:`~.all_gather.AllGatherGDNMixer`); the layer's own forward -
+:class:`~.p2p.P2PGDNMixer`, :class:`~.all_gather.AllGatherGDNMixer`,
+:class:`~.prefix_scan.PrefixScanGDNMixer`); the layer's own forward -
 mask, projections, mixer, gated norm and out projection - is unchanged. After ``apply``,
 ``module(hidden_states, attention_mask=None, cu_seqlens=None)`` takes this rank's contiguous
 sequence shard ``[B, S/P, hidden]`` (a tensor, or a DTensor on ``cp_mesh`` placed ``Shard(1)``)
@@ -48,16 +50,18 @@ from overlap_runtime.ops.gdn import SUPPORTED_BACKENDS
 from .all_gather import AllGatherGDNMixer
 from .common import ContextParallelGDNMixer, GDNCPPlan
 from .p2p import P2PGDNMixer
+from .prefix_scan import PrefixScanGDNMixer
 from .ulysses import UlyssesGDNMixer, ulysses_head_layout
 
 __all__ = ["LinearAttentionContextParallel", "LINEAR_ATTENTION_CP_MODES"]
 
-LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = ("ulysses", "p2p", "all_gather")
+LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = ("ulysses", "p2p", "all_gather", "prefix_scan")
 
 _MODE_MIXER: dict[str, type[ContextParallelGDNMixer]] = {
     "ulysses": UlyssesGDNMixer,
     "p2p": P2PGDNMixer,
     "all_gather": AllGatherGDNMixer,
+    "prefix_scan": PrefixScanGDNMixer,
 }
 
 #: What the CP mixers read on the layer (``layers.GatedDeltaNet``'s parameters and pieces) and
@@ -72,7 +76,7 @@ class LinearAttentionContextParallel:
     """Context-parallel style for a GDN layer (see the module docstring).
 
     Args:
-        mode: ``"ulysses"``, ``"p2p"`` or ``"all_gather"``.
+        mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"prefix_scan"``.
         backend: local GDN backend, ``"eager"`` or ``"triton"`` (no ``auto``).
         tp_size: tensor-parallel degree of the layer; only 1 (linear-attention TP + CP is out
             of scope, seed 000 3.2).

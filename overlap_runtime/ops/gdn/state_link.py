@@ -18,10 +18,10 @@ class StateLink:
 
     The cores call the hooks at the earliest point the algebra allows:
 
-    * forward: :meth:`entering_state` after the segment summaries (the wait sits there, after
+    * forward: (:meth:`segment_maps`, then) :meth:`entering_state` after the segment summaries (the wait sits there, after
       everything that does not need the state), :meth:`leaving_state` right after the chain
       across segments (before the per-segment scans and the outputs);
-    * backward: :meth:`leaving_state_grad` after ``dv_local`` and the segment-local
+    * backward: (:meth:`segment_state_grads`, then) :meth:`leaving_state_grad` after ``dv_local`` and the segment-local
       reverse scans; :meth:`entering_state_grad` right after the reverse chain (before the
       per-chunk reverse scan and every input-gradient kernel).
 
@@ -30,6 +30,19 @@ class StateLink:
 
     #: The hooks need the segment summaries to run early: at least this many segments.
     min_segments: int = 1
+    #: Hand the segment maps to :meth:`segment_maps` / :meth:`segment_state_grads` (the op then
+    #: computes them even for one segment).
+    wants_segment_maps: bool = False
+
+    def segment_maps(self, m_seg: torch.Tensor, s_seg: torch.Tensor) -> None:
+        """Forward, right before :meth:`entering_state` (only if ``wants_segment_maps``): the
+        segment summaries from zero, ``M [B*HV, NS, K, K]`` and ``S [B*HV, NS, K, V]`` fp32, in
+        time order (``h_(s+1) = M_s h_s + S_s``)."""
+
+    def segment_state_grads(self, m_seg: torch.Tensor, local: torch.Tensor) -> None:
+        """Backward, right before :meth:`leaving_state_grad` (only if ``wants_segment_maps``):
+        the segment maps ``M [B*HV, NS, K, K]`` and the segment-local state gradients ``c_s
+        [B*HV, NS, K, V]`` fp32 (``dh_s = M_s^T dh_(s+1) + c_s``)."""
 
     def entering_state(self) -> torch.Tensor | None:
         """``[B, HV, K, V]`` fp32 state entering the sequence, or None (zeros)."""

@@ -270,9 +270,12 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     num_chunks = triton.cdiv(seq_len, CHUNK)
     ns, per_segment = _layout(kn, u, num_segments, link.min_segments if link else 1)
     m_seg = s_seg = None
-    if ns > 1:
+    wants_maps = link is not None and link.wants_segment_maps
+    if ns > 1 or wants_maps:
         m_seg, s_seg = segment_summaries(kn, w, u, gamma, ns, per_segment)
     if link is not None:
+        if wants_maps:
+            link.segment_maps(m_seg, s_seg)
         h0 = link.entering_state()
     h0_flat = None if h0 is None else h0.reshape(bh, key_dim, value_dim)
     if ns > 1:
@@ -322,10 +325,14 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     num_chunks = triton.cdiv(seq_len, CHUNK)
     dvl = dv_local(qn, kn, gamma, do, scale)
     local = None
-    if ns > 1:
+    wants_maps = link is not None and link.wants_segment_maps
+    if ns > 1 or wants_maps:
         _, _, local = state_grad_scan(qn, kn, w, gamma, do, dvl, None, scale, ns,
                                       per_segment, store=False)
     if link is not None:
+        if wants_maps:
+            assert m_seg is not None, "the forward ran without the link's segment maps"
+            link.segment_state_grads(m_seg, local)
         dht = link.leaving_state_grad()
     dht_flat = (None if dht is None
                 else dht.to(torch.float32).reshape(bh, key_dim, value_dim).contiguous())

@@ -1,0 +1,259 @@
+"""Prefix-scan GDN context parallelism: every rank's entering state in ``ceil(log2 P)`` rounds.
+
+:class:`PrefixScanGDNMixer` is the layer's sequence mixer of ``mode="prefix_scan"``. Like the
+p2p chain (``gdn/p2p.py``) every rank keeps all heads and its contiguous shard, the conv halo
+goes to the next rank, and each rank summarises its shard as one affine map ``(M_r, S_r)``.
+Instead of the chain (rank ``r`` waits for ``r - 1``'s ``H_out``: ``P - 1`` hops in sequence)
+the ranks run an exclusive prefix over the maps in ``ceil(log2 P)`` rounds of point-to-point
+messages (``gdn/scan_rounds.py``: Hillis-Steele, why not Blelloch, which messages carry a
+pair and which a state)::
+
+    forward of rank r
+      post the scan's receives (every round)            before any local work
+      prep  = prepare_chunks(...)                       WY factors, every chunk at once
+      M, S  = summarize(prep)                           tree over chunks (r < P - 1)
+      H_in  = exclusive prefix of (M_0, S_0) .. (M_(r-1), S_(r-1))    log2 P rounds
+      o     = chunk_output(prep, H_in)
+      wait the scan's sends
+
+    backward of rank r (the reversed prefix over the transposed summaries)
+      post the reverse scan's receives
+      local backward of o from H_in -> input grads, dH_in_local = L_r      no message needed
+      dH_out = exclusive prefix, in reverse rank order, of (M_j^T, L_j), j > r
+               (dH_out_r = M_(r+1)^T dH_out_(r+1) + L_(r+1), dH_out_(P-1) = 0)
+      summary backward with dM = dH_out H_in^T, dS = dH_out           (r < P - 1)
+      wait the sends
+
+Per rank and direction: at most ``ceil(log2 P)`` receives and sends of ``[B, HV, K, K + V]`` fp32
+(a pair) or ``[B, HV, K, V]`` (a state), and one compose (a ``K x K x (K + V)`` product) per
+round; the chain sends one state and does one ``K x K x V`` product, but its critical path is
+``P - 1`` hops. docs/gdn_context_parallel.md has the latency model and when each wins.
+
+``backend="triton"``: the Triton op hands the scan its own segment summaries through the
+``StateLink`` hooks (``ops/gdn/state_link.py``: ``segment_maps`` in the forward,
+``segment_state_grads`` in the backward, the op computes them even for one segment when the
+link asks). The link composes the ``NS`` segment maps into the rank's ``(M_r, S_r)`` (and, in the
+backward, the segment-local state gradients into ``(M_r^T, L_r)``) with a tree, runs the scan
+where the op asks for its entering state (or the leaving state's gradient), and ignores the
+leaving state (or the entering state's gradient): nobody waits for them. No summary is computed
+outside the op and no forward is recomputed in the backward.
+
+Packed batches (``cu_seqlens``) are refused with a named error: use ``p2p`` or ``all_gather``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
+from overlap_runtime.ops.gdn import (
+    chunk_output,
+    get_backend,
+    prepare_chunks,
+    summarize,
+    tree_compose,
+    validate_inputs,
+)
+from overlap_runtime.ops.gdn.state_link import StateLink
+from overlap_runtime.ops.profile_range import profile_range
+
+from .common import ContextParallelGDNMixer, GDNCPPlan, local_core_inputs
+from .p2p import add_summary_grads, local_output_grads
+from .scan_rounds import AffinePrefixRounds
+
+__all__ = ["GDNPrefixScan", "TritonPrefixScan", "gdn_prefix_scan", "PrefixScanGDNMixer"]
+
+_FWD = "gdn prefix_scan forward (M, S)"
+_BWD = "gdn prefix_scan backward (M^T, dH)"
+
+
+def _state_shape(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    return (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+
+
+class GDNPrefixScan(torch.autograd.Function):
+    """``apply(q, k, v, g, beta, plan, scale, chunk_size) -> o [B, T, HV, V]`` (v's dtype).
+
+    q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV]`` fp32, beta ``[B, T, HV]``: this
+    rank's contiguous shard (any length: a partial last chunk is masked). q and k are
+    l2-normalised inside. The state entering the rank is the prefix of the earlier ranks'
+    summaries (module docstring); states and maps are fp32 (float64 for float64 inputs).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, plan: GDNCPPlan, scale: float, chunk_size: int,
+    ) -> torch.Tensor:
+        rank, world = plan.rank, plan.cp_size
+        state_dtype = torch.promote_types(q.dtype, torch.float32)
+        scan = AffinePrefixRounds(plan, False, _state_shape(k, v), state_dtype, q.device, _FWD)
+        with profile_range("gdn.prefix_scan fwd local prepare+summary"):
+            prep = prepare_chunks(q, k, v, g, beta, scale, True, chunk_size)
+            m = s = None
+            if rank < world - 1:
+                m, s = summarize(prep)
+        with profile_range("gdn.prefix_scan fwd scan"):
+            h_in = scan.run(m, s)
+        with profile_range("gdn.prefix_scan fwd local output"):
+            o, _ = chunk_output(prep, h_in)
+        scan.finish()
+        # M is kept where the backward's scan sends pairs (0 < r < P - 1); H_in where r > 0.
+        ctx.save_for_backward(q, k, v, g, beta, h_in, m if 0 < rank < world - 1 else None)
+        ctx.plan, ctx.scale, ctx.chunk_size = plan, scale, chunk_size
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, g, beta, h_in, m = ctx.saved_tensors
+        plan: GDNCPPlan = ctx.plan
+        rank, world = plan.rank, plan.cp_size
+        state_dtype = torch.promote_types(q.dtype, torch.float32)
+        scan = AffinePrefixRounds(plan, True, _state_shape(k, v), state_dtype, q.device, _BWD)
+        needs = ctx.needs_input_grad[:5]
+        with profile_range("gdn.prefix_scan bwd local output"):
+            grads, dh_in_local, leaves = local_output_grads(
+                (q, k, v, g, beta), needs, h_in, do, ctx.scale, ctx.chunk_size, plan.backend)
+        with profile_range("gdn.prefix_scan bwd scan"):
+            m_t = None if m is None else m.transpose(-1, -2)
+            dh_out = scan.run(m_t, dh_in_local)  # None on the last rank: nothing after it
+        if dh_out is not None and rank < world - 1 and any(needs):
+            with profile_range("gdn.prefix_scan bwd summary"):
+                add_summary_grads(grads, leaves, needs, h_in, dh_out, ctx.scale, ctx.chunk_size)
+        scan.finish()
+        grads = [gr.to(x.dtype) if gr is not None else None
+                 for gr, x in zip(grads, (q, k, v, g, beta))]
+        return (*grads, None, None, None)
+
+
+class _ScanLink(StateLink):
+    """The Triton op's state hooks running the prefix scan, for one forward or backward.
+
+    The scan's receives are posted at construction (before the op's local work). Forward:
+    :meth:`segment_maps` composes the op's segment summaries into ``(M_r, S_r)``,
+    :meth:`entering_state` runs the scan. Backward: :meth:`segment_state_grads` composes the
+    transposed segment maps and the segment-local state gradients into ``(M_r^T, L_r)``,
+    :meth:`leaving_state_grad` runs the reverse scan.
+    """
+
+    #: Two segments at least (as the chain's link): their summaries run in parallel, where one
+    #: segment would cost a whole sequential summary walk before the scan (one chunk: one).
+    min_segments = 2
+    wants_segment_maps = True
+
+    def __init__(self, plan: GDNCPPlan, state_shape: tuple[int, int, int, int],
+                 device: torch.device, reverse: bool) -> None:
+        self.plan, self.state_shape = plan, state_shape
+        self.scan = AffinePrefixRounds(plan, reverse, state_shape, torch.float32, device,
+                                       _BWD if reverse else _FWD)
+        self.m: torch.Tensor | None = None
+        self.s: torch.Tensor | None = None
+
+    def _rank_map(self, m: torch.Tensor, s: torch.Tensor) -> None:
+        batch, heads, key_dim, cols = self.state_shape
+        m_r, s_r = tree_compose(m, s)  # [B*HV, NS, ...] in time order -> [B*HV, ...]
+        self.m = m_r.reshape(batch, heads, key_dim, key_dim)
+        self.s = s_r.reshape(batch, heads, key_dim, cols)
+
+    # forward
+    def segment_maps(self, m_seg: torch.Tensor, s_seg: torch.Tensor) -> None:
+        rank, world = self.plan.rank, self.plan.cp_size
+        if rank < world - 1:  # the last rank's map is never sent
+            self._rank_map(m_seg, s_seg)
+
+    def entering_state(self) -> torch.Tensor | None:
+        return self.scan.run(self.m, self.s)
+
+    def leaving_state(self, h_out: torch.Tensor) -> None:
+        """Nobody waits for it: the scan gave every rank its entering state."""
+
+    # backward: the reverse walk over segments is a walk in time order over the transposed maps
+    def segment_state_grads(self, m_seg: torch.Tensor, local: torch.Tensor) -> None:
+        if self.plan.rank > 0:  # rank 0 sends nothing in the reverse scan
+            self._rank_map(m_seg.transpose(-1, -2).flip(-3), local.flip(-3))
+
+    def leaving_state_grad(self) -> torch.Tensor | None:
+        return self.scan.run(self.m, self.s)
+
+    def entering_state_grad(self, dh_in: torch.Tensor) -> None:
+        """Nobody waits for it: the reverse scan gave every rank its ``dH_out``."""
+
+
+class TritonPrefixScan(torch.autograd.Function):
+    """``apply(q, k, v, g, beta, plan, scale) -> o [B, T, HV, V]`` with the scan inside the
+    Triton op's state hooks (module docstring). Shapes as :class:`GDNPrefixScan`;
+    q/k/v/beta bf16/fp16/fp32, g fp32; ``T`` a multiple of 64."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, plan: GDNCPPlan, scale: float,
+    ) -> torch.Tensor:
+        from overlap_runtime.ops.gdn.triton.function import gdn_forward
+
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        shape = _state_shape(k, v)
+        link = _ScanLink(plan, shape, q.device, reverse=False)
+        o, _, saved, meta = gdn_forward(q, k, v, g, beta, None, scale, True, None, link=link)
+        link.scan.finish()
+        ctx.save_for_backward(*saved)
+        ctx.meta, ctx.plan, ctx.state_shape = meta, plan, shape
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        from overlap_runtime.ops.gdn.triton.function import gdn_backward
+
+        link = _ScanLink(ctx.plan, ctx.state_shape, do.device, reverse=True)
+        dq, dk, dv, dg, dbeta, _ = gdn_backward(ctx.saved_tensors, ctx.meta, do, None,
+                                                link=link)
+        link.scan.finish()
+        return dq, dk, dv, dg, dbeta, None, None
+
+
+def gdn_prefix_scan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    plan: GDNCPPlan, chunk_size: int = 64,
+) -> torch.Tensor:
+    """Validate, check the backend (raises, never falls back), then run the prefix scan.
+
+    The checks run before any message, on every rank alike (same shapes), so a refusal raises
+    everywhere instead of leaving a peer waiting.
+
+    Returns:
+        o ``[B, T_local, HV, V]`` in v's dtype.
+    """
+    validate_inputs(q, k, v, g, beta, None, chunk_size)
+    impl = get_backend(plan.backend)
+    state = q.new_empty((1, 1, q.shape[-1], v.shape[-1]), dtype=torch.promote_types(
+        q.dtype, torch.float32))  # H_in's dtype and layout, for the backend's rules
+    impl.check(q, k, v, g, beta, initial_state=state, chunk_size=chunk_size)
+    scale = q.shape[-1] ** -0.5
+    if plan.backend == "triton":
+        return TritonPrefixScan.apply(q, k, v, g, beta, plan, scale)
+    if plan.backend != "eager":  # pragma: no cover - the registry holds these two
+        raise NotImplementedError(
+            f"mode='prefix_scan' with backend={plan.backend!r}: the scan knows the 'eager' and "
+            "'triton' local kernels only")
+    return GDNPrefixScan.apply(q, k, v, g, beta, plan, scale, chunk_size)
+
+
+class PrefixScanGDNMixer(ContextParallelGDNMixer):
+    """Sequence mixer of ``mode="prefix_scan"`` (see the module docstring)."""
+
+    def forward(self, layer: GatedDeltaNet, proj: GDNProjections,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """This rank's shard ``proj`` (``[B, T_local, ...]``) -> ``o [B, T_local, HV, V]``."""
+        q, k, v, g, beta = local_core_inputs(layer, self.plan, proj, mask)
+        return gdn_prefix_scan(q, k, v, g, beta, self.plan, layer.chunk_size)
+
+    def forward_packed(self, layer: GatedDeltaNet, proj: GDNProjections,
+                       mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Refused on every rank alike, before any message of the layer."""
+        raise NotImplementedError(
+            "packed batches (cu_seqlens) are not supported by linear-attention CP "
+            "mode='prefix_scan': use mode 'p2p' or 'all_gather' for packed documents")
