@@ -75,3 +75,17 @@ def test_per_layer_and_hierarchical_errors_name_the_field(acc: dict[str, Any],
     with pytest.raises(ConfigError) as info:
         config_from_dict(_config(**acc))
     assert needle in str(info.value), str(info.value)
+
+
+def test_example_config_loads_with_its_per_layer_modes() -> None:
+    from pathlib import Path
+
+    from overlap_runtime.stepgraph.compose import compile_step
+    from overlap_runtime.trainer.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "tiny_cp4_hierarchical.yaml")
+    acc = cfg.train.accelerator
+    assert layer_cp_modes(acc, cfg.model.layer_types) == \
+        ["p2p", "hierarchical", "all_gather", "ring"] * 2
+    assert (acc.hierarchical_cp.a2a, acc.hierarchical_cp.ring, acc.cp) == (2, 2, 4)
+    compile_step(cfg)  # the step graph of the per-layer and hierarchical modes validates
