@@ -1,12 +1,13 @@
-"""Context parallelism: sequence sharding, full-attention CP (Ulysses, ring, all-gather K/V) and
-Gated DeltaNet CP (ulysses, p2p state chain, all-gather of affine summaries).
+"""Context parallelism: sequence sharding, full-attention CP (Ulysses, ring, all-gather K/V,
+hierarchical Ulysses x ring) and Gated DeltaNet CP (ulysses, p2p state chain, all-gather of
+affine summaries).
 
 Both styles swap one strategy on a ``overlap_runtime.layers`` module and leave the rest of the
 layer alone: ``ContextParallel(mode, load_balance).apply(attn, cp_mesh)`` replaces
 ``attn.core_attention``; ``LinearAttentionContextParallel(mode, backend).apply(gdn, cp_mesh)``
 replaces ``gdn.sequence_mixer``. See docs/context_parallel.md and docs/gdn_context_parallel.md.
 One algorithm per module: ``sharding`` (contiguous and zigzag splits), ``ulysses``, ``ring``
-(+ ``ring_accumulate``), ``all_gather_kv``, ``api`` (``ContextParallel``), and the ``gdn``
+(+ ``ring_accumulate``), ``all_gather_kv``, ``hierarchical``, ``api`` (``ContextParallel``), and the ``gdn``
 subpackage. Internal helpers (zigzag permutations, head-layout checks, the GDN CP mixers) are
 imported from their modules.
 
@@ -29,6 +30,11 @@ from overlap_runtime.context_parallel.gdn import (
     gdn_p2p_task_graph,
     simulate_gdn_p2p,
 )
+from overlap_runtime.context_parallel.hierarchical import (
+    HIERARCHICAL_MESH_DIMS,
+    hierarchical_attention,
+    hierarchical_cp_mesh,
+)
 from overlap_runtime.context_parallel.packed import PackedLayout
 from overlap_runtime.context_parallel.ring import ring_attention
 from overlap_runtime.context_parallel.sharding import (
@@ -48,6 +54,7 @@ from overlap_runtime.ops.comm_stats import CommStats
 
 __all__ = [
     "GDN_P2P_NODE_KINDS",
+    "HIERARCHICAL_MESH_DIMS",
     "LINEAR_ATTENTION_CP_MODES",
     "MODES",
     "CommStats",
@@ -61,6 +68,8 @@ __all__ = [
     "gather_sequence",
     "gdn_p2p_cost_model",
     "gdn_p2p_task_graph",
+    "hierarchical_attention",
+    "hierarchical_cp_mesh",
     "packed_ring_attention",
     "packed_ulysses_attention",
     "ring_attention",

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap_runtime.context_parallel.all_gather_kv import all_gather_kv_attention
+from overlap_runtime.context_parallel.hierarchical import hierarchical_attention, mesh_groups
 from overlap_runtime.context_parallel.ring import ring_attention
 from overlap_runtime.context_parallel.sharding import (
     LoadBalance,
@@ -40,8 +41,8 @@ from overlap_runtime.ops.comm_stats import CommStats
 from overlap_runtime.context_parallel.ulysses import ulysses_attention
 from overlap_runtime.ops.attention import Backend
 
-Mode = Literal["ulysses", "ring", "all_gather_kv"]
-MODES: tuple[str, ...] = ("ulysses", "ring", "all_gather_kv")
+Mode = Literal["ulysses", "ring", "all_gather_kv", "hierarchical"]
+MODES: tuple[str, ...] = ("ulysses", "ring", "all_gather_kv", "hierarchical")
 
 __all__ = ["Mode", "MODES", "ContextParallelCoreAttention", "ContextParallel"]
 
@@ -53,7 +54,8 @@ class ContextParallelCoreAttention(nn.Module):
     """Core attention over local shards of a sequence split across ``group``.
 
     Holds configuration only (mode, load balance, group, scale, timeout); each call's
-    communication record goes to the ``stats`` the caller passes.
+    communication record goes to the ``stats`` the caller passes. ``group``: the CP process
+    group, or for ``mode="hierarchical"`` the pair ``(a2a_group, ring_group)``.
     """
 
     def __init__(self, mode: Mode, load_balance: LoadBalance, group: Any,
@@ -84,6 +86,12 @@ class ContextParallelCoreAttention(nn.Module):
         """
         if cu_seqlens is not None:
             return self._packed(q, k, v, causal, cu_seqlens)
+        if self.mode == "hierarchical":
+            a2a_group, ring_group = self.group
+            return hierarchical_attention(q, k, v, a2a_group, ring_group, causal=causal,
+                                          load_balance=self.load_balance,
+                                          scale=self.softmax_scale, timeout_s=self.timeout_s,
+                                          stats=stats, backend=self.backend)
         fn = _CP_FUNCS[self.mode]
         return fn(q, k, v, group=self.group, causal=causal, load_balance=self.load_balance,
                   scale=self.softmax_scale, timeout_s=self.timeout_s, stats=stats,
@@ -114,8 +122,11 @@ class ContextParallel:
     """Context parallelism for full attention: ``ContextParallel(mode, load_balance).apply(m, mesh)``.
 
     Args:
-        mode: ``"ulysses"`` (heads % cp == 0), ``"ring"`` (P2P ring, online softmax) or
-            ``"all_gather_kv"``.
+        mode: ``"ulysses"`` (heads % cp == 0), ``"ring"`` (P2P ring, online softmax),
+            ``"all_gather_kv"`` or ``"hierarchical"`` (Ulysses inside, ring across:
+            ``hierarchical.py``; :meth:`apply` then takes the 2-D ``("cp_ring", "cp_a2a")``
+            mesh of ``hierarchical.hierarchical_cp_mesh``, and :meth:`shard` /
+            :meth:`position_ids` split by the flat rule over its ``R x A`` ranks).
         load_balance: ``"zigzag"`` (rank r holds chunks r and 2P-1-r; seq % 2P == 0) or None
             (contiguous; seq % P == 0). Inputs must be split by the same rule
             (:meth:`shard`, :meth:`position_ids`).
@@ -131,14 +142,23 @@ class ContextParallel:
         self.timeout_s = timeout_s
         self.backend = backend
 
-    @staticmethod
-    def _check_mesh(cp_mesh: DeviceMesh) -> None:
+    def _check_mesh(self, cp_mesh: DeviceMesh) -> tuple[int, int]:
+        """``(cp size, this rank's flat CP rank)``; raises on a mesh of the wrong shape."""
         if not isinstance(cp_mesh, DeviceMesh):
             raise TypeError(f"cp_mesh must be a torch.distributed DeviceMesh, got "
                             f"{type(cp_mesh).__name__}")
+        if self.mode == "hierarchical":
+            if cp_mesh.ndim != 2:
+                raise ValueError(
+                    f"ContextParallel(mode='hierarchical') needs the 2-D (ring, a2a) CP mesh "
+                    f"(hierarchical.hierarchical_cp_mesh(mesh['cp'], a2a)), got a "
+                    f"{cp_mesh.ndim}-D mesh of shape {tuple(cp_mesh.shape)}")
+            ring_rank, a2a_rank = cp_mesh.get_local_rank(0), cp_mesh.get_local_rank(1)
+            return cp_mesh.size(), ring_rank * cp_mesh.size(1) + a2a_rank
         if cp_mesh.ndim != 1:
             raise ValueError(f"cp_mesh must be 1-D (the CP dimension alone), got a {cp_mesh.ndim}-D "
                              f"mesh of shape {tuple(cp_mesh.shape)}; pass mesh['cp']")
+        return cp_mesh.size(), cp_mesh.get_local_rank()
 
     def apply(self, attention_module: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         """Replace ``attention_module.core_attention`` by the CP version; return the module.
@@ -155,21 +175,20 @@ class ContextParallel:
         if isinstance(core, ContextParallelCoreAttention):
             raise ValueError(f"ContextParallel.apply: {type(attention_module).__name__} is already "
                              f"context parallel ({core.extra_repr()})")
+        group = mesh_groups(cp_mesh) if self.mode == "hierarchical" else cp_mesh.get_group()
         attention_module.core_attention = ContextParallelCoreAttention(
-            self.mode, self.load_balance, cp_mesh.get_group(),
+            self.mode, self.load_balance, group,
             getattr(core, "softmax_scale", None), self.timeout_s, self.backend)
         return attention_module
 
     def shard(self, x: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int = 1) -> torch.Tensor:
         """This rank's shard of a full-sequence tensor, by this wrapper's rule."""
-        self._check_mesh(cp_mesh)
-        return shard_sequence(x, cp_mesh.size(), cp_mesh.get_local_rank(), seq_dim,
-                              self.load_balance)
+        size, rank = self._check_mesh(cp_mesh)
+        return shard_sequence(x, size, rank, seq_dim, self.load_balance)
 
     def position_ids(self, seq_len: int, cp_mesh: DeviceMesh,
                      device: torch.device | str | None = None) -> torch.Tensor:
         """Position ids ``[seq_len / P]`` (int64) of this rank's tokens, by this wrapper's rule."""
-        self._check_mesh(cp_mesh)
-        check_sequence_length(seq_len, cp_mesh.size(), self.load_balance)
-        return shard_positions(seq_len, cp_mesh.size(), cp_mesh.get_local_rank(),
-                               self.load_balance, device)
+        size, rank = self._check_mesh(cp_mesh)
+        check_sequence_length(seq_len, size, self.load_balance)
+        return shard_positions(seq_len, size, rank, self.load_balance, device)

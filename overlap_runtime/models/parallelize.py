@@ -3,7 +3,9 @@
 ``parallelize_qwen3_5_cp(model, cp_mesh, ...)`` puts every token mixer of the model on one 1-D CP
 mesh: the full-attention layers get :class:`~overlap_runtime.context_parallel.ContextParallel`
 (Ulysses by default), the Gated DeltaNet layers get
-:class:`~overlap_runtime.context_parallel.LinearAttentionContextParallel`. Afterwards the model's
+:class:`~overlap_runtime.context_parallel.LinearAttentionContextParallel`, each layer with its
+own mode when ``layer_modes`` is given (the trainer's per-layer lists); a ``hierarchical``
+attention layer uses the 2-D ``(cp_ring, cp_a2a)`` mesh of the same CP ranks. Afterwards the model's
 forward takes this rank's sequence shard ``[B, S/P]`` of token ids and its position ids, and
 returns the shard's logits; everything outside the mixers is token-wise and runs unchanged.
 
@@ -30,7 +32,7 @@ global token count and :func:`apply_fsdp` sets the divide factor to 1 with sum-o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -74,6 +76,9 @@ def parallelize_qwen3_5_cp(
     linear_attention_gdn_backend: str = "eager",
     full_attention_cp_mode: str = "ulysses",
     timeout_s: float | None = None,
+    *,
+    layer_modes: Sequence[str] | None = None,
+    hierarchical_cp_mesh: DeviceMesh | None = None,
 ) -> Qwen3_5ForCausalLM:
     """Make every token mixer of ``model`` context parallel over the 1-D ``cp_mesh``.
 
@@ -81,12 +86,21 @@ def parallelize_qwen3_5_cp(
         model: a :class:`Qwen3_5ForCausalLM` (not yet FSDP-sharded).
         cp_mesh: the 1-D CP mesh (``mesh["cp"]``).
         ulysses_degree: Ulysses degree of the full-attention layers: None or ``cp_mesh.size()``
-            (pure Ulysses); anything else (hybrid Ulysses x ring) raises NotImplementedError.
-        linear_attention_cp_mode: GDN CP algorithm, ``"ulysses"``, ``"p2p"``, ``"all_gather"``.
+            (pure Ulysses); anything else raises NotImplementedError (Ulysses x ring is
+            ``full_attention_cp_mode="hierarchical"``).
+        linear_attention_cp_mode: GDN CP algorithm, ``"ulysses"``, ``"p2p"``, ``"all_gather"``
+            (any name of ``LINEAR_ATTENTION_CP_MODES``).
         linear_attention_gdn_backend: local GDN kernel, ``"eager"`` or ``"triton"``.
         full_attention_cp_mode: full-attention CP algorithm, ``"ulysses"`` (default, seed 000:
-            the existing Ulysses path), ``"ring"`` or ``"all_gather_kv"``; always contiguous.
+            the existing Ulysses path), ``"ring"``, ``"all_gather_kv"`` or ``"hierarchical"``
+            (needs ``hierarchical_cp_mesh``); always contiguous.
         timeout_s: bound on every CP communication wait (None: the comm default).
+        layer_modes: one mode per decoder layer (``trainer.cp_config.layer_cp_modes``: a GDN
+            mode for a ``linear_attention`` layer, an attention mode for a ``full_attention``
+            one); None: the two scalar modes above for every layer of their kind.
+        hierarchical_cp_mesh: the 2-D ``("cp_ring", "cp_a2a")`` mesh of ``cp_mesh``
+            (``context_parallel.hierarchical_cp_mesh``; the trainer's ``ParallelDims`` mesh
+            ``"cp_hierarchical"``), required when a layer's mode is ``"hierarchical"``.
 
     Returns:
         ``model``, changed in place. With ``cp_mesh.size() == 1`` it is returned untouched
@@ -94,36 +108,52 @@ def parallelize_qwen3_5_cp(
 
     Raises:
         NotImplementedError: ``ulysses_degree`` not in (None, cp size).
-        ValueError: an unknown mode or backend; head counts Ulysses cannot split.
+        ValueError: an unknown mode or backend, a ``layer_modes`` of the wrong length, a
+            hierarchical layer without its mesh; head counts Ulysses cannot split.
     """
     cp_size = _check_cp_mesh(cp_mesh)
     if ulysses_degree is not None and ulysses_degree != cp_size:
         raise NotImplementedError(
             f"ulysses_degree={ulysses_degree}: only pure Ulysses (None or the cp size "
-            f"{cp_size}) is supported for the full-attention layers"
+            f"{cp_size}) is supported for the full-attention layers; Ulysses x ring is "
+            f"full_attention_cp_mode='hierarchical'"
         )
-    if full_attention_cp_mode not in FULL_ATTENTION_CP_MODES:
-        raise ValueError(
-            f"unknown full_attention_cp_mode {full_attention_cp_mode!r}; supported: "
-            f"{FULL_ATTENTION_CP_MODES}"
-        )
-    # Validates mode, backend and their combination before anything is changed.
-    gdn_style = LinearAttentionContextParallel(
-        mode=linear_attention_cp_mode, backend=linear_attention_gdn_backend, tp_size=1,
-        timeout_s=timeout_s,
-    )
+    cfg = model.config
+    if layer_modes is None:
+        layer_modes = [full_attention_cp_mode if t == "full_attention" else
+                       linear_attention_cp_mode for t in cfg.layer_types]
+    if len(layer_modes) != len(model.layers):
+        raise ValueError(f"layer_modes has {len(layer_modes)} entries for a model of "
+                         f"{len(model.layers)} decoder layers")
+    # Validate every layer's mode (and the backend) before anything is changed.
+    styles: list[Any] = []
+    for i, (layer, mode) in enumerate(zip(model.layers, layer_modes)):
+        if layer.linear_attn is not None:
+            styles.append(LinearAttentionContextParallel(
+                mode=mode, backend=linear_attention_gdn_backend, tp_size=1, timeout_s=timeout_s))
+            continue
+        if mode not in FULL_ATTENTION_CP_MODES:
+            raise ValueError(f"layer {i} (full_attention): unknown full_attention_cp_mode "
+                             f"{mode!r}; supported: {FULL_ATTENTION_CP_MODES}")
+        if cp_size > 1 and mode == "ulysses":
+            ulysses_kv_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cp_size)
+        if cp_size > 1 and mode == "hierarchical":
+            if hierarchical_cp_mesh is None or hierarchical_cp_mesh.size() != cp_size:
+                raise ValueError(f"layer {i}: full_attention_cp_mode 'hierarchical' needs "
+                                 f"hierarchical_cp_mesh, the 2-D (cp_ring, cp_a2a) mesh of the "
+                                 f"{cp_size} CP ranks; got {hierarchical_cp_mesh!r}")
+            ulysses_kv_heads(cfg.num_attention_heads, cfg.num_key_value_heads,
+                             hierarchical_cp_mesh.size(1))
+        styles.append(ContextParallel(mode=mode, load_balance=None, timeout_s=timeout_s,
+                                      backend=cfg.attention_backend))
     if cp_size == 1:
         return model
-    cfg = model.config
-    if full_attention_cp_mode == "ulysses" and "full_attention" in cfg.layer_types:
-        ulysses_kv_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cp_size)
-    attn_style = ContextParallel(mode=full_attention_cp_mode, load_balance=None,
-                                 timeout_s=timeout_s, backend=cfg.attention_backend)
-    for layer in model.layers:
+    for layer, style in zip(model.layers, styles):
         if layer.linear_attn is not None:
-            gdn_style.apply(layer.linear_attn, cp_mesh)
+            style.apply(layer.linear_attn, cp_mesh)
         else:
-            attn_style.apply(layer.self_attn, cp_mesh)
+            mesh = hierarchical_cp_mesh if style.mode == "hierarchical" else cp_mesh
+            style.apply(layer.self_attn, mesh)
     model.cp_size = cp_size
     model.cp_rank = cp_mesh.get_local_rank()
     return model

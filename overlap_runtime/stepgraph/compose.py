@@ -9,6 +9,7 @@ expanded into its stage's layer ops (:func:`~.layer_program.stage_program`) on t
                (rank, "0SEND_F1")   pipeline messages
     lanes      compute / fwd / bwd  the action's lane (fwd, bwd: the two threads of OVERLAP_B_F)
                comm:cp, comm:ep     context-parallel and expert all-to-all messages
+               comm:cp_a2a/cp_ring  hierarchical attention CP's inner a2a / outer ring
                comm:pp              pipeline SEND/RECV, between ranks of equal (dp, cp)
 
 Collectives carry the group instance as their key (``ep[0,1]``: its global ranks), so the
@@ -109,7 +110,8 @@ def _stage_layers(config: "TrainConfig", num_stages: int) -> list[list[int]]:
 
 
 def _groups(dims: "ParallelDims") -> dict[int, dict[str, tuple[str, list[int]]]]:
-    """rank -> {"cp"|"ep": (group key, member global ranks in group-rank order)}."""
+    """rank -> {"cp"|"ep"(|"cp_a2a"|"cp_ring"): (group key, member global ranks in group-rank
+    order)}; the two hierarchical CP groups when ``dims.cp_a2a`` is set."""
     coords = [dims.coordinates(r) for r in range(dims.world_size)]
     out: dict[int, dict[str, tuple[str, list[int]]]] = {}
     for r, c in enumerate(coords):
@@ -119,6 +121,14 @@ def _groups(dims: "ParallelDims") -> dict[int, dict[str, tuple[str, list[int]]]]
               d["dp_replicate"] == c["dp_replicate"] and d["efsdp"] == c["efsdp"]]
         ep.sort(key=lambda q: coords[q]["ep"])
         out[r] = {"cp": (group_key("cp", cp), cp), "ep": (group_key("ep", ep), ep)}
+        if dims.cp_a2a:  # hierarchical attention CP: cp rank = ring index * a2a + a2a index
+            a = dims.cp_a2a
+            inner = [q for q in cp if coords[q]["cp"] // a == c["cp"] // a]
+            outer = [q for q in cp if coords[q]["cp"] % a == c["cp"] % a]
+            inner.sort(key=lambda q: coords[q]["cp"])
+            outer.sort(key=lambda q: coords[q]["cp"])
+            out[r]["cp_a2a"] = (group_key("cp_a2a", inner), inner)
+            out[r]["cp_ring"] = (group_key("cp_ring", outer), outer)
     return out
 
 

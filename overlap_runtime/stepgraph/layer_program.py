@@ -10,7 +10,8 @@ on the wire and the FLOPs of a compute op, as functions of the microbatch shape
 (:class:`MicrobatchShape`). Pure Python: no torch, no process group; the step graph
 (``stepgraph.compose``) and the simulator build on it.
 
-Read from the code (``context_parallel/*``, ``moe/dispatcher.py``; the conformance checker of
+Each layer's mode is its own (``trainer.cp_config.layer_cp_modes``: the per-layer lists, or the
+scalar modes). Read from the code (``context_parallel/*``, ``moe/dispatcher.py``; the conformance checker of
 ``stepgraph.conformance`` compares a recorded run with it, so a drift fails the tests):
 
 =================  =========================================================================
@@ -32,8 +33,12 @@ attention, cp > 1  forward: ``agree`` (all-gather of 10 int64)
                    ulysses    a2a q/k/v seq->heads, local attention, a2a outputs heads->seq
                    ring       P-1 ring hops of K/V (send to r+1, recv from r-1)
                    all_gather_kv  all-gather of K/V
+                   hierarchical  ``agree`` and a2a q/k/v on ``cp_a2a`` (A ranks), ``agree``
+                              and R-1 ring hops on ``cp_ring`` (R ranks), a2a outputs
                    backward: ulysses the two a2a reversed; ring one K/V hop, then per step
-                   (K/V hop while one is left) and a dK/dV hop (fp32); all_gather_kv an a2a
+                   (K/V hop while one is left) and a dK/dV hop (fp32); all_gather_kv an a2a;
+                   hierarchical the output a2a reversed, the ring's backward over R, the
+                   q/k/v a2a reversed
 MoE, ep > 1        router, a2a ``{tag}.dispatch_counts`` (E int64), a2a ``{tag}.dispatch``,
                    experts, a2a ``{tag}.combine`` launched, shared expert while it flies,
                    combine wait; backward: ``{tag}.combine`` reversed, experts, shared expert,
@@ -59,7 +64,7 @@ __all__ = ["Direction", "GroupName", "LayerOp", "MicrobatchShape", "OpKind", "la
 
 Direction = Literal["F", "B", "I", "W"]
 OpKind = Literal["compute", "send", "recv", "collective"]
-GroupName = Literal["cp", "ep", "pp", "fsdp"]
+GroupName = Literal["cp", "ep", "pp", "fsdp", "cp_a2a", "cp_ring"]
 _INT64 = 8
 _FP32 = 4
 AGREE_GDN_FIELDS = 9  # context_parallel/gdn/common.check_ranks_agree_on_call
@@ -132,14 +137,22 @@ def _coll(name: str, group: GroupName, what: str, nbytes: int, label: str | None
     return LayerOp(name, "collective", group, None, int(nbytes), 0.0, what, label, exact)
 
 
-def _p2p(name: str, kind: OpKind, peer: int, nbytes: int) -> LayerOp:
-    return LayerOp(name, kind, "cp", peer, int(nbytes))
+def _p2p(name: str, kind: OpKind, peer: int, nbytes: int, group: GroupName = "cp") -> LayerOp:
+    return LayerOp(name, kind, group, peer, int(nbytes))
+
+
+def layer_mode(config: "TrainConfig", layer: int) -> str:
+    """The CP mode of decoder layer ``layer`` (its kind's per-layer list entry, or the scalar
+    mode: ``trainer.cp_config.layer_cp_modes``)."""
+    from overlap_runtime.trainer.cp_config import layer_cp_modes
+
+    return layer_cp_modes(config.train.accelerator, config.model.layer_types)[layer]
 
 
 # ----------------------------------------------------------------------------- mixers
 
 
-def _gdn_forward(config: "TrainConfig", s: MicrobatchShape, r: int) -> list[LayerOp]:
+def _gdn_forward(config: "TrainConfig", s: MicrobatchShape, r: int, mode: str) -> list[LayerOp]:
     m, acc = config.model, config.train.accelerator
     p, t, e = s.cp, s.tokens, s.dtype_bytes
     h, hv, k, v = (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim,
@@ -150,7 +163,6 @@ def _gdn_forward(config: "TrainConfig", s: MicrobatchShape, r: int) -> list[Laye
     if p == 1:
         return [_c("gdn.proj", proj), _c("gdn.core", core)]
     ops = [_coll("gdn.agree", "cp", "all_gather", AGREE_GDN_FIELDS * _INT64), _c("gdn.proj", proj)]
-    mode = acc.linear_attention_cp_mode
     state = s.rows * hv * k * v * _FP32
     halo = s.rows * (m.linear_conv_kernel_dim - 1) * conv_dim * e
     if mode == "ulysses":
@@ -210,8 +222,8 @@ def _scan_messages(p: int, r: int, *, reverse: bool, state: int, pair: int, tag:
 
 
 def _gdn_backward(config: "TrainConfig", s: MicrobatchShape, r: int,
-                  fwd: list[LayerOp]) -> list[LayerOp]:
-    mode, p = config.train.accelerator.linear_attention_cp_mode, s.cp
+                  fwd: list[LayerOp], mode: str) -> list[LayerOp]:
+    p = s.cp
     by = {o.name: o for o in fwd}
     core = 2 * sum(o.flops for o in fwd if o.kind == "compute")
     if p == 1:
@@ -252,7 +264,38 @@ def _gdn_backward(config: "TrainConfig", s: MicrobatchShape, r: int,
     return ops
 
 
-def _attention_forward(config: "TrainConfig", s: MicrobatchShape) -> list[LayerOp]:
+def _ring_forward(p: int, kv_block: int, core: float, group: GroupName, prefix: str = "attn."
+                  ) -> list[LayerOp]:
+    """The ring's forward over ``p`` ranks: the next block is prefetched before this one
+    computes; one hop is a single launch, recorded as its send and its recv."""
+    ops: list[LayerOp] = []
+    for step in range(p):
+        if step + 1 < p:
+            ops += [_p2p(f"{prefix}ring{step + 1}.send_kv", "send", +1, kv_block, group),
+                    _p2p(f"{prefix}ring{step + 1}.recv_kv", "recv", -1, kv_block, group)]
+        ops.append(_c(f"{prefix}block{step}", core / p))
+    return ops
+
+
+def _ring_backward(p: int, kv: int, dtype_bytes: int, work: float, group: GroupName,
+                   prefix: str = "attn.") -> list[LayerOp]:
+    """The ring's backward: one K/V hop, then per step (K/V hop while one is left) a block and
+    a dK/dV hop (fp32 accumulators); the diagonal block in two halves around them."""
+    dkv = kv // dtype_bytes * _FP32
+    b = f"{prefix}bwd."
+    ops = [_p2p(f"{b}ring1.send_kv", "send", +1, kv, group),
+           _p2p(f"{b}ring1.recv_kv", "recv", -1, kv, group), _c(f"{b}block0a", work / (2 * p))]
+    for step in range(1, p):
+        if step + 1 < p:
+            ops += [_p2p(f"{b}ring{step + 1}.send_kv", "send", +1, kv, group),
+                    _p2p(f"{b}ring{step + 1}.recv_kv", "recv", -1, kv, group)]
+        ops += [_c(f"{b}block{step}", work / p),
+                _p2p(f"{b}dkv{step}.send", "send", +1, dkv, group),
+                _p2p(f"{b}dkv{step}.recv", "recv", -1, dkv, group)]
+    return ops + [_c(f"{b}block0b", work / (2 * p))]
+
+
+def _attention_forward(config: "TrainConfig", s: MicrobatchShape, mode: str) -> list[LayerOp]:
     m, acc = config.model, config.train.accelerator
     p, t, e, d = s.cp, s.tokens, s.dtype_bytes, m.head_dim
     hq, hkv = m.num_attention_heads, m.num_key_value_heads
@@ -262,29 +305,35 @@ def _attention_forward(config: "TrainConfig", s: MicrobatchShape) -> list[LayerO
         return [_c("attn.proj", proj), _c("attn.core", core)]
     ops = [_c("attn.proj", proj),
            _coll("attn.agree", "cp", "all_gather", AGREE_ATTENTION_FIELDS * _INT64)]
-    mode = acc.full_attention_cp_mode
     kv_block = 2 * t * hkv * d * e
     if mode == "ulysses":
         hkv_u = hkv if hkv % p == 0 else p  # k/v heads repeated up to cp when fewer
         return ops + [_coll("attn.a2a_in", "cp", "all_to_all", t * (hq + 2 * hkv_u) * d * e),
                       _c("attn.core", core),
                       _coll("attn.a2a_out", "cp", "all_to_all", t * hq * d * e)]
-    if mode == "ring":  # the next block is prefetched before this one computes
-        for step in range(p):
-            if step + 1 < p:  # one ring hop: a single launch, recorded as its send, its recv
-                ops += [_p2p(f"attn.ring{step + 1}.send_kv", "send", +1, kv_block),
-                        _p2p(f"attn.ring{step + 1}.recv_kv", "recv", -1, kv_block)]
-            ops.append(_c(f"attn.block{step}", core / p))
-        return ops
+    if mode == "ring":
+        return ops + _ring_forward(p, kv_block, core, "cp")
+    if mode == "hierarchical":  # a2a over the inner A ranks, ring over the outer R
+        hc = acc.hierarchical_cp
+        assert hc is not None  # the config rule
+        a2a, ring = hc.a2a, hc.ring
+        hkv_u = hkv if hkv % a2a == 0 else a2a
+        ops = [ops[0], replace(ops[1], group="cp_a2a"),
+               _coll("attn.a2a_in", "cp_a2a", "all_to_all", t * (hq + 2 * hkv_u) * d * e),
+               _coll("attn.ring.agree", "cp_ring", "all_gather",
+                     AGREE_ATTENTION_FIELDS * _INT64)]
+        # the ring's local block: A shards' tokens with hkv_u / A heads: 2 t hkv_u D bytes
+        return ops + _ring_forward(ring, 2 * t * hkv_u * d * e, core, "cp_ring") + [
+            _coll("attn.a2a_out", "cp_a2a", "all_to_all", t * hq * d * e)]
     if mode == "all_gather_kv":
         return ops + [_coll("attn.gather_kv", "cp", "all_gather", kv_block), _c("attn.core", core)]
     raise ValueError(f"train.accelerator.full_attention_cp_mode={mode!r}: layer_program knows "
-                     f"ulysses, ring and all_gather_kv")
+                     f"ulysses, ring, all_gather_kv and hierarchical")
 
 
 def _attention_backward(config: "TrainConfig", s: MicrobatchShape,
-                        fwd: list[LayerOp]) -> list[LayerOp]:
-    mode, p = config.train.accelerator.full_attention_cp_mode, s.cp
+                        fwd: list[LayerOp], mode: str) -> list[LayerOp]:
+    p = s.cp
     by = {o.name: o for o in fwd}
     work = 2 * sum(o.flops for o in fwd if o.kind == "compute")
     if p == 1:
@@ -297,17 +346,12 @@ def _attention_backward(config: "TrainConfig", s: MicrobatchShape,
         return [_c("attn.core.bwd", work),
                 replace(g, name="attn.gather_kv.bwd", collective="all_to_all", nbytes=g.nbytes * p)]
     kv = by["attn.ring1.send_kv"].nbytes
-    dkv = kv // s.dtype_bytes * _FP32  # the dK/dV accumulators travel in fp32
-    ops = [_p2p("attn.bwd.ring1.send_kv", "send", +1, kv),
-           _p2p("attn.bwd.ring1.recv_kv", "recv", -1, kv), _c("attn.bwd.block0a", work / (2 * p))]
-    for step in range(1, p):
-        if step + 1 < p:
-            ops += [_p2p(f"attn.bwd.ring{step + 1}.send_kv", "send", +1, kv),
-                    _p2p(f"attn.bwd.ring{step + 1}.recv_kv", "recv", -1, kv)]
-        ops += [_c(f"attn.bwd.block{step}", work / p),
-                _p2p(f"attn.bwd.dkv{step}.send", "send", +1, dkv),
-                _p2p(f"attn.bwd.dkv{step}.recv", "recv", -1, dkv)]
-    return ops + [_c("attn.bwd.block0b", work / (2 * p))]
+    if mode == "hierarchical":  # the output a2a reversed, the ring's backward, q/k/v a2a reversed
+        ring = config.train.accelerator.hierarchical_cp.ring  # type: ignore[union-attr]
+        return ([replace(by["attn.a2a_out"], name="attn.a2a_out.bwd")]
+                + _ring_backward(ring, kv, s.dtype_bytes, work, "cp_ring")
+                + [replace(by["attn.a2a_in"], name="attn.a2a_in.bwd")])
+    return _ring_backward(p, kv, s.dtype_bytes, work, "cp")
 
 
 # ----------------------------------------------------------------------------- feed-forward
@@ -387,8 +431,10 @@ def layer_program(config: "TrainConfig", layer: int, direction: Direction,
         raise ValueError(f"cp_rank {cp_rank} is not a rank of a CP group of {s.cp}")
     tag = moe_tag if moe_tag is not None else f"L{layer}"
     gdn = m.layer_types[layer] == "linear_attention"
+    mode = layer_mode(config, layer)
     fwd = ([_norms(s, m.hidden_size, "norm1")]
-           + (_gdn_forward(config, s, cp_rank) if gdn else _attention_forward(config, s))
+           + (_gdn_forward(config, s, cp_rank, mode) if gdn
+              else _attention_forward(config, s, mode))
            + [_norms(s, m.hidden_size, "norm2")] + _ffn_forward(config, s, tag))
     if direction == "F":
         return tuple(fwd)
@@ -397,8 +443,8 @@ def layer_program(config: "TrainConfig", layer: int, direction: Direction,
     mixer_f = [o for o in fwd if o.name.startswith(("gdn.", "attn."))]
     ffn_f = [o for o in fwd if o.name.startswith(("mlp", "moe."))]
     bwd = (_ffn_backward(config, ffn_f) + [_norms(s, m.hidden_size, "norm2.bwd")]
-           + (_gdn_backward(config, s, cp_rank, mixer_f) if gdn
-              else _attention_backward(config, s, mixer_f))
+           + (_gdn_backward(config, s, cp_rank, mixer_f, mode) if gdn
+              else _attention_backward(config, s, mixer_f, mode))
            + [_norms(s, m.hidden_size, "norm1.bwd")])
     if config.train.activation_checkpoint:
         bwd = [replace(o, name=f"recompute.{o.name}") for o in fwd] + bwd

@@ -48,6 +48,7 @@ from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from overlap_runtime.moe import MoE
 from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S
 from overlap_runtime.trainer.config import TrainConfig, schedule_spec
+from overlap_runtime.trainer.cp_config import layer_cp_modes
 from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -165,9 +166,10 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
         compile_elementwise(model)
     parallelize_qwen3_5_cp(
         model, dims.mesh("cp"), ulysses_degree=acc.ulysses_degree,
-        linear_attention_cp_mode=acc.linear_attention_cp_mode,
         linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
-        full_attention_cp_mode=acc.full_attention_cp_mode, timeout_s=acc.comm_timeout_s,
+        timeout_s=acc.comm_timeout_s,
+        layer_modes=layer_cp_modes(acc, config.model.layer_types),
+        hierarchical_cp_mesh=dims.mesh("cp_hierarchical") if dims.cp_a2a else None,
     )
     spec = None
     if dims.pp > 1:

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from overlap_runtime.trainer.checkpoint import (CheckpointError, checkpoint_step,
                                                     resolve_resume)
     from overlap_runtime.trainer.config import ConfigError, apply_overrides, load_config
+    from overlap_runtime.trainer.cp_config import describe_cp_modes
     from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
 
     try:
@@ -143,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dims = acc.parallel_dims()
     print(f"spawning {acc.resolved_world_size} {acc.device} ranks: {dims.describe()}, "
-          f"dp={dims.dp}, linear_attention_cp_mode={acc.linear_attention_cp_mode}, "
-          f"full_attention_cp_mode={acc.full_attention_cp_mode}"
+          f"dp={dims.dp}, cp modes (GDN/attention or per layer)="
+          f"{describe_cp_modes(acc, config.model.layer_types)}"
           + (f", pipeline {config.train.pipeline.schedule}" if dims.pp > 1 else ""), flush=True)
     result = spawn_training(config, quiet=args.quiet)
     baseline = None

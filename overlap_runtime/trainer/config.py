@@ -39,7 +39,10 @@
         ulysses_degree: null
         linear_attention_cp_mode: ulysses     # ulysses | p2p | all_gather | prefix_scan
         linear_attention_gdn_backend: eager   # eager | triton
-        full_attention_cp_mode: ulysses       # ulysses | ring | all_gather_kv
+        full_attention_cp_mode: ulysses       # ulysses | ring | all_gather_kv | hierarchical
+        hierarchical_cp: null                 # {a2a: 2, ring: 2} for hierarchical (cp_config)
+        full_attention_cp_modes: null         # per full_attention layer, e.g. [ring, ulysses]
+        linear_attention_cp_modes: null       # per GDN layer, e.g. [p2p, all_gather, p2p]
       pipeline:                   # used when accelerator.pp > 1
         schedule: 1f1b            # gpipe | 1f1b | interleaved_1f1b | zero_bubble | dualpipev
         microbatches: 4           # per step; must divide data.batch_size
@@ -82,6 +85,8 @@ from overlap_runtime.context_parallel.gdn.common import TRITON_CHUNK
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config
 from overlap_runtime.trainer.config_run import (CheckpointConfig, MetricsConfig,
                                                 ProfilingConfig, _Strict)
+from overlap_runtime.trainer.cp_config import (HierarchicalCPConfig, cp_mode_problems,
+                                               modes_of_kind)
 from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 __all__ = [
@@ -121,7 +126,10 @@ class AcceleratorConfig(_Strict):
     ulysses_degree: int | None = None
     linear_attention_cp_mode: Literal["ulysses", "p2p", "all_gather", "prefix_scan"] = "ulysses"
     linear_attention_gdn_backend: Literal["eager", "triton"] = "eager"
-    full_attention_cp_mode: Literal["ulysses", "ring", "all_gather_kv"] = "ulysses"
+    full_attention_cp_mode: Literal["ulysses", "ring", "all_gather_kv", "hierarchical"] = "ulysses"
+    hierarchical_cp: HierarchicalCPConfig | None = None
+    full_attention_cp_modes: list[str] | None = None  # per layer: trainer.cp_config
+    linear_attention_cp_modes: list[str] | None = None
     comm_timeout_s: float | None = Field(None, gt=0)
 
     @property
@@ -135,7 +143,8 @@ class AcceleratorConfig(_Strict):
     def parallel_dims(self) -> ParallelDims:
         """The validated layout (raises ValueError naming the fields)."""
         return ParallelDims(world_size=self.resolved_world_size, dp_shard=self.dp_shard,
-                            cp=self.cp, pp=self.pp, ep=self.ep, dp_replicate=self.dp_replicate)
+                            cp=self.cp, pp=self.pp, ep=self.ep, dp_replicate=self.dp_replicate,
+                            cp_a2a=self.hierarchical_cp.a2a if self.hierarchical_cp else None)
 
 
 class PipelineConfig(_Strict):
@@ -243,14 +252,15 @@ def _data_problems(config: "TrainConfig") -> list[str]:
             out.append(f"{rule} runs the GDN per document with the eager backend; got "
                        f"model.gdn_backend={m.gdn_backend!r}")
         if acc.cp > 1:  # issue #23: every GDN mode and backend, attention ring / ulysses
-            if acc.full_attention_cp_mode not in ("ring", "ulysses"):
+            attn = modes_of_kind(acc, "full_attention")
+            if attn - {"ring", "ulysses"}:
                 out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
                            f"full_attention_cp_mode 'ring' or 'ulysses' (causal within each "
-                           f"document); got {acc.full_attention_cp_mode!r}")
-            if acc.linear_attention_cp_mode == "prefix_scan":
+                           f"document) in every attention layer; got {sorted(attn)}")
+            if "prefix_scan" in modes_of_kind(acc, "linear_attention"):
                 out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
-                           f"linear_attention_cp_mode 'p2p', 'all_gather' or 'ulysses' (packed "
-                           f"batches are not implemented for 'prefix_scan')")
+                           f"linear_attention_cp_mode 'p2p', 'all_gather' or 'ulysses' in every "
+                           f"GDN layer (packed batches are not implemented for 'prefix_scan')")
     return out
 
 
@@ -319,7 +329,6 @@ class TrainConfig(_Strict):
     def _check_layout(self) -> "TrainConfig":
         acc, m = self.train.accelerator, self.model
         has_gdn = "linear_attention" in m.layer_types
-        has_attention = "full_attention" in m.layer_types
         errors: list[str] = []
         errors.extend(ParallelDims.layout_problems(
             world_size=acc.resolved_world_size, dp_shard=acc.dp_shard, cp=acc.cp, pp=acc.pp,
@@ -336,28 +345,14 @@ class TrainConfig(_Strict):
                               f"supported by this trainer yet (use tp: 1)")
         if acc.ulysses_degree is not None and acc.ulysses_degree != acc.cp:
             errors.append(f"train.accelerator.ulysses_degree={acc.ulysses_degree}: only None or "
-                          f"cp={acc.cp} (pure Ulysses) is supported")
+                          f"cp={acc.cp} (pure Ulysses) is supported; for Ulysses x ring use "
+                          f"full_attention_cp_mode: hierarchical with hierarchical_cp")
         errors.extend(_data_problems(self))
         if self.data.seq_len % acc.cp:
             errors.append(f"data.seq_len={self.data.seq_len} is not a multiple of "
                           f"train.accelerator.cp={acc.cp} (contiguous split)")
         errors.extend(_gdn_length_problems(self))
-        if acc.cp > 1 and acc.linear_attention_cp_mode == "ulysses" and has_gdn:
-            if m.linear_num_value_heads % acc.cp or (
-                m.linear_num_key_heads % acc.cp and acc.cp % m.linear_num_key_heads
-            ):
-                errors.append(
-                    f"train.accelerator.linear_attention_cp_mode='ulysses' with cp={acc.cp} needs "
-                    f"model.linear_num_value_heads % cp == 0 and model.linear_num_key_heads "
-                    f"dividing or divisible by cp; got {m.linear_num_value_heads} / "
-                    f"{m.linear_num_key_heads} (use p2p or all_gather)")
-        if acc.cp > 1 and acc.full_attention_cp_mode == "ulysses" and has_attention:
-            h, kv = m.num_attention_heads, m.num_key_value_heads
-            if h % acc.cp or (kv % acc.cp and acc.cp % kv):
-                errors.append(
-                    f"train.accelerator.full_attention_cp_mode='ulysses' with cp={acc.cp} needs "
-                    f"model.num_attention_heads % cp == 0 and model.num_key_value_heads dividing "
-                    f"or divisible by cp; got {h} / {kv} (use full_attention_cp_mode: ring)")
+        errors.extend(cp_mode_problems(self))
         if self.train.precision == "bf16" and acc.device == "cpu":
             errors.append("train.precision='bf16' is meant for accelerators; on the CPU use "
                           "train.precision: fp32")
@@ -480,11 +475,12 @@ def _gdn_length_problems(config: "TrainConfig") -> list[str]:
                 f"tokens per CP rank")
     out: list[str] = []
     halo = m.linear_conv_kernel_dim - 1
-    if acc.linear_attention_cp_mode in ("p2p", "all_gather", "prefix_scan") and local < halo:
+    halo_modes = sorted(modes_of_kind(acc, "linear_attention") - {"ulysses"})
+    if halo_modes and local < halo:
         # Ulysses gathers the whole sequence before the conv; the other modes pass a halo
         out.append(f"{per_rank} is shorter than the GDN conv halo model.linear_conv_kernel_dim "
-                   f"- 1 = {halo} (train.accelerator.linear_attention_cp_mode="
-                   f"{acc.linear_attention_cp_mode!r}): each rank must hold at least the halo")
+                   f"- 1 = {halo} (train.accelerator.linear_attention_cp_mode "
+                   f"{', '.join(map(repr, halo_modes))}): each rank must hold at least the halo")
     if acc.linear_attention_gdn_backend == "triton" and local % TRITON_CHUNK:
         out.append(f"{per_rank} is not a multiple of the chunk size {TRITON_CHUNK} "
                    f"(train.accelerator.linear_attention_gdn_backend='triton'): pad data.seq_len "

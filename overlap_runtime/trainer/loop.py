@@ -42,6 +42,7 @@ from overlap_runtime.ops.step_record import task_scope
 from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.checkpoint import CheckpointError, Checkpointer
 from overlap_runtime.trainer.config import ConfigError, TrainConfig, config_from_dict
+from overlap_runtime.trainer.cp_config import describe_cp_modes
 from overlap_runtime.trainer.data import Batch, build_dataset
 from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
@@ -272,7 +273,7 @@ def _mode(config: TrainConfig) -> str:
     if dims.dp_replicate > 1:
         parts.append(f"dp_replicate{dims.dp_replicate}")
     parts.append(f"fsdp{dims.dp_shard * dims.cp}")
-    parts.append(f"cp{dims.cp}:{acc.linear_attention_cp_mode}/{acc.full_attention_cp_mode}")
+    parts.append(f"cp{dims.cp}:{describe_cp_modes(acc, config.model.layer_types)}")
     if dims.ep > 1:
         parts.append(f"ep{dims.ep}")
     return " x ".join(parts)

@@ -31,7 +31,9 @@ stay independent (HSDP replicas typically sit on different nodes). Megatron borr
 Meshes by name (:meth:`ParallelDims.mesh`): ``"pp"``, ``"cp"``, ``"ep"``, ``"efsdp"``,
 ``"dp"`` (``dp_replicate x dp_shard``: who gets different data rows), ``"dp_shard_cp"`` (FSDP),
 ``"dp_cp"`` (``dp_replicate x dp_shard x cp``: the loss and token-count reduction), and
-``"fsdp"`` / ``"expert_fsdp"``: the (1-D, or 2-D for HSDP) meshes ``fully_shard`` takes.
+``"fsdp"`` / ``"expert_fsdp"``: the (1-D, or 2-D for HSDP) meshes ``fully_shard`` takes; with
+``cp_a2a`` (hierarchical attention CP) also ``"cp_hierarchical"`` (2-D ``(cp_ring, cp_a2a)``),
+``"cp_ring"`` and ``"cp_a2a"``.
 A size-1 dimension still gets its mesh, so code never branches on "is this dimension used".
 
 Validation (:meth:`ParallelDims.problems`) needs no process group, so the YAML loader reports every
@@ -67,6 +69,9 @@ class ParallelDims:
         world_size: ranks in the job; must equal ``pp * dp_replicate * dp_shard * cp``.
         dp_shard: FSDP2 shard degree; ``-1`` takes what is left of the world (like torchtitan).
         cp, pp, ep, dp_replicate: the other degrees (1 = off).
+        cp_a2a: the inner (all-to-all) degree of hierarchical attention CP, or None (no such
+            layer): then :meth:`build_meshes` also builds the 2-D ``"cp_hierarchical"`` mesh
+            ``("cp_ring", "cp_a2a")`` of the cp dimension (``cp / cp_a2a`` x ``cp_a2a``).
     """
 
     world_size: int
@@ -75,6 +80,7 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     dp_replicate: int = 1
+    cp_a2a: int | None = None
     _meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +88,8 @@ class ParallelDims:
             self.world_size, self.dp_shard, self.cp, self.pp, self.dp_replicate))
         problems = self.layout_problems(self.world_size, self.dp_shard, self.cp, self.pp,
                                         self.ep, self.dp_replicate)
+        if self.cp_a2a is not None and (self.cp_a2a < 1 or self.cp % self.cp_a2a):
+            problems.append(f"cp_a2a={self.cp_a2a} must divide cp={self.cp}")
         if problems:
             raise ValueError("invalid parallel layout:\n  " + "\n  ".join(problems))
 
@@ -181,6 +189,12 @@ class ParallelDims:
         m["dp"] = world["dp_replicate", "dp_shard"]._flatten("dp")
         m["dp_shard_cp"] = world["dp_shard", "cp"]._flatten("dp_shard_cp")
         m["dp_cp"] = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        if self.cp_a2a is not None:  # hierarchical attention CP: cp rank = ring * a2a + a
+            from overlap_runtime.context_parallel.hierarchical import hierarchical_cp_mesh
+
+            m["cp_hierarchical"] = hierarchical_cp_mesh(m["cp"], self.cp_a2a)
+            m["cp_ring"], m["cp_a2a"] = m["cp_hierarchical"]["cp_ring"], \
+                m["cp_hierarchical"]["cp_a2a"]
         if self.dp_replicate > 1:  # HSDP: replicate outer, shard inner
             m["fsdp"] = world["dp_replicate", "dp_shard_cp"]
             m["expert_fsdp"] = expert["dp_replicate", "efsdp"]

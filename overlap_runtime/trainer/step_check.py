@@ -63,7 +63,7 @@ class StepCheck:
             yield
             return
         names: dict[Any, str] = {}  # one group may serve two roles (cp == ep on 2 ranks)
-        for n in ("cp", "ep", "pp"):
+        for n in ("cp", "ep", "pp") + (("cp_a2a", "cp_ring") if self.dims.cp_a2a else ()):
             g = self.dims.mesh(n).get_group()
             names[g] = f"{names[g]}|{n}" if g in names else n
         self._recorder = StepRecorder(names)

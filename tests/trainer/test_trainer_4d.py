@@ -77,6 +77,11 @@ FOUR_RANKS = {
                                                      defer_expert_w=True)),
     "pp2_cp2": layout(4, pp=2, cp=2, **CP_MODES, pipeline=pp2("1f1b", microbatches=2)),
     "dp2_pp2": layout(4, pp=2, dp_shard=2, pipeline=pp2("1f1b", microbatches=2)),
+    # hierarchical attention CP (a2a 2 inside x ring 2 across): its messages on the cp_a2a and
+    # cp_ring groups checked against the step graph
+    "cp4_hierarchical": layout(4, cp=4, steps=2, linear_attention_cp_mode="p2p",
+                               full_attention_cp_mode="hierarchical",
+                               hierarchical_cp={"a2a": 2, "ring": 2}),
     "pp2_ep2_top2_overlap_b_f": layout(4, model={**MOE, "num_experts_per_tok": 2}, pp=2, ep=2,
                                        steps=1,
                                        pipeline=pp2("interleaved_1f1b", virtual_stages=2,
@@ -146,5 +151,6 @@ def test_the_layouts_are_what_they_claim(two_rank_runs: dict[str, TrainResult],
     assert modes["pp2_ep2_overlap_b_f"].startswith("pp2(interleaved_1f1b+overlap_b_f,v2)")
     assert "ep2" in modes["ep2_cp2"] and "cp2:p2p/ring" in modes["ep2_cp2"]
     assert four_rank_runs["dp2_pp2"].dp == 2
+    assert "cp4:p2p/hierarchical" in modes["cp4_hierarchical"]
     # dp2 reads two rows per step where pp2 x cp2 reads one: the token counts differ
     assert four_rank_runs["dp2_pp2"].steps[0].tokens == 2 * four_rank_runs["pp2_cp2"].steps[0].tokens
