@@ -280,14 +280,32 @@ def _mode(config: TrainConfig) -> str:
 
 
 def train_single(config: TrainConfig, device: torch.device | str = "cpu",
-                 log: Log | None = None) -> TrainResult:
+                 log: Log | None = None, *,
+                 on_model: Callable[[nn.Module], None] | None = None,
+                 grad_microbatches: int = 1) -> TrainResult:
     """The single-device baseline: same model, data (whole global batch), optimizer, clipping.
 
     Needs no process group. ``dp`` of the global batch is ``config.dp`` (the distributed run's
-    data-parallel degree), so both runs see the same tokens each step.
+    data-parallel degree), so both runs see the same tokens each step. ``on_model(model)`` is
+    called with the fp32 (master) model right after it is built; it holds the trained weights
+    when the call returns (``trainer.numerics.trained_weights``).
+
+    ``grad_microbatches`` > 1: the global batch's rows run forward and backward in that many
+    groups and the gradients are summed in fp32 (under bf16: each group's bf16 gradient cast to
+    fp32, then added), a reordered sum of the same gradient; the bf16 noise floor of
+    ``trainer.numerics`` uses it. It must divide the rows (``dp x data.batch_size``).
     """
+    rows_total = config.dp * config.data.batch_size
+    if grad_microbatches < 1 or rows_total % grad_microbatches:
+        raise ValueError(f"grad_microbatches={grad_microbatches} must be >= 1 and divide the "
+                         f"global batch's {rows_total} rows (dp x data.batch_size)")
+    if grad_microbatches > 1 and config.data.packing != "concat":
+        raise ValueError(f"grad_microbatches={grad_microbatches} needs data.packing='concat' "
+                         f"(got {config.data.packing!r}: cu_seqlens spans every row)")
     device = torch.device(device)
     model = build_model(config, device)
+    if on_model is not None:
+        on_model(model)
     optimizer, scheduler = _optimizer(list(model.parameters()), config)
     dp = config.dp
     data = build_dataset(config.data, dp, config.train.seed)
@@ -311,15 +329,19 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
             with torch.no_grad():
                 for pc, pm in zip(compute_params, master_params):
                     pc.copy_(pm)
-        logits = compute(batch.input_ids.to(device), batch.position_ids.to(device),
-                         **batch.model_kwargs(device))
-        share = ce_sum(logits, batch.labels.to(device)) / batch.global_tokens
-        share.backward()
-        if compute is not model:
-            for pc, pm in zip(compute_params, master_params):
-                pm.grad = None if pc.grad is None else pc.grad.float()
-                pc.grad = None
-        return share.detach()
+        shares = []
+        for rows in _row_groups(batch, grad_microbatches):
+            logits = compute(batch.input_ids[rows].to(device), _rows(batch.position_ids, rows)
+                             .to(device), **batch.model_kwargs(device))
+            share = ce_sum(logits, batch.labels[rows].to(device)) / batch.global_tokens
+            share.backward()
+            shares.append(share.detach())
+            if compute is not model:  # each group's bf16 gradient, summed in fp32
+                for pc, pm in zip(compute_params, master_params):
+                    if pc.grad is not None:
+                        pm.grad = pc.grad.float() if pm.grad is None else pm.grad + pc.grad
+                        pc.grad = None
+        return torch.stack(shares).sum()
 
     max_norm = config.optimizer.max_grad_norm
 
@@ -338,6 +360,17 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
         observer.close()
     peak = platform.max_memory_allocated(device)
     return TrainResult(steps, 1, 1, 1, "single", parameter_count(model), peak)
+
+
+def _row_groups(batch: Batch, groups: int) -> list[slice]:
+    """``groups`` equal slices of the batch's rows."""
+    n = batch.input_ids.shape[0] // groups
+    return [slice(i * n, (i + 1) * n) for i in range(groups)]
+
+
+def _rows(position_ids: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Position ids of some rows: ``[s]`` (shared by every row) as is, ``[b, s]`` sliced."""
+    return position_ids if position_ids.dim() == 1 else position_ids[rows]
 
 
 def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,

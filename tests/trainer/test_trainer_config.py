@@ -100,7 +100,7 @@ def test_gpu_config_is_local_16k_bf16() -> None:
      "linear_attention_cp_mode='ulysses' with cp=4 needs model.linear_num_value_heads"),
     ({"model": {"num_attention_heads": 6, "num_key_value_heads": 2}, **_acc(cp=4)},
      "full_attention_cp_mode='ulysses' with cp=4 needs model.num_attention_heads"),
-    ({"train": {"precision": "bf16"}}, "train.precision='bf16'"),
+    ({"train": {"precision": "fp16"}}, "train.precision: Input should be 'fp32' or 'bf16'"),
     ({"model": {"vocab_size": 128}}, "model.vocab_size=128 is smaller than the byte-level"),
     ({"model": {"hidden": 64}}, "model.hidden: Extra inputs are not permitted"),
     ({"optimizer": {"lr": 0}}, "optimizer.lr: Input should be greater than 0"),
