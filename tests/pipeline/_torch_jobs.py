@@ -1,4 +1,4 @@
-"""Rank functions of tests/pipeline/test_torch_interop.py: our schedules inside torch's
+"""Rank functions of tests/pipeline/test_torch_runtime_interop.py: our schedules inside torch's
 ``_PipelineScheduleRuntime`` with real torch ``PipelineStage``s (not collected: no test_ prefix).
 """
 
