@@ -1,0 +1,170 @@
+"""The pipeline graph of a pp x (dp x cp x ep) layout with every stage action expanded into its
+layers' ops, for all ranks or for one representative rank per pipeline coordinate.
+
+The pipeline graph (:func:`overlap_runtime.schedules.compile_spec`) has one rank per pipeline
+coordinate. A layout runs ``inner = world / pp`` ranks at each coordinate (data, context and
+expert parallel peers); rank ``g = pp_rank * inner + i`` (the trainer's order: pp outermost).
+:func:`layout_graph` copies the pipeline program to each inner index ``i`` (SEND/RECV keys and
+peers shifted to the same ``i`` of the peer stage) and expands each F/B/I/W task into the
+:class:`Op` chain ``ops_of(task)`` returns:
+
+* a compute op runs on the task's own lane (``compute``, or ``fwd``/``bwd`` in an OVERLAP_B_F
+  step, which share the device), costing ``op.cost``;
+* a communication op (``op.group`` = ``"ep"``, ``"cp"``...) is a collective on lane
+  ``comm:<group>`` of the group of ``op.group_size`` consecutive inner ranks (expert and context
+  parallel groups are innermost in the trainer's meshes), costing ``op.cost`` (priced by the
+  group's real size and placement, :class:`~overlap_runtime.stepgraph.costs.MachineProfile`).
+
+The ops of one task are chained by ``program`` edges (each waits for the previous, and a
+collective meets its peers after their previous op: rendezvous semantics), and the task's
+incoming and outgoing edges attach to the first and last op.
+
+**Symmetry reduction** (``representative=True``): the ranks of one pipeline coordinate run the
+same program with the same costs, so their timelines are identical; only ``i = 0`` is built, and
+each of its collectives is a group of one (its cost still that of the full group). The ranks of
+one pipeline stage being alike is an assumption of the cost model (balanced routing, equal
+shards); the full graph (``representative=False``) checks the reduction on small layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+from overlap_runtime.graph.task_graph import TaskGraph
+from overlap_runtime.graph.tasks import CommInfo, Task
+
+__all__ = ["Op", "handover_edges", "layout_graph"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of a layer: ``name`` (shown in traces), ``kind`` (cost-model key), ``cost``
+    (seconds), and for communication the ``group`` name and ``group_size``."""
+
+    name: str
+    kind: str
+    cost: float
+    group: str | None = None
+    group_size: int = 1
+
+
+def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inner: int,
+                 representative: bool, message_cost: Callable[[Task], float] | None = None,
+                 name: str = "step") -> TaskGraph:
+    """Expand ``pipeline`` (ranks = pipeline ranks) over ``inner`` ranks per coordinate.
+
+    Args:
+        pipeline: the compiled pipeline graph (F/B/I/W tasks carry ``meta['stage']``).
+        ops_of: the op chain of one F/B/I/W task (empty: the task stays one compute task).
+        inner: ranks per pipeline coordinate (``world / pp``).
+        representative: build inner index 0 only (see the module doc).
+        message_cost: cost of a SEND (RECVs cost nothing); None keeps the tasks' own hints.
+    """
+    if inner < 1:
+        raise ValueError(f"inner={inner} must be >= 1 (ranks per pipeline coordinate)")
+    indices = [0] if representative else list(range(inner))
+    out = TaskGraph(name)
+    tasks: list[Task] = []
+    program: list[tuple[Hashable, Hashable]] = []
+    first: dict[tuple[int, Hashable], Hashable] = {}
+    last: dict[tuple[int, Hashable], Hashable] = {}
+    cache: dict[Hashable, list[Op]] = {}
+    chains: dict[tuple[int, int, int | None, str], list[tuple[Hashable, bool]]] = {}
+    for t in pipeline.tasks():
+        for i in indices:
+            g = t.rank * inner + i
+            tid = (g, t.id)
+            if t.comm is not None:
+                c = t.comm
+                peer = None if c.peer is None else c.peer * inner + i
+                cost = t.cost
+                if message_cost is not None:
+                    cost = message_cost(t) if c.op == "send" else 0.0
+                tasks.append(t._replace(id=tid, rank=g, cost=cost,
+                                        comm=c._replace(key=(i, c.key), peer=peer)))
+                first[(i, t.id)] = last[(i, t.id)] = tid
+                continue
+            ops = cache.get(t.id)
+            if ops is None:
+                ops = cache[t.id] = ops_of(t)
+            if not ops:
+                tasks.append(t._replace(id=tid, rank=g))
+                first[(i, t.id)] = last[(i, t.id)] = tid
+                continue
+            prev: Hashable | None = None
+            chain: list[tuple[Hashable, bool]] = []
+            chains[(i, t.rank, t.step, t.lane)] = chain
+            for j, op in enumerate(ops):
+                oid = tid if j == len(ops) - 1 else (g, t.id, j)
+                label = f"{t.text}.{op.name}"
+                if op.group is None:
+                    task = Task(oid, g, t.lane, op.kind, cost=op.cost, step=t.step, label=label,
+                                meta=t.meta)
+                else:
+                    gid = i // op.group_size if not representative else 0
+                    key = f"{op.group}:{t.rank}:{gid}" if not representative else \
+                        f"{op.group}:{g}"
+                    task = Task(oid, g, f"comm:{op.group}", op.kind, cost=op.cost,
+                                comm=CommInfo("collective", key), step=t.step, label=label,
+                                meta=t.meta)
+                tasks.append(task)
+                chain.append((oid, op.group is not None))
+                if prev is not None:
+                    program.append((prev, oid))
+                else:
+                    first[(i, t.id)] = oid
+                prev = oid
+            last[(i, t.id)] = prev  # type: ignore[assignment]
+    out.add_tasks(tasks)
+    for kind in ("program", "data", "match"):
+        edges = []
+        for u, v, _ in pipeline.edges(kind):
+            for i in indices:
+                edges.append((last[(i, u)], first[(i, v)]))
+        if kind == "program":
+            edges.extend(program)
+            for (i, r, step, lane), fwd in chains.items():
+                bwd = chains.get((i, r, step, "bwd")) if lane == "fwd" else None
+                if bwd:
+                    edges.extend(handover_edges(fwd, bwd))
+        out.add_edges(edges, kind)
+    out.programs = {r * inner: cells for r, cells in pipeline.programs.items()}
+    return out
+
+
+def handover_edges(fwd: list[tuple[Hashable, bool]], bwd: list[tuple[Hashable, bool]]
+                   ) -> list[tuple[Hashable, Hashable]]:
+    """Edges of the HookCoordinator's comm token between the two threads of an OVERLAP_B_F
+    step (``coordinator/coordinator.py``): ``fwd`` / ``bwd`` are the op chains of its forward
+    and backward sub-actions as ``(id, is_comm)``.
+
+    * The token alternates, backward first: the k-th comm region of one side starts after the
+      previous region of the other side ended (``bwd comm 0 -> fwd comm 0 -> bwd comm 1 ...``).
+    * A side's compute after a comm region waits until the peer launched its next comm, i.e.
+      finished the op before it (the COMPUTE hook's wait), so each comm is hidden behind the
+      peer's compute rather than both sides computing at once.
+
+    A side that runs out of comm regions departs: the other drains alone.
+    """
+    def comms(chain: list[tuple[Hashable, bool]]) -> list[int]:
+        return [j for j, (_, c) in enumerate(chain) if c]
+
+    cf, cb = comms(fwd), comms(bwd)
+    order: list[tuple[list[tuple[Hashable, bool]], int, list[tuple[Hashable, bool]], list[int]]] = []
+    for k in range(max(len(cf), len(cb))):
+        if k < len(cb):
+            order.append((bwd, cb[k], fwd, cf))
+        if k < len(cf):
+            order.append((fwd, cf[k], bwd, cb))
+    edges: list[tuple[Hashable, Hashable]] = []
+    for (a_chain, a_j, _, _), (b_chain, b_j, _, _) in zip(order, order[1:]):
+        edges.append((a_chain[a_j][0], b_chain[b_j][0]))  # token hand-over
+    for n, (chain, j, peer, peer_comms) in enumerate(order):
+        if j + 1 >= len(chain) or chain[j + 1][1]:
+            continue
+        nxt = next((x for x in order[n + 1:] if x[0] is peer), None)
+        if nxt is None or nxt[1] == 0:
+            continue
+        edges.append((peer[nxt[1] - 1][0], chain[j + 1][0]))  # compute after the peer launched
+    return edges

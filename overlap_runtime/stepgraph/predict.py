@@ -1,0 +1,107 @@
+"""Predict a training step from measured node costs, and compare with what was measured.
+
+:func:`costed_graph` copies a task graph with a cost on every task (from a function of the
+task); :func:`predict_step` prices the trainer's compiled pipeline with :class:`~overlap_runtime.
+stepgraph.costs.MeasuredCosts` and simulates it, either with one device per rank (the list
+scheduler of :mod:`overlap_runtime.graph.simulate`) or, when ranks outnumber the host's cores,
+with :func:`~overlap_runtime.stepgraph.shared_cores.simulate_shared_cores`.
+:func:`measured_step` reads the same figures from an execution trace.
+
+Figures compared (:class:`StepFigures`): the pipeline step (first action to last, all ranks)
+and the bubble ``1 - mean_r busy_r / step``, busy being compute spans minus the communication
+waits inside them (:func:`overlap_runtime.pipeline.measured_bubble`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from overlap_runtime.graph.task_graph import TaskGraph
+from overlap_runtime.graph.tasks import Task
+
+from .costs import MeasuredCosts
+from .layout_graph import Op, layout_graph
+
+__all__ = ["StepFigures", "costed_graph", "measured_ops", "pipeline_graph", "predict_step",
+           "measured_step"]
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """Step time (s) and bubble ratio of one step, measured or predicted."""
+
+    step_s: float
+    bubble: float
+    exposed_comm_s: float = 0.0
+
+
+def costed_graph(graph: TaskGraph, cost: Callable[[Task], float]) -> TaskGraph:
+    """A copy of ``graph`` whose every task carries ``cost(task)`` as its cost hint."""
+    out = TaskGraph(graph.name)
+    out.add_tasks(t._replace(cost=float(cost(t))) for t in graph.tasks())
+    for kind in ("program", "data", "match"):
+        out.add_edges([(u, v) for u, v, _ in graph.edges(kind)], kind)
+    out.programs = graph.programs
+    return out
+
+
+def pipeline_graph(config: Any) -> TaskGraph:
+    """The compiled (lowered, validated) pipeline graph of a trainer config with pp > 1."""
+    from overlap_runtime.schedules import compile_spec
+    from overlap_runtime.trainer.config import schedule_spec
+
+    return compile_spec(schedule_spec(config)).graph
+
+
+def measured_ops(costs: MeasuredCosts) -> Callable[[Task], list[Op]]:
+    """The op chain of a pipeline action from measured costs: its busy work in ``n + 1`` equal
+    compute pieces around the ``n`` all-to-alls it ran (``costs.a2a``), each all-to-all a
+    collective on ``comm:ep`` costing its measured median span."""
+
+    def ops(t: Task) -> list[Op]:
+        stage = int(t.meta["stage"])
+        work = costs.cost(stage, t.kind)
+        paired = t.lane in ("fwd", "bwd")
+        n, a2a = costs.a2a.get((stage, t.kind, paired)) or costs.a2a.get(
+            (stage, t.kind, not paired), (0, 0.0))
+        out = [Op("compute", t.kind, work / (n + 1))]
+        for j in range(n):
+            out.append(Op(f"a2a{j}", "a2a", a2a, group="ep", group_size=2))
+            out.append(Op(f"compute{j + 1}", t.kind, work / (n + 1)))
+        return out
+
+    return ops
+
+
+def predict_step(config: Any, costs: MeasuredCosts, *, message_s: float, cores: int | None = None
+                 ) -> StepFigures:
+    """Simulated step of ``config``'s pipeline on one representative rank per pipeline rank
+    (:func:`~overlap_runtime.stepgraph.layout_graph.layout_graph`): each F/B/I/W costs its
+    stage's measured busy time around its measured all-to-alls, each SEND ``message_s``.
+    ``cores``: the ranks (all ``world`` of them) share that many cores
+    (:func:`~overlap_runtime.stepgraph.shared_cores.simulate_shared_cores`)."""
+    from overlap_runtime.graph.simulate import simulate
+
+    acc = config.train.accelerator
+    world = acc.resolved_world_size
+    inner = world // acc.pp
+    g = layout_graph(pipeline_graph(config), measured_ops(costs), inner=inner,
+                     representative=True, message_cost=lambda t: message_s)
+    if cores is not None and cores < world:
+        from .shared_cores import simulate_shared_cores
+
+        res = simulate_shared_cores(g, cores, {r: inner for r in g.ranks})
+    else:
+        res = simulate(g)
+    return StepFigures(res.makespan, res.bubble_ratio, res.exposed_comm)
+
+
+def measured_step(events: Iterable[Any]) -> StepFigures:
+    """Step time and bubble of one step's trace (every rank's events)."""
+    from overlap_runtime.pipeline import measured_bubble
+
+    events = list(events)
+    start = min(e.start_ns for e in events)
+    end = max(e.end_ns for e in events)
+    return StepFigures((end - start) / 1e9, measured_bubble(events))
