@@ -54,6 +54,7 @@ import torch.distributed as dist
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.comm import AsyncHandle, CommFailedError, CommTimeoutError
 from overlap_runtime.ops.profile_range import profile_range
+from overlap_runtime.ops.step_record import task_scope
 from overlap_runtime.schedules.ir import Action, ActionKind
 
 from .errors import (ActionSite, PipelineActionError, PipelineError, PipelinePeerFailed,
@@ -149,7 +150,7 @@ class ActionContext:
         prev = getattr(self._running, "action", None)
         self._running.action = action
         try:
-            with profile_range(lambda: range_name(action)):
+            with profile_range(lambda: range_name(action)), task_scope(action):
                 fn = self.schedule.custom_functions.get(action.kind)
                 if fn is not None:
                     fn(action, self)

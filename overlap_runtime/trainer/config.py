@@ -23,6 +23,8 @@
       activation_checkpoint: false
       precision: fp32             # or bf16 (see below)
       metrics: null               # path of the metrics JSON (or --metrics)
+      validate_step_graph: true   # stepgraph.compile_step proven deadlock-free before step 1
+      check_conformance: false    # record step 1 and check it against the step graph
       accelerator:                # seed 000, 5.1
         device: cpu
         world_size: 4             # ranks `overlap-runtime train` spawns (torchrun: WORLD_SIZE)
@@ -269,6 +271,8 @@ class TrainSection(_Strict):
     activation_checkpoint: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
     log_every: int = Field(1, ge=1)
+    validate_step_graph: bool = True  # prove the step's task graph deadlock-free first
+    check_conformance: bool = False  # record step 1, check it against the graph (tests)
     metrics: str | None = None
     accelerator: AcceleratorConfig = AcceleratorConfig()
     pipeline: PipelineConfig = PipelineConfig()

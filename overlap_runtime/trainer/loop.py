@@ -38,6 +38,7 @@ from torch import nn
 
 from overlap_runtime import platform
 from overlap_runtime.models.parallelize import parameter_count
+from overlap_runtime.ops.step_record import task_scope
 from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.checkpoint import CheckpointError, Checkpointer
 from overlap_runtime.trainer.config import ConfigError, TrainConfig, config_from_dict
@@ -46,6 +47,7 @@ from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
 from overlap_runtime.trainer.grad_norm import clip_grad_norm
 from overlap_runtime.trainer.observe import RunObserver, observed_trace
+from overlap_runtime.trainer.step_check import StepCheck
 
 if TYPE_CHECKING:
     from overlap_runtime.pipeline import ExecutionTrace
@@ -197,18 +199,31 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
         pm.close()
         raise
     platform.reset_peak_memory_stats(device)
+    try:
+        check = StepCheck(config, dims, (log or print) if rank == 0 else None)
+    except BaseException:
+        pm.close()
+        raise
     ep_group = dims.mesh("ep").get_group() if dims.ep > 1 else None
     pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
 
     def step_fn(batch: Batch) -> torch.Tensor:
+        with check.first_step():
+            out = run_step(batch)
+        check.check(device, acc.comm_timeout_s)
+        return out
+
+    def run_step(batch: Batch) -> torch.Tensor:
         if trace is not None:
             trace.events.clear()
-        if pm.schedule is None:
+        if pm.schedule is None:  # one stage: the step graph's 0F0 and 0B0
             model = pm.parts[0]
-            logits = model(batch.input_ids.to(device), batch.position_ids.to(device),
-                           **batch.model_kwargs(device))
-            share = ce_sum(logits, batch.labels.to(device)) / batch.global_tokens
-            share.backward()
+            with task_scope("0F0"):
+                logits = model(batch.input_ids.to(device), batch.position_ids.to(device),
+                               **batch.model_kwargs(device))
+                share = ce_sum(logits, batch.labels.to(device)) / batch.global_tokens
+            with task_scope("0B0"):
+                share.backward()
             return share.detach()
         losses: list[torch.Tensor] = []
         inputs = (batch.input_ids.to(device),) if pm.has_first else ()

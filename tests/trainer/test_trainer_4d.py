@@ -12,6 +12,9 @@ fp32 rounding of a different reduction order picks another expert; from then on 
 follow different (equally valid) trajectories, and a 5-step comparison measures chaos, not the
 parallel code. The top-2 layout is therefore compared over its first optimizer step only (same
 weights, same batch), where any bug in dispatch, combine, gradients or the norm shows.
+
+Every layout also records its first step and checks it against the step graph
+(``train.check_conformance``, ``stepgraph.conformance``): a run that drifts from the graph fails.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def layout(world: int, model: dict[str, Any] | None = None,
         "data": {"seq_len": 64, "batch_size": 4},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.01, "max_grad_norm": 1.0},
         "train": {"steps": steps, "seed": 0, "precision": "fp32", "accelerator": accelerator,
-                  "pipeline": pipeline or {}},
+                  "pipeline": pipeline or {}, "check_conformance": True},
     }
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
+from .. import step_record
 from ..profile_range import profile_range
 from .handle import AsyncHandle, resolve_timeout, wait_work
 from .ranks import check_device_backend, group_size
@@ -48,7 +49,8 @@ def _check_splits(name: str, splits: Sequence[int] | None, world: int, dim0: int
 
 
 def _raw_all_to_all(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
-                    group: dist.ProcessGroup | None, async_op: bool) -> tuple[Any, torch.Tensor]:
+                    group: dist.ProcessGroup | None, async_op: bool,
+                    what: str = "all_to_all") -> tuple[Any, torch.Tensor]:
     world = group_size(group)
     if out_splits is None:
         if x.shape[0] % world:
@@ -62,6 +64,8 @@ def _raw_all_to_all(x: torch.Tensor, out_splits: list[int] | None, in_splits: li
     if world == 1:
         out.copy_(x)
         return None, out
+    step_record.note_comm("collective", group, None, x.numel() * x.element_size(), what,
+                          "all_to_all")
     # Always launched async: even a "synchronous" call waits through wait_work, with a timeout.
     work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
     return work, out
@@ -76,7 +80,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.what = what
         async_op = handle_box is not None
         with profile_range(lambda: f"a2a {what} fwd"):
-            work, out = _raw_all_to_all(x, out_splits, in_splits, group, async_op)
+            work, out = _raw_all_to_all(x, out_splits, in_splits, group, async_op, what)
             if async_op:
                 handle = AsyncHandle([work], f"{what} (forward)", timeout_s, device=x.device)
                 handle_box.append(handle)
@@ -95,7 +99,7 @@ class _AllToAll(torch.autograd.Function):
             )
         with profile_range(lambda: f"a2a {ctx.what} bwd"):
             work, grad_in = _raw_all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group,
-                                            True)
+                                            True, ctx.what)
             wait_work(work, ctx.timeout_s, f"{ctx.what} (backward)", grad_out.device)
         return grad_in, None, None, None, None, None, None
 
@@ -158,6 +162,8 @@ class _AllGather(torch.autograd.Function):
         if world == 1:
             out.copy_(x0)
         else:
+            step_record.note_comm("collective", group, None, x0.numel() * x0.element_size(),
+                                  "all_gather", "all_gather")
             work = _all_gather_single(out, x0, group=group, async_op=True)
             wait_work(work, timeout_s, "all_gather (forward)", x.device)
         return out.movedim(0, dim)
@@ -167,7 +173,7 @@ class _AllGather(torch.autograd.Function):
         world = ctx.world
         g0 = grad.movedim(ctx.dim, 0).contiguous()
         n = g0.shape[0] // world
-        work, recv = _raw_all_to_all(g0, None, None, ctx.group, True)
+        work, recv = _raw_all_to_all(g0, None, None, ctx.group, True, "all_gather (backward)")
         wait_work(work, ctx.timeout_s, "all_gather (backward all-to-all)", grad.device)
         # Sum the ranks' slices in fp32 at least (bf16 partial sums lose bits), then cast back.
         acc = torch.promote_types(recv.dtype, torch.float32)

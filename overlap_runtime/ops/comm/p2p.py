@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import step_record
 from ..profile_range import profile_range
 from .handle import AsyncHandle, resolve_timeout
 from .ranks import check_device_backend, global_rank, group_rank, group_size
@@ -50,6 +51,7 @@ def isend(x: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, *, 
     check_device_backend(x, group, description)
     peer = _check_peer(dst, group, description)
     payload = x.detach().contiguous()
+    step_record.note_comm("send", group, peer, payload.numel() * payload.element_size(), what)
     with profile_range(lambda: f"p2p.send {description}"):
         work = dist.isend(payload, peer, group=group, tag=tag)
     return AsyncHandle([work], description, resolve_timeout(timeout_s), device=payload.device,
@@ -75,6 +77,7 @@ def irecv(buf: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, *
                          f"contiguous (a receive cannot write through a copy)")
     check_device_backend(buf, group, description)
     peer = _check_peer(src, group, description)
+    step_record.note_comm("recv", group, peer, buf.numel() * buf.element_size(), what)
     with profile_range(lambda: f"p2p.recv {description}"):
         work = dist.irecv(buf, peer, group=group, tag=tag)
     return AsyncHandle([work], description, resolve_timeout(timeout_s), device=buf.device,
@@ -111,6 +114,9 @@ def ring_shift(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup 
             raise ValueError(f"{description}: the {name} tensor {tuple(t.shape)} is not contiguous")
     check_device_backend(recv, group, description)
     ops = [(dist.isend, send, global_rank(group, nxt)), (dist.irecv, recv, global_rank(group, prv))]
+    # one launch, recorded as its send then its receive (whatever the posting order below)
+    step_record.note_comm("send", group, ops[0][2], send.numel() * send.element_size(), what)
+    step_record.note_comm("recv", group, ops[1][2], recv.numel() * recv.element_size(), what)
     if me % 2:
         ops.reverse()
     with profile_range(lambda: f"p2p.ring {description}"):
