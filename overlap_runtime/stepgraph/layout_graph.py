@@ -40,13 +40,16 @@ __all__ = ["Op", "handover_edges", "layout_graph"]
 @dataclass(frozen=True)
 class Op:
     """One op of a layer: ``name`` (shown in traces), ``kind`` (cost-model key), ``cost``
-    (seconds), and for communication the ``group`` name and ``group_size``."""
+    (seconds), and for communication the ``group`` name and ``group_size``. ``join``: a
+    non-blocking message (the MoE combine): it forks from the op before it and the next op
+    named ``join`` waits for it (the shared expert runs meanwhile); None: blocking."""
 
     name: str
     kind: str
     cost: float
     group: str | None = None
     group_size: int = 1
+    join: str | None = None
 
 
 def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inner: int,
@@ -94,6 +97,7 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
                 continue
             prev: Hashable | None = None
             chain: list[tuple[Hashable, bool]] = []
+            joins: dict[str, list[Hashable]] = {}
             chains[(i, t.rank, t.step, t.lane)] = chain
             for j, op in enumerate(ops):
                 oid = tid if j == len(ops) - 1 else (g, t.id, j)
@@ -114,7 +118,17 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
                     program.append((prev, oid))
                 else:
                     first[(i, t.id)] = oid
+                if op.name in joins:
+                    program.extend((x, oid) for x in joins.pop(op.name))
+                if op.join is not None and j < len(ops) - 1:
+                    joins.setdefault(op.join, []).append(oid)  # forked: prev stays the tail
+                    if prev is None:
+                        prev = oid
+                    continue
                 prev = oid
+            for waiting in joins.values():  # a join target that never came: join the tail
+                program.extend((x, prev) for x in waiting if x != prev)
+            joins.clear()
             last[(i, t.id)] = prev  # type: ignore[assignment]
     out.add_tasks(tasks)
     for kind in ("program", "data", "match"):
