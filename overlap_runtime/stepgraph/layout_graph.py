@@ -15,7 +15,8 @@ peers shifted to the same ``i`` of the peer stage) and expands each F/B/I/W task
   parallel groups are innermost in the trainer's meshes), costing ``op.cost`` (priced by the
   group's real size and placement, :class:`~overlap_runtime.stepgraph.costs.MachineProfile`).
 
-The ops of one task are chained by ``program`` edges (each waits for the previous, and a
+Op tasks carry ``meta`` of their action plus ``action_lane`` (``fwd``/``bwd`` inside an
+OVERLAP_B_F step) and ``op`` (the op's name). The ops of one task are chained by ``program`` edges (each waits for the previous, and a
 collective meets its peers after their previous op: rendezvous semantics), and the task's
 incoming and outgoing edges attach to the first and last op.
 
@@ -102,16 +103,17 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
             for j, op in enumerate(ops):
                 oid = tid if j == len(ops) - 1 else (g, t.id, j)
                 label = f"{t.text}.{op.name}"
+                meta = {**t.meta, "action_lane": t.lane, "op": op.name}
                 if op.group is None:
                     task = Task(oid, g, t.lane, op.kind, cost=op.cost, step=t.step, label=label,
-                                meta=t.meta)
+                                meta=meta)
                 else:
                     gid = i // op.group_size if not representative else 0
                     key = f"{op.group}:{t.rank}:{gid}" if not representative else \
                         f"{op.group}:{g}"
                     task = Task(oid, g, f"comm:{op.group}", op.kind, cost=op.cost,
                                 comm=CommInfo("collective", key), step=t.step, label=label,
-                                meta=t.meta)
+                                meta=meta)
                 tasks.append(task)
                 chain.append((oid, op.group is not None))
                 if prev is not None:
