@@ -55,7 +55,7 @@ class Op:
 
 def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inner: int,
                  representative: bool, message_cost: Callable[[Task], float] | None = None,
-                 name: str = "step") -> TaskGraph:
+                 async_p2p: bool = True, name: str = "step") -> TaskGraph:
     """Expand ``pipeline`` (ranks = pipeline ranks) over ``inner`` ranks per coordinate.
 
     Args:
@@ -64,6 +64,12 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
         inner: ranks per pipeline coordinate (``world / pp``).
         representative: build inner index 0 only (see the module doc).
         message_cost: cost of a SEND (RECVs cost nothing); None keeps the tasks' own hints.
+        async_p2p: pipeline messages as the runtime issues them (``isend`` / early ``irecv``):
+            each SEND on a lane per peer (messages to one peer share its link), each RECV on a
+            lane of its own per peer, no program order between messages; a RECV then completes
+            with its SEND and blocks only its consumer. False keeps the schedule compiler's one
+            in-order ``comm:pp`` lane per rank, where a RECV still in flight holds up the SENDs
+            behind it (docs/schedules.md section 9).
     """
     if inner < 1:
         raise ValueError(f"inner={inner} must be >= 1 (ranks per pipeline coordinate)")
@@ -74,6 +80,7 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
     first: dict[tuple[int, Hashable], Hashable] = {}
     last: dict[tuple[int, Hashable], Hashable] = {}
     cache: dict[Hashable, list[Op]] = {}
+    p2p_ids: set[Hashable] = set()
     chains: dict[tuple[int, int, int | None, str], list[tuple[Hashable, bool]]] = {}
     for t in pipeline.tasks():
         for i in indices:
@@ -85,7 +92,11 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
                 cost = t.cost
                 if message_cost is not None:
                     cost = message_cost(t) if c.op == "send" else 0.0
-                tasks.append(t._replace(id=tid, rank=g, cost=cost,
+                lane = t.lane
+                if async_p2p and c.peer is not None:
+                    lane = f"comm:pp{'>' if c.op == 'send' else '<'}{peer}"
+                    p2p_ids.add(t.id)
+                tasks.append(t._replace(id=tid, rank=g, cost=cost, lane=lane,
                                         comm=c._replace(key=(i, c.key), peer=peer)))
                 first[(i, t.id)] = last[(i, t.id)] = tid
                 continue
@@ -136,6 +147,8 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
     for kind in ("program", "data", "match"):
         edges = []
         for u, v, _ in pipeline.edges(kind):
+            if kind == "program" and u in p2p_ids and v in p2p_ids:
+                continue  # async p2p: no order between messages (see the docstring)
             for i in indices:
                 edges.append((last[(i, u)], first[(i, v)]))
         if kind == "program":
