@@ -231,6 +231,9 @@ class MeasuredCosts:
     comm: dict[str, float] = field(default_factory=dict)
     #: (stage, kind, paired) -> (all-to-alls inside one action, median seconds of one of them)
     a2a: dict[tuple[int, str, bool], tuple[int, float]] = field(default_factory=dict)
+    #: (stage, kind, paired) -> share of the action's compute in each of its n + 1 regions
+    #: (before the first all-to-all, between, after the last)
+    regions: dict[tuple[int, str, bool], list[float]] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
 
     def cost(self, stage: int, kind: str) -> float:
@@ -275,19 +278,20 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
     comm: dict[str, list[float]] = {}
     a2a_n: dict[tuple[int, str, bool], list[int]] = {}
     a2a_s: dict[tuple[int, str, bool], list[float]] = {}
+    region_s: dict[tuple[tuple[int, str, bool], int], list[list[float]]] = {}
     for events in steps:
         events = list(events)
-        for key, n, spans in _nested_a2a(events):
+        for key, n, spans, regions in _nested_a2a(events):
             a2a_n.setdefault(key, []).append(n)
             a2a_s.setdefault(key, []).extend(spans)
+            region_s.setdefault((key, n), []).append(regions)
         busy = action_busy(events)
         ranks = sorted({k[0] for k in busy})
         if cores is not None and cores < len(ranks):
             from .shared_cores import work_of_spans
 
-            per_rank = [union(iv for k, v in busy.items() if k[0] == r for iv in v)
-                        for r in ranks]
-            seconds = {k: w / 1e9 for k, w in work_of_spans(busy, cores, per_rank).items()}
+            work = work_of_spans(busy, cores, {k: (k[0], k[1]) for k in busy})
+            seconds = {k: w / 1e9 for k, w in work.items()}
         else:
             seconds = {k: sum(b - a for a, b in v) / 1e9 for k, v in busy.items()}
         for (_rank, _thread, name), value in seconds.items():
@@ -311,27 +315,47 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
     for k, ns in a2a_n.items():
         n = round(statistics.median(ns))
         if n:
-            out.a2a[k] = (n, statistics.median(a2a_s[k]))
+            out.a2a[k] = (n, statistics.fmean(a2a_s[k]))
+            rows = region_s.get((k, n), [])
+            if rows:
+                med = [statistics.median(r[j] for r in rows) for j in range(n + 1)]
+                total = sum(med)
+                if total > 0:
+                    out.regions[k] = [x / total for x in med]
     return out
 
 
-def _nested_a2a(events: list[Any]) -> Iterable[tuple[tuple[int, str], int, list[float]]]:
-    """Per compute action: ((stage, kind, inside an OVERLAP step), number of a2a spans of its thread inside it, their
-    seconds)."""
+def _nested_a2a(events: list[Any]) -> Iterable[tuple[tuple[int, str, bool], int, list[float],
+                                                      list[float]]]:
+    """Per compute action: ``((stage, kind, inside an OVERLAP step), number of all-to-all spans
+    of its thread inside it, their seconds, the action's busy seconds in each of the n + 1
+    compute regions around them)``."""
+    from overlap_runtime.graph.intervals import minus, union
+    from overlap_runtime.pipeline.exec_trace import WAIT_CATEGORIES
+
     by_thread: dict[tuple[int, str], list[Any]] = {}
+    waits: dict[tuple[int, str], list[tuple[int, int]]] = {}
     compound: dict[int, list[tuple[int, int]]] = {}
     for e in events:
         if e.cat == "a2a":
             by_thread.setdefault((e.rank, e.thread), []).append(e)
+        if e.cat in WAIT_CATEGORIES:
+            waits.setdefault((e.rank, e.thread), []).append((e.start_ns, e.end_ns))
         elif e.cat == "compound":
             compound.setdefault(e.rank, []).append((e.start_ns, e.end_ns))
     for e in events:
-        if e.cat != "compute":
+        if e.cat != "compute" or e.end_ns <= e.start_ns:
             continue
         parsed = _parse_action(e.name)
         if parsed is None:
             continue
         paired = any(a <= e.start_ns and e.end_ns <= b for a, b in compound.get(e.rank, ()))
-        inside = [(a.end_ns - a.start_ns) / 1e9 for a in by_thread.get((e.rank, e.thread), ())
-                  if e.start_ns <= a.start_ns and a.end_ns <= e.end_ns]
-        yield (parsed[0], parsed[1], paired), len(inside), inside
+        inside = sorted((a.start_ns, a.end_ns) for a in by_thread.get((e.rank, e.thread), ())
+                        if e.start_ns <= a.start_ns and a.end_ns <= e.end_ns)
+        busy = minus([(e.start_ns, e.end_ns)], union(waits.get((e.rank, e.thread), [])))
+        edges = [e.start_ns] + [x for a, b in inside for x in (a, b)] + [e.end_ns]
+        regions = []
+        for lo, hi in zip(edges[::2], edges[1::2]):
+            regions.append(sum(max(0, min(b, hi) - max(a, lo)) for a, b in busy) / 1e9)
+        yield ((parsed[0], parsed[1], paired), len(inside),
+               [(b - a) / 1e9 for a, b in inside], regions)

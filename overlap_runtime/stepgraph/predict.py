@@ -55,20 +55,24 @@ def pipeline_graph(config: Any) -> TaskGraph:
 
 
 def measured_ops(costs: MeasuredCosts) -> Callable[[Task], list[Op]]:
-    """The op chain of a pipeline action from measured costs: its busy work in ``n + 1`` equal
-    compute pieces around the ``n`` all-to-alls it ran (``costs.a2a``), each all-to-all a
-    collective on ``comm:ep`` costing its measured median span."""
+    """The op chain of a pipeline action from measured costs: its busy work in the ``n + 1``
+    compute regions around the ``n`` all-to-alls it ran (``costs.a2a``, shares
+    ``costs.regions``), each all-to-all a collective on ``comm:ep`` costing its measured median
+    span."""
 
     def ops(t: Task) -> list[Op]:
         stage = int(t.meta["stage"])
         work = costs.cost(stage, t.kind)
         paired = t.lane in ("fwd", "bwd")
-        n, a2a = costs.a2a.get((stage, t.kind, paired)) or costs.a2a.get(
-            (stage, t.kind, not paired), (0, 0.0))
-        out = [Op("compute", t.kind, work / (n + 1))]
+        key = (stage, t.kind, paired)
+        if key not in costs.a2a:
+            key = (stage, t.kind, not paired)
+        n, a2a = costs.a2a.get(key, (0, 0.0))
+        share = costs.regions.get(key) or [1.0 / (n + 1)] * (n + 1)
+        out = [Op("compute", t.kind, work * share[0])]
         for j in range(n):
             out.append(Op(f"a2a{j}", "a2a", a2a, group="ep", group_size=2))
-            out.append(Op(f"compute{j + 1}", t.kind, work / (n + 1)))
+            out.append(Op(f"compute{j + 1}", t.kind, work * share[j + 1]))
         return out
 
     return ops

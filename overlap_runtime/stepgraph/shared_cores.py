@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Iterable, Mapping
+from typing import Any, Mapping
 
 from overlap_runtime.graph.intervals import measure_minus, total_length, union
 from overlap_runtime.graph.simulate import SimulationResult
@@ -113,35 +113,58 @@ def simulate_shared_cores(graph: TaskGraphData, cores: int,
     return SimulationResult(list(tasks), start, end, max(end, default=0.0), busy, exposed, [])
 
 
-def work_of_spans(spans: dict[object, list[tuple[float, float]]], cores: int,
-                  busy_by_rank: Iterable[list[tuple[float, float]]]) -> dict[object, float]:
-    """Full-speed work of measured spans: the integral of ``min(1, C / k(t))`` over each span's
-    busy intervals, ``k(t)`` the number of ranks busy at ``t`` (``busy_by_rank``: one union of
-    intervals per rank). ``spans``: key -> busy intervals of that action."""
-    delta: dict[float, int] = {}
-    for u in busy_by_rank:
-        for a, b in u:
-            delta[a] = delta.get(a, 0) + 1
-            delta[b] = delta.get(b, 0) - 1
-    xs = sorted(delta)
-    segs: list[tuple[float, float, float]] = []  # (from, to, rate)
-    k = 0
-    for x0, x1 in zip(xs, xs[1:]):
-        k += delta[x0]
-        segs.append((x0, x1, min(1.0, cores / k) if k > 0 else 1.0))
-    ends = [s1 for _, s1, _ in segs]
-    out: dict[object, float] = {}
+def work_of_spans(spans: Mapping[Any, list[tuple[float, float]]], cores: int,
+                  thread_of: Mapping[Any, tuple[int, str]] | None = None) -> dict[Any, float]:
+    """Full-speed work of measured busy spans (the inverse of :func:`simulate_shared_cores`).
+
+    ``spans``: key -> busy intervals of one action; ``thread_of[key]``: its ``(rank, thread)``
+    (default: each key its own rank). While ``k`` ranks have a busy thread, a rank gets
+    ``min(1, cores / k)`` of a core, shared by its ``m`` busy threads (one interpreter lock: a
+    rank's threads take turns), so an action progresses at ``min(1, cores / k) / m``; its work
+    is the integral of that rate over its intervals.
+    """
+    owner = thread_of or {key: (i, "") for i, key in enumerate(spans)}
+    per_thread: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for key, ivs in spans.items():
+        per_thread.setdefault(owner[key], []).extend(ivs)
+    delta: dict[float, dict[tuple[int, str], int]] = {}
+    for th, ivs in per_thread.items():
+        for a, b in union(ivs):
+            delta.setdefault(a, {})[th] = delta.get(a, {}).get(th, 0) + 1
+            delta.setdefault(b, {})[th] = delta.get(b, {}).get(th, 0) - 1
+    xs = sorted(delta)
+    busy_threads: dict[int, int] = {}  # rank -> busy threads now
+    active: dict[tuple[int, str], int] = {}
+    seg_from: list[float] = []
+    seg_rates: list[dict[int, float]] = []  # per rank, the rate of one busy thread
+    for x in xs:
+        for th, d in delta[x].items():
+            before = active.get(th, 0) > 0
+            active[th] = active.get(th, 0) + d
+            after = active[th] > 0
+            if after != before:
+                busy_threads[th[0]] = busy_threads.get(th[0], 0) + (1 if after else -1)
+        k = sum(1 for m in busy_threads.values() if m > 0)
+        share = min(1.0, cores / k) if k else 1.0
+        seg_from.append(x)
+        seg_rates.append({r: share / m for r, m in busy_threads.items() if m > 0})
+    out: dict[Any, float] = {}
+    for key, ivs in spans.items():
+        rank = owner[key][0]
         total = 0.0
         for a, b in ivs:
-            covered = 0.0
-            j = bisect.bisect_right(ends, a)
-            while j < len(segs) and segs[j][0] < b:
-                lo, hi = max(a, segs[j][0]), min(b, segs[j][1])
-                if hi > lo:
-                    total += (hi - lo) * segs[j][2]
-                    covered += hi - lo
+            j = max(0, bisect.bisect_right(seg_from, a) - 1)
+            x = a
+            while x < b:
+                end = seg_from[j + 1] if j + 1 < len(seg_from) else b
+                hi = min(b, end)
+                if hi > x:
+                    total += (hi - x) * seg_rates[j].get(rank, 1.0) if j < len(seg_rates) \
+                        else (hi - x)
+                x = hi
                 j += 1
-            total += (b - a) - covered  # outside every busy interval: full speed
+                if j >= len(seg_from):
+                    total += max(0.0, b - x)
+                    break
         out[key] = total
     return out
