@@ -16,6 +16,7 @@ Pure simulation (no device): a few seconds.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 SEED_94 = {  # (cp, global K) -> (ulysses ms, p2p ms), Ascend NPUs
@@ -31,7 +32,8 @@ MEASURED_CP2_STEP = {"ulysses": 154.6, "p2p": 137.0}  # configs/gpu_cp2_16k.yaml
 def _config(overrides: dict[str, Any]) -> Any:
     from overlap_runtime.trainer.config import apply_overrides, load_config
 
-    return apply_overrides(load_config("configs/gpu_cp2_16k.yaml"),
+    root = Path(__file__).resolve().parents[1]
+    return apply_overrides(load_config(root / "configs" / "gpu_cp2_16k.yaml"),
                            [f"{k}={v}" for k, v in overrides.items()])
 
 

@@ -4,6 +4,8 @@ rank, in-flight activations follow the schedule. Pure Python, no ranks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from overlap_runtime.cli import main
@@ -11,8 +13,9 @@ from overlap_runtime.stepgraph.costs import h200_profile
 from overlap_runtime.stepgraph.scale import _inflight, predict_at_scale
 from overlap_runtime.trainer.config import apply_overrides, load_config
 
-BIG = "configs/sim_moe_h200.yaml"
-TINY = "configs/tiny_4d_pp2_ep2_cp2.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+BIG = str(ROOT / "configs" / "sim_moe_h200.yaml")
+TINY = str(ROOT / "configs" / "tiny_4d_pp2_ep2_cp2.yaml")
 # the tiny 4D layout with a model large enough that compute and messages both matter
 WIDER = ["model.hidden_size=1024", "model.moe_intermediate_size=1024",
          "model.shared_expert_intermediate_size=1024", "data.seq_len=4096",
