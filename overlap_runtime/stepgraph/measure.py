@@ -35,7 +35,7 @@ class StepArchive(list):  # type: ignore[type-arg]
         return self.steps
 
 
-def ping_latency(group: Any = None, rounds: int = 20, timeout_s: float = 60.0) -> float:
+def ping_latency(rounds: int = 20, timeout_s: float = 60.0) -> float:
     """Median one-way time (s) of a 4-byte gloo message between ranks 0 and 1 of the default
     group (ping-pong; other ranks skip). Every rank returns the same figure."""
     import torch

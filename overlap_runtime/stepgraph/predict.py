@@ -1,7 +1,6 @@
 """Predict a training step from measured node costs, and compare with what was measured.
 
-:func:`costed_graph` copies a task graph with a cost on every task (from a function of the
-task); :func:`predict_step` prices the trainer's compiled pipeline with :class:`~overlap_runtime.
+:func:`predict_step` prices the trainer's compiled pipeline with :class:`~overlap_runtime.
 stepgraph.costs.MeasuredCosts` and simulates it, either with one device per rank (the list
 scheduler of :mod:`overlap_runtime.graph.simulate`) or, when ranks outnumber the host's cores,
 with :func:`~overlap_runtime.stepgraph.shared_cores.simulate_shared_cores`.
@@ -23,7 +22,7 @@ from overlap_runtime.graph.tasks import Task
 from .costs import MeasuredCosts
 from .layout_graph import Op, layout_graph
 
-__all__ = ["StepFigures", "costed_graph", "measured_ops", "pipeline_graph", "predict_step",
+__all__ = ["StepFigures", "measured_ops", "pipeline_graph", "predict_step",
            "measured_step"]
 
 
@@ -36,22 +35,13 @@ class StepFigures:
     exposed_comm_s: float = 0.0
 
 
-def costed_graph(graph: TaskGraph, cost: Callable[[Task], float]) -> TaskGraph:
-    """A copy of ``graph`` whose every task carries ``cost(task)`` as its cost hint."""
-    out = TaskGraph(graph.name)
-    out.add_tasks(t._replace(cost=float(cost(t))) for t in graph.tasks())
-    for kind in ("program", "data", "match"):
-        out.add_edges([(u, v) for u, v, _ in graph.edges(kind)], kind)
-    out.programs = graph.programs
-    return out
-
-
 def pipeline_graph(config: Any) -> TaskGraph:
-    """The compiled (lowered, validated) pipeline graph of a trainer config with pp > 1."""
-    from overlap_runtime.schedules import compile_spec
-    from overlap_runtime.trainer.config import schedule_spec
+    """The pipeline graph the step graph starts from (``stepgraph.compose``): the compiled,
+    validated schedule for pp > 1, ``0F0 -> 0B0`` for pp == 1."""
+    from .compose import _pipeline
 
-    return compile_spec(schedule_spec(config)).graph
+    graph: TaskGraph = _pipeline(config)
+    return graph
 
 
 def measured_ops(costs: MeasuredCosts) -> Callable[[Task], list[Op]]:

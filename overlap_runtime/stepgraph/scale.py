@@ -79,8 +79,9 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
             cost = (g - 1) * profile.ring_step(op.nbytes, g)
         else:  # a halo or ring hop: prefetched behind the next compute op
             nxt = next((o for o in ops[j + 1:] if o.kind == "compute"), None)
-            hidden = profile.compute(nxt.flops, op_class(nxt.name)) if nxt is not None and \
-                ".ring" in op.name or ".dkv" in op.name else 0.0
+            prefetched = ".ring" in op.name or ".dkv" in op.name
+            hidden = profile.compute(nxt.flops, op_class(nxt.name)) \
+                if nxt is not None and prefetched else 0.0
             cost = max(0.0, profile.ring_step(op.nbytes, g) - hidden)
         join = "moe.combine_wait" if op.name == "moe.combine" else None
         out.append(Op(op.name, "comm", cost, group=op.group, group_size=g, join=join))
