@@ -91,25 +91,27 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
 def stage_parameters(config: "TrainConfig", stage_layers: list[list[int]]
                      ) -> list[tuple[int, int]]:
     """Per stage ``(dense parameters, routed-expert parameters)``: the decoder layers it holds,
-    the embedding on the first stage, the final norm and LM head on the last (meta device)."""
+    the embedding on the first stage, the final norm and LM head on the last. One decoder layer
+    of each type is built on the meta device and counted (layers of a type are alike)."""
     import torch
 
-    from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+    from overlap_runtime.models.qwen3_5 import Qwen3_5DecoderLayer
 
-    with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config.model)
-    per_layer: list[tuple[int, int]] = []
-    for layer in model.layers:  # type: ignore[attr-defined]
+    m = config.model
+    by_type: dict[str, tuple[int, int]] = {}
+    for kind in set(m.layer_types):
+        with torch.device("meta"):
+            layer = Qwen3_5DecoderLayer(m, kind)
         dense = expert = 0
         for name, p in layer.named_parameters():
             if ".experts." in f".{name}":
                 expert += p.numel()
             else:
                 dense += p.numel()
-        per_layer.append((dense, expert))
-    embed = model.embed_tokens.weight.numel()  # type: ignore[attr-defined]
-    head = sum(p.numel() for n, p in model.named_parameters()
-               if not n.startswith(("layers.", "embed_tokens.")))
+        by_type[kind] = (dense, expert)
+    per_layer = [by_type[k] for k in m.layer_types]
+    embed = m.vocab_size * m.hidden_size
+    head = m.hidden_size + (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
     out = []
     last = len(stage_layers) - 1
     for s, layers in enumerate(stage_layers):
@@ -171,7 +173,8 @@ def _inflight(pipeline: Any) -> dict[int, dict[int, int]]:
 
 
 def peak_memory(config: "TrainConfig", pipeline: Any, stage_layers: list[list[int]],
-                stage_to_rank: dict[int, int], shape: MicrobatchShape) -> dict[int, dict[str, float]]:
+                stage_to_rank: dict[int, int], shape: MicrobatchShape,
+                params: list[tuple[int, int]] | None = None) -> dict[int, dict[str, float]]:
     """Peak bytes per pipeline rank: ``params`` (sharded fp32 master + grads + AdamW = 16 B per
     parameter over ``dp_shard x cp``, routed experts over ``ep x efsdp``), ``gathered`` (the
     stage's parameters unsharded in the compute dtype plus their full fp32 gradients during the
@@ -179,7 +182,7 @@ def peak_memory(config: "TrainConfig", pipeline: Any, stage_layers: list[list[in
     dims = config.train.accelerator.parallel_dims()
     shard = dims.dp_shard * dims.cp
     e = shape.dtype_bytes
-    params = stage_parameters(config, stage_layers)
+    params = params if params is not None else stage_parameters(config, stage_layers)
     act = [_activation_bytes(config, layers, shape) for layers in stage_layers]
     inflight = _inflight(pipeline)
     out: dict[int, dict[str, float]] = {}
@@ -303,7 +306,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
             profile.all_gather(expert / dims.efsdp * 4.0, dims.efsdp)
         fsdp_s = max(fsdp_s, gather + reduce)
         opt_s = max(opt_s, 16.0 * (dense / shard + expert / dims.efsdp) * 2 / profile.hbm_Bps)
-    memory = peak_memory(config, pipeline, stage_layers, stage_to_rank, shape)
+    memory = peak_memory(config, pipeline, stage_layers, stage_to_rank, shape, params)
     ranks = []
     for g in res.ranks:
         r = g // inner
