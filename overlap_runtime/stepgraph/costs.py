@@ -234,6 +234,8 @@ class MeasuredCosts:
     #: (stage, kind, paired) -> share of the action's compute in each of its n + 1 regions
     #: (before the first all-to-all, between, after the last)
     regions: dict[tuple[int, str, bool], list[float]] = field(default_factory=dict)
+    #: runtime time per program step that no span covers (the step loop, thread hand-offs)
+    gap_s: float = 0.0
     samples: dict[str, int] = field(default_factory=dict)
 
     def cost(self, stage: int, kind: str) -> float:
@@ -279,8 +281,10 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
     a2a_n: dict[tuple[int, str, bool], list[int]] = {}
     a2a_s: dict[tuple[int, str, bool], list[float]] = {}
     region_s: dict[tuple[tuple[int, str, bool], int], list[list[float]]] = {}
+    gaps: list[float] = []
     for events in steps:
         events = list(events)
+        gaps.extend(_gaps(events))
         for key, n, spans, regions in _nested_a2a(events):
             a2a_n.setdefault(key, []).append(n)
             a2a_s.setdefault(key, []).extend(spans)
@@ -312,6 +316,7 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
     for k, v in comm.items():
         out.comm[k] = statistics.median(v)
         out.samples[k] = len(v)
+    out.gap_s = statistics.median(gaps) if gaps else 0.0
     for k, ns in a2a_n.items():
         n = round(statistics.median(ns))
         if n:
@@ -322,6 +327,27 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
                 total = sum(med)
                 if total > 0:
                     out.regions[k] = [x / total for x in med]
+    return out
+
+
+def _gaps(events: list[Any]) -> list[float]:
+    """Per rank: seconds between its first and last event that no event of any thread covers,
+    divided by its program steps (compute actions outside OVERLAP steps, and OVERLAP steps)."""
+    from overlap_runtime.graph.intervals import minus, total_length, union
+
+    out = []
+    for rank in sorted({e.rank for e in events}):
+        mine = [e for e in events if e.rank == rank]
+        cover = union((e.start_ns, e.end_ns) for e in mine if e.end_ns > e.start_ns)
+        if not cover:
+            continue
+        free = total_length(minus([(cover[0][0], cover[-1][1])], cover))
+        compound = [(e.start_ns, e.end_ns) for e in mine if e.cat == "compound"]
+        steps = len(compound) + sum(
+            1 for e in mine if e.cat == "compute" and _parse_action(e.name) is not None
+            and not any(a <= e.start_ns and e.end_ns <= b for a, b in compound))
+        if steps:
+            out.append(free / 1e9 / steps)
     return out
 
 

@@ -60,6 +60,8 @@ def measured_ops(costs: MeasuredCosts) -> Callable[[Task], list[Op]]:
         n, a2a = costs.a2a.get(key, (0, 0.0))
         share = costs.regions.get(key) or [1.0 / (n + 1)] * (n + 1)
         out = [Op("compute", t.kind, work * share[0])]
+        if costs.gap_s > 0 and t.lane != "bwd":  # once per program step
+            out.insert(0, Op("runtime", "runtime", costs.gap_s, group="host"))
         for j in range(n):
             out.append(Op(f"a2a{j}", "a2a", a2a, group="ep", group_size=2))
             out.append(Op(f"compute{j + 1}", t.kind, work * share[j + 1]))
