@@ -45,6 +45,11 @@ def test_measured_costs_take_the_waits_out_of_the_actions() -> None:
     assert c.a2a[(1, "B", False)] == (1, pytest.approx(3e-3))
     with pytest.raises(KeyError, match="no measured cost for W of stage 0"):
         c.cost(0, "W")
+    assert c.gap_s == 0.0  # every rank's spans cover its step
+    # rank 0 idles 2 ms between its two steps that no span covers: the runtime's 1 ms a step
+    gap = [TraceEvent(0, "main", "0F0", "compute", 0, 5 * ms),
+           TraceEvent(0, "main", "0F1", "compute", 7 * ms, 12 * ms)]
+    assert measured_costs([gap]).gap_s == pytest.approx(1e-3)
 
 
 def _two_ranks(work: float) -> TaskGraph:
