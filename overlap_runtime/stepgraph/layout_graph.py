@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+from overlap_runtime.graph._gc import gc_paused
 from overlap_runtime.graph.task_graph import TaskGraph
 from overlap_runtime.graph.tasks import CommInfo, Task
 
@@ -53,6 +54,7 @@ class Op:
     join: str | None = None
 
 
+@gc_paused
 def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inner: int,
                  representative: bool, message_cost: Callable[[Task], float] | None = None,
                  async_p2p: bool = True, name: str = "step") -> TaskGraph:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from overlap_runtime.graph._gc import gc_paused
 from overlap_runtime.graph.simulate import SimulationResult, simulate
 from overlap_runtime.graph.tasks import Task
 
@@ -245,6 +246,7 @@ class ScalePrediction:
         return max((r.memory["total"] for r in self.ranks), default=0.0)
 
 
+@gc_paused
 def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
                      representative: bool = True) -> ScalePrediction:
     """Predict one training step of ``config`` on ``profile`` (module doc).
