@@ -4,12 +4,13 @@ OVERLAP_B_F and pp2 x cp2 (issue #21, item 3).
 For each layout the trainer runs a few steps with an execution trace. Node costs come from the
 same run (``stepgraph.costs.measured_costs``: per stage and action kind the median busy time,
 i.e. the action's span less the waits inside it; per action its all-to-alls), the step is
-simulated on one representative rank per pipeline rank and compared with the measured step:
+simulated on every rank with that rank's own costs (the expert all-to-alls as collectives of
+their EP group, so peers wait for each other) and compared with the measured step:
 pipeline step time (first action to last) and bubble (``pipeline.measured_bubble``). Each step
 is predicted from the costs measured in that step (other jobs move this shared host's step times
 by 2-3x from one step to the next), and the errors are the medians over the steps after the
-first; "pooled" predicts every step from the costs of all steps; "replay" (a diagnostic) gives
-every action its own measured work instead of its stage's median. With more ranks than cores the ranks share the cores
+first; the last column simulates one representative rank per pipeline rank with the stage's
+median costs instead (what ``overlap-runtime simulate`` does at scale). With more ranks than cores the ranks share the cores
 (``stepgraph.shared_cores``): the costs are turned into full-speed work and the simulation runs
 each computing rank at ``cores / k``.
 
@@ -58,34 +59,6 @@ def layouts(steps: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def replay_step(config: Any, events: list[Any], cores: int, message_s: float) -> Any:
-    """Diagnostic: the same simulation with every action costing its *own* measured work (on
-    the representative rank of its pipeline rank) instead of its stage's median: what is left
-    of the error then is not the actions' jitter."""
-    from overlap_runtime.stepgraph.costs import action_busy, measured_costs
-    from overlap_runtime.stepgraph.layout_graph import Op, layout_graph
-    from overlap_runtime.stepgraph.predict import StepFigures, measured_ops, pipeline_graph
-    from overlap_runtime.stepgraph.shared_cores import simulate_shared_cores, work_of_spans
-
-    acc = config.train.accelerator
-    inner = acc.resolved_world_size // acc.pp
-    busy = action_busy(events)
-    work = work_of_spans(busy, cores, {k: (k[0], k[1]) for k in busy})
-    own = {name: w / 1e9 for (rank, _t, name), w in work.items() if rank % inner == 0}
-    base = measured_ops(measured_costs([events], cores=cores))
-
-    def ops(t: Any) -> list[Any]:
-        chain = base(t)
-        total = sum(o.cost for o in chain if o.group is None)
-        f = own.get(str(t.id), total) / total if total > 0 else 1.0
-        return [o if o.group is not None else Op(o.name, o.kind, o.cost * f) for o in chain]
-
-    g = layout_graph(pipeline_graph(config), ops, inner=inner, representative=True,
-                     message_cost=lambda t: message_s)
-    res = simulate_shared_cores(g, cores, {r: inner for r in g.ranks})
-    return StepFigures(res.makespan, res.bubble_ratio)
-
-
 def run_layout(cfg: dict[str, Any], cores: int) -> dict[str, Any]:
     """Train ``cfg`` traced, then predict it from its own measured costs."""
     from overlap_runtime.stepgraph.costs import measured_costs
@@ -102,11 +75,10 @@ def run_layout(cfg: dict[str, Any], cores: int) -> dict[str, Any]:
     rows = []
     for ev in steps:  # each step from the costs measured in it (the load of this shared host
         m = measured_step(ev)  # moves step times by 2-3x between steps)
-        p = predict_step(config, measured_costs([ev], cores=cores), message_s=latency,
-                         cores=cores)
-        rows.append((m, p, replay_step(config, ev, cores, latency)))
-    pooled = predict_step(config, measured_costs(steps, cores=cores), message_s=latency,
-                          cores=cores)
+        costs = measured_costs([ev], cores=cores)
+        rows.append((m, predict_step(config, costs, message_s=latency, cores=cores),
+                     predict_step(config, costs, message_s=latency, cores=cores,
+                                  per_rank=False)))
     med = statistics.median
     return {"measured_step_s": med(m.step_s for m, _, _ in rows),
             "measured_bubble": med(m.bubble for m, _, _ in rows),
@@ -114,9 +86,8 @@ def run_layout(cfg: dict[str, Any], cores: int) -> dict[str, Any]:
             "predicted_bubble": med(p.bubble for _, p, _ in rows),
             "step_err": med(p.step_s / m.step_s - 1 for m, p, _ in rows),
             "bubble_err": med(p.bubble / m.bubble - 1 for m, p, _ in rows),
-            "replay_step_err": med(r.step_s / m.step_s - 1 for m, _, r in rows),
-            "replay_bubble_err": med(r.bubble / m.bubble - 1 for m, _, r in rows),
-            "pooled_step_s": pooled.step_s, "pooled_bubble": pooled.bubble,
+            "rep_step_err": med(r.step_s / m.step_s - 1 for m, _, r in rows),
+            "rep_bubble_err": med(r.bubble / m.bubble - 1 for m, _, r in rows),
             "steps": [round(m.step_s * 1e3) for m, _, _ in rows]}
 
 
@@ -130,9 +101,8 @@ def main() -> int:
     print(f"cores {args.cores}, load average {os.getloadavg()[0]:.1f} before the runs, "
           f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     print("| layout | measured step ms (each step) | predicted step ms | step error | measured "
-          "bubble | predicted bubble | bubble error | pooled costs: step ms / bubble | replay: "
-          "step / bubble error |")
-    print("|---|---|---:|---:|---:|---:|---:|---|---|")
+          "bubble | predicted bubble | bubble error | one rank per stage: step / bubble error |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for name, cfg in layouts(args.steps).items():
         if args.only and name not in args.only:
             continue
@@ -140,9 +110,8 @@ def main() -> int:
         print(f"| {name} | {r['measured_step_s'] * 1e3:.1f} ({', '.join(map(str, r['steps']))}) "
               f"| {r['predicted_step_s'] * 1e3:.1f} | {r['step_err']:+.1%} | "
               f"{r['measured_bubble']:.3f} | {r['predicted_bubble']:.3f} | "
-              f"{r['bubble_err']:+.1%} | {r['pooled_step_s'] * 1e3:.1f} / "
-              f"{r['pooled_bubble']:.3f} | {r['replay_step_err']:+.1%} / "
-              f"{r['replay_bubble_err']:+.1%} |", flush=True)
+              f"{r['bubble_err']:+.1%} | {r['rep_step_err']:+.1%} / "
+              f"{r['rep_bubble_err']:+.1%} |", flush=True)
     return 0
 
 

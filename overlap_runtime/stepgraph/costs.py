@@ -236,6 +236,8 @@ class MeasuredCosts:
     regions: dict[tuple[int, str, bool], list[float]] = field(default_factory=dict)
     #: runtime time per program step that no span covers (the step loop, thread hand-offs)
     gap_s: float = 0.0
+    #: the same figures per global rank (ranks of one stage differ: they drift apart)
+    by_rank: dict[int, "MeasuredCosts"] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
 
     def cost(self, stage: int, kind: str) -> float:
@@ -264,7 +266,8 @@ def _parse_action(name: str) -> tuple[int, str, int] | None:
 
 def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) -> MeasuredCosts:
     """Median node costs over the traces of a few steps (each an iterable of trace events of
-    every rank, as :func:`~overlap_runtime.pipeline.gather_traces` returns them).
+    every rank, as :func:`~overlap_runtime.pipeline.gather_traces` returns them), over all
+    ranks and, in ``by_rank``, per rank.
 
     Compute actions are named by their action text (``1F3``); their cost is the busy time of
     the span (:func:`action_busy`). With ``cores`` fewer than the ranks, the busy time is
@@ -274,21 +277,15 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
     All-to-all spans (``cat == 'a2a'``) give ``comm['a2a']``, receive/send waits
     ``comm['p2p_wait']``.
     """
-    from overlap_runtime.graph.intervals import union
-
-    comp: dict[tuple[int, str], list[float]] = {}
-    comm: dict[str, list[float]] = {}
-    a2a_n: dict[tuple[int, str, bool], list[int]] = {}
-    a2a_s: dict[tuple[int, str, bool], list[float]] = {}
-    region_s: dict[tuple[tuple[int, str, bool], int], list[list[float]]] = {}
-    gaps: list[float] = []
+    comp: list[tuple[int, tuple[int, str], float]] = []
+    comm: list[tuple[int, str, float]] = []
+    a2a: list[tuple[int, tuple[int, str, bool], int, list[float], list[float]]] = []
+    gaps: list[tuple[int, float]] = []
     for events in steps:
         events = list(events)
         gaps.extend(_gaps(events))
-        for key, n, spans, regions in _nested_a2a(events):
-            a2a_n.setdefault(key, []).append(n)
-            a2a_s.setdefault(key, []).extend(spans)
-            region_s.setdefault((key, n), []).append(regions)
+        for rank, key, n, spans, regions in _nested_a2a(events):
+            a2a.append((rank, key, n, spans, regions))
         busy = action_busy(events)
         ranks = sorted({k[0] for k in busy})
         if cores is not None and cores < len(ranks):
@@ -298,30 +295,54 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
             seconds = {k: w / 1e9 for k, w in work.items()}
         else:
             seconds = {k: sum(b - a for a, b in v) / 1e9 for k, v in busy.items()}
-        for (_rank, _thread, name), value in seconds.items():
+        for (rank, _thread, name), value in seconds.items():
             parsed = _parse_action(name)
             if parsed is not None:
-                comp.setdefault((parsed[0], parsed[1]), []).append(value)
+                comp.append((rank, (parsed[0], parsed[1]), value))
         for e in events:
             cat = e.cat  # type: ignore[attr-defined]
             dur = (e.end_ns - e.start_ns) / 1e9  # type: ignore[attr-defined]
-            if cat == "a2a":
-                comm.setdefault("a2a", []).append(dur)
-            elif cat == "comm":
-                comm.setdefault("p2p_wait", []).append(dur)
+            if cat in ("a2a", "comm"):
+                comm.append((e.rank, "a2a" if cat == "a2a" else "p2p_wait", dur))  # type: ignore[attr-defined]
+    out = _summarise(comp, comm, a2a, gaps, None)
+    for rank in sorted({r for r, _, _ in comp}):
+        out.by_rank[rank] = _summarise(comp, comm, a2a, gaps, rank)
+    return out
+
+
+def _summarise(comp: list[Any], comm: list[Any], a2a: list[Any], gaps: list[Any],
+               rank: int | None) -> MeasuredCosts:
+    """Medians of the samples of ``rank`` (None: of every rank)."""
+    def mine(rows: list[Any]) -> list[Any]:
+        return [r[1:] for r in rows if rank is None or r[0] == rank]
+
     out = MeasuredCosts()
-    for k, v in comp.items():
+    by: dict[Any, list[float]] = {}
+    for key, value in mine(comp):
+        by.setdefault(key, []).append(value)
+    for k, v in by.items():
         out.compute[k] = statistics.median(v)
         out.samples[f"{k[0]}{k[1]}"] = len(v)
-    for k, v in comm.items():
+    by = {}
+    for key, value in mine(comm):
+        by.setdefault(key, []).append(value)
+    for k, v in by.items():
         out.comm[k] = statistics.median(v)
         out.samples[k] = len(v)
-    out.gap_s = statistics.median(gaps) if gaps else 0.0
-    for k, ns in a2a_n.items():
+    g = [x for (x,) in mine(gaps)]
+    out.gap_s = statistics.median(g) if g else 0.0
+    counts: dict[Any, list[int]] = {}
+    spans: dict[Any, list[float]] = {}
+    regions: dict[Any, list[list[float]]] = {}
+    for key, n, sp, reg in mine(a2a):
+        counts.setdefault(key, []).append(n)
+        spans.setdefault(key, []).extend(sp)
+        regions.setdefault((key, n), []).append(reg)
+    for k, ns in counts.items():
         n = round(statistics.median(ns))
-        if n:
-            out.a2a[k] = (n, statistics.fmean(a2a_s[k]))
-            rows = region_s.get((k, n), [])
+        if n and spans[k]:
+            out.a2a[k] = (n, statistics.fmean(spans[k]))
+            rows = regions.get((k, n), [])
             if rows:
                 med = [statistics.median(r[j] for r in rows) for j in range(n + 1)]
                 total = sum(med)
@@ -330,7 +351,7 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
     return out
 
 
-def _gaps(events: list[Any]) -> list[float]:
+def _gaps(events: list[Any]) -> list[tuple[int, float]]:
     """Per rank: seconds between its first and last event that no event of any thread covers,
     divided by its program steps (compute actions outside OVERLAP steps, and OVERLAP steps)."""
     from overlap_runtime.graph.intervals import minus, total_length, union
@@ -347,13 +368,13 @@ def _gaps(events: list[Any]) -> list[float]:
             1 for e in mine if e.cat == "compute" and _parse_action(e.name) is not None
             and not any(a <= e.start_ns and e.end_ns <= b for a, b in compound))
         if steps:
-            out.append(free / 1e9 / steps)
+            out.append((rank, free / 1e9 / steps))
     return out
 
 
-def _nested_a2a(events: list[Any]) -> Iterable[tuple[tuple[int, str, bool], int, list[float],
-                                                      list[float]]]:
-    """Per compute action: ``((stage, kind, inside an OVERLAP step), number of all-to-all spans
+def _nested_a2a(events: list[Any]) -> Iterable[tuple[int, tuple[int, str, bool], int,
+                                                      list[float], list[float]]]:
+    """Per compute action: ``(rank, (stage, kind, inside an OVERLAP step), number of all-to-all spans
     of its thread inside it, their seconds, the action's busy seconds in each of the n + 1
     compute regions around them)``."""
     from overlap_runtime.graph.intervals import minus, union
@@ -383,5 +404,5 @@ def _nested_a2a(events: list[Any]) -> Iterable[tuple[tuple[int, str, bool], int,
         regions = []
         for lo, hi in zip(edges[::2], edges[1::2]):
             regions.append(sum(max(0, min(b, hi) - max(a, lo)) for a, b in busy) / 1e9)
-        yield ((parsed[0], parsed[1], paired), len(inside),
+        yield (e.rank, (parsed[0], parsed[1], paired), len(inside),
                [(b - a) / 1e9 for a, b in inside], regions)

@@ -44,7 +44,10 @@ class Op:
     """One op of a layer: ``name`` (shown in traces), ``kind`` (cost-model key), ``cost``
     (seconds), and for communication the ``group`` name and ``group_size``. ``join``: a
     non-blocking message (the MoE combine): it forks from the op before it and the next op
-    named ``join`` waits for it (the shared expert runs meanwhile); None: blocking."""
+    named ``join`` waits for it (the shared expert runs meanwhile); None: blocking.
+    ``program_only``: a leading op that only the program order waits for (the runtime's own
+    work between two program steps): the task's inputs go to the op after it, so it overlaps
+    the wait for them."""
 
     name: str
     kind: str
@@ -52,12 +55,14 @@ class Op:
     group: str | None = None
     group_size: int = 1
     join: str | None = None
+    program_only: bool = False
 
 
 @gc_paused
 def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inner: int,
                  representative: bool, message_cost: Callable[[Task], float] | None = None,
-                 async_p2p: bool = True, name: str = "step") -> TaskGraph:
+                 async_p2p: bool = True, per_rank: bool = False,
+                 name: str = "step") -> TaskGraph:
     """Expand ``pipeline`` (ranks = pipeline ranks) over ``inner`` ranks per coordinate.
 
     Args:
@@ -72,6 +77,8 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
             with its SEND and blocks only its consumer. False keeps the schedule compiler's one
             in-order ``comm:pp`` lane per rank, where a RECV still in flight holds up the SENDs
             behind it (docs/schedules.md section 9).
+        per_rank: call ``ops_of`` once per global rank (the task's ``rank`` set to it), for
+            costs measured per rank; default once per pipeline task (ranks alike).
     """
     if inner < 1:
         raise ValueError(f"inner={inner} must be >= 1 (ranks per pipeline coordinate)")
@@ -83,6 +90,7 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
     last: dict[tuple[int, Hashable], Hashable] = {}
     cache: dict[Hashable, list[Op]] = {}
     p2p_ids: set[Hashable] = set()
+    first_data: dict[tuple[int, Hashable], Hashable] = {}
     chains: dict[tuple[int, int, int | None, str], list[tuple[Hashable, bool]]] = {}
     for t in pipeline.tasks():
         for i in indices:
@@ -102,9 +110,10 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
                                         comm=c._replace(key=(i, c.key), peer=peer)))
                 first[(i, t.id)] = last[(i, t.id)] = tid
                 continue
-            ops = cache.get(t.id)
+            ckey = (t.id, g) if per_rank else t.id
+            ops = cache.get(ckey)
             if ops is None:
-                ops = cache[t.id] = ops_of(t)
+                ops = cache[ckey] = ops_of(t._replace(rank=g) if per_rank else t)
             if not ops:
                 tasks.append(t._replace(id=tid, rank=g))
                 first[(i, t.id)] = last[(i, t.id)] = tid
@@ -133,6 +142,8 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
                     program.append((prev, oid))
                 else:
                     first[(i, t.id)] = oid
+                if (i, t.id) not in first_data and not op.program_only:
+                    first_data[(i, t.id)] = oid
                 if op.name in joins:
                     program.extend((x, oid) for x in joins.pop(op.name))
                 if op.join is not None and j < len(ops) - 1:
@@ -151,8 +162,9 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
         for u, v, _ in pipeline.edges(kind):
             if kind == "program" and u in p2p_ids and v in p2p_ids:
                 continue  # async p2p: no order between messages (see the docstring)
+            entry = first if kind == "program" else first_data
             for i in indices:
-                edges.append((last[(i, u)], first[(i, v)]))
+                edges.append((last[(i, u)], entry.get((i, v), first[(i, v)])))
         if kind == "program":
             edges.extend(program)
             for (i, r, step, lane), fwd in chains.items():

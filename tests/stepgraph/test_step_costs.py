@@ -90,3 +90,27 @@ def test_handover_edges_alternate_the_comm_token_backward_first() -> None:
     assert ("b1", "c1") in edges  # fwd computes after bwd launched db
     assert ("c1", "b2") in edges
     assert not any(v == "c2" for _, v in edges)  # the last comm: the peer has departed
+
+
+def test_layout_graph_per_rank_costs_and_ep_rendezvous() -> None:
+    """pp2 x 2 inner ranks: with ``per_rank`` each global rank gets its own op costs; its
+    all-to-all is a collective of its EP pair, so the fast peer waits for the slow one."""
+    from overlap_runtime.schedules import ScheduleSpec, compile_spec
+    from overlap_runtime.stepgraph.layout_graph import Op, layout_graph
+
+    pipe = compile_spec(ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=2)).graph
+    seen: list[int] = []
+
+    def ops(t: Task) -> list[Op]:
+        seen.append(t.rank)
+        slow = 3.0 if t.rank == 1 else 1.0  # global rank 1: the slow EP peer of rank 0
+        return [Op("c", t.kind, slow), Op("a2a", "a2a", 0.5, group="ep", group_size=2),
+                Op("c2", t.kind, 1.0)]
+
+    g = layout_graph(pipe, ops, inner=2, representative=False, per_rank=True,
+                     message_cost=lambda t: 0.0)
+    assert sorted(set(seen)) == [0, 1, 2, 3]
+    res = simulate(g)
+    start = dict(zip([t.id for t in res.tasks], res.start))
+    # rank 0's first all-to-all starts when rank 1 (3 s of compute) reaches it, not at 1 s
+    assert start[(0, "0F0", 1)] == pytest.approx(3.0)

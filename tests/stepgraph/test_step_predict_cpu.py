@@ -39,17 +39,23 @@ def test_traced_run_to_costs_to_prediction() -> None:
     assert all(v > 0 for v in costs.compute.values())
     # every F and B of this MoE model runs its dispatch and combine all-to-alls
     assert costs.a2a[(0, "F", False)][0] == costs.a2a[(1, "B", False)][0] == 2
+    # per rank: ranks 0, 1 hold stage 0, ranks 2, 3 stage 1 (pp outermost)
+    assert {r: sorted({s for s, _ in c.compute}) for r, c in costs.by_rank.items()} == \
+        {0: [0], 1: [0], 2: [1], 3: [1]}
     config = config_from_dict(CONFIG)
     measured = measured_step(steps[1])
     assert measured.step_s > 0 and 0 <= measured.bubble < 1
     for cores in (None, 2):
-        pred = predict_step(config, costs, message_s=results[0]["latency_s"], cores=cores)
-        assert math.isfinite(pred.step_s) and 0 <= pred.bubble < 1
+        for per_rank in (True, False):
+            pred = predict_step(config, costs, message_s=results[0]["latency_s"], cores=cores,
+                                per_rank=per_rank)
+            assert math.isfinite(pred.step_s) and 0 <= pred.bubble < 1
         # at least the critical path of one microbatch: F and B of both stages
         path = sum(costs.compute.values())
         assert pred.step_s >= path * (1 - 1e-9)
     # shared cores (4 ranks on 2) stretch the same work
-    assert predict_step(config, costs, message_s=0.0, cores=2).step_s > \
-        predict_step(config, costs, message_s=0.0).step_s
+    for per_rank in (True, False):
+        assert predict_step(config, costs, message_s=0.0, cores=2, per_rank=per_rank).step_s > \
+            predict_step(config, costs, message_s=0.0, per_rank=per_rank).step_s
     with pytest.raises(KeyError, match="no measured cost for W"):
         costs.cost(0, "W")
