@@ -3,7 +3,9 @@ OVERLAP_B_F and pp2 x cp2 (issue #21, item 3).
 
 For each layout the trainer runs a few steps with an execution trace. Node costs come from the
 same run (``stepgraph.costs.measured_costs``: per stage and action kind the median busy time,
-i.e. the action's span less the waits inside it; per action its all-to-alls), the step is
+i.e. the action's span less the waits inside it; per action its all-to-alls; a pipeline
+message costs its measured delivery, from its producer's end to the end of the receiver's
+wait, or the gloo ping latency when no receiver waited), the step is
 simulated on every rank with that rank's own costs (the expert all-to-alls as collectives of
 their EP group, so peers wait for each other) and compared with the measured step:
 pipeline step time (first action to last) and bubble (``pipeline.measured_bubble``). Each step
@@ -76,8 +78,9 @@ def run_layout(cfg: dict[str, Any], cores: int) -> dict[str, Any]:
     for ev in steps:  # each step from the costs measured in it (the load of this shared host
         m = measured_step(ev)  # moves step times by 2-3x between steps)
         costs = measured_costs([ev], cores=cores)
-        rows.append((m, predict_step(config, costs, message_s=latency, cores=cores),
-                     predict_step(config, costs, message_s=latency, cores=cores,
+        message = costs.comm.get("p2p_delivery", latency)
+        rows.append((m, predict_step(config, costs, message_s=message, cores=cores),
+                     predict_step(config, costs, message_s=message, cores=cores,
                                   per_rank=False)))
     med = statistics.median
     return {"measured_step_s": med(m.step_s for m, _, _ in rows),

@@ -275,7 +275,9 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
     work_of_spans`: while ``k`` ranks computed on ``cores`` cores each ran at ``cores / k``),
     the input of :func:`~overlap_runtime.stepgraph.shared_cores.simulate_shared_cores`.
     All-to-all spans (``cat == 'a2a'``) give ``comm['a2a']``, receive/send waits
-    ``comm['p2p_wait']``.
+    ``comm['p2p_wait']``, and ``comm['p2p_delivery']`` is how long after its producer ended a
+    pipeline message reached a receiver that was already waiting for it (transfer plus the
+    receiver's wake-up: on shared cores it must be scheduled first).
     """
     comp: list[tuple[int, tuple[int, str], float]] = []
     comm: list[tuple[int, str, float]] = []
@@ -299,6 +301,7 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
             parsed = _parse_action(name)
             if parsed is not None:
                 comp.append((rank, (parsed[0], parsed[1]), value))
+        comm.extend(_deliveries(events))
         for e in events:
             cat = e.cat  # type: ignore[attr-defined]
             dur = (e.end_ns - e.start_ns) / 1e9  # type: ignore[attr-defined]
@@ -348,6 +351,30 @@ def _summarise(comp: list[Any], comm: list[Any], a2a: list[Any], gaps: list[Any]
                 total = sum(med)
                 if total > 0:
                     out.regions[k] = [x / total for x in med]
+    return out
+
+
+def _deliveries(events: list[Any]) -> list[tuple[int, str, float]]:
+    """``(rank, 'p2p_delivery', seconds)`` per pipeline receive that waited (its wait began
+    before its producer, ``{s-1}F{m}`` or ``{s+1}B|I{m}``, ended): wait end - producer end."""
+    ends: dict[str, int] = {}
+    for e in events:
+        if e.cat == "compute":
+            ends[e.name] = min(ends.get(e.name, e.end_ns), e.end_ns)
+    out = []
+    for e in events:
+        if e.cat != "comm" or not e.name.startswith("wait ") or "RECV_" not in e.name:
+            continue
+        text = e.name[5:]
+        at = text.index("RECV_")
+        try:
+            stage, kind, mb = int(text[:at]), text[at + 5], int(text[at + 6:])
+        except ValueError:
+            continue
+        names = [f"{stage - 1}F{mb}"] if kind == "F" else [f"{stage + 1}B{mb}", f"{stage + 1}I{mb}"]
+        producer = next((ends[n] for n in names if n in ends), None)
+        if producer is not None and e.start_ns < producer <= e.end_ns:
+            out.append((e.rank, "p2p_delivery", (e.end_ns - producer) / 1e9))
     return out
 
 
