@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "(CPU ranks spawned here, or torchrun's)"),
     "info": ("overlap_runtime.info", "print the platform: device kinds, counts, backends"),
     "schedule": ("overlap_runtime.schedules.cli", "build, check and simulate a pipeline schedule"),
+    "simulate": ("overlap_runtime.stepgraph.cli", "predict a training step of a YAML config at "
+                 "any scale (step time, bubble, exposed comm, peak memory per rank)"),
     "train": ("overlap_runtime.trainer.cli", "PP x EP x CP x FSDP2 training from a YAML config"),
 }
 

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from overlap_runtime.pipeline.exec_trace import (ExecutionTrace, TraceEvent, decode_events,
-                                                 encode_events, gather_traces, measured_bubble)
+                                                 encode_events, gather_traces, measured_bubble,
+                                                 busy_intervals)
 from overlap_runtime.testing import run_ranks
 
 
@@ -60,8 +61,24 @@ def test_malformed_peer_trace_is_a_named_error(raw: bytes, needle: str) -> None:
 
 def test_measured_bubble_counts_overlapping_compute_once() -> None:
     """Rank 0 computes [0, 6) on two threads that overlap ([0, 4) and [2, 6)); rank 1 [5, 10).
-    Makespan 10, busy 6 and 5: bubble = 1 - 5.5 / 10. Comm waits are not busy time."""
+    Makespan 10, busy 6 and 5: bubble = 1 - 5.5 / 10. A wait on a thread of its own is not
+    busy time and takes nothing from the others."""
     events = [TraceEvent(0, "a", "0F0", "compute", 0, 4), TraceEvent(0, "b", "0B0", "compute", 2, 6),
-              TraceEvent(0, "a", "wait", "comm", 0, 10), TraceEvent(1, "a", "1F0", "compute", 5, 10)]
+              TraceEvent(0, "c", "wait", "comm", 0, 10), TraceEvent(1, "a", "1F0", "compute", 5, 10)]
     assert measured_bubble(events) == pytest.approx(0.45)
     assert measured_bubble([]) == 0.0
+
+
+def test_measured_bubble_waits_inside_an_action_are_idle() -> None:
+    """An F that waits for its input inside its own span (``wait_recv`` in ``forward``), an MoE
+    all-to-all inside a B: rank 0's F [0, 10) waits [0, 6), its B [10, 20) waits [12, 14) on
+    the same thread while thread b computes [12, 13); rank 1 computes [0, 20). Busy 4 + 8 + 1
+    and 20: bubble = 1 - 16.5 / 20 (counting the waits as busy gave 0)."""
+    events = [TraceEvent(0, "a", "1F0", "compute", 0, 10),
+              TraceEvent(0, "a", "wait 1RECV_F0", "comm", 0, 6),
+              TraceEvent(0, "a", "1B0", "compute", 10, 20),
+              TraceEvent(0, "a", "S1.L0.combine bwd", "a2a", 12, 14),
+              TraceEvent(0, "b", "1F1", "compute", 12, 13),
+              TraceEvent(1, "a", "0F0", "compute", 0, 20)]
+    assert busy_intervals(events, 0) == [(6, 13), (14, 20)]
+    assert measured_bubble(events) == pytest.approx(1 - 16.5 / 20)

@@ -1,0 +1,348 @@
+"""Predict a training step at scale: step time, bubble, exposed communication and peak memory
+per pipeline rank, for layouts far larger than can be run (pp32 x ep64 x cp64).
+
+:func:`predict_at_scale` takes a validated :class:`~overlap_runtime.trainer.config.TrainConfig`
+and a :class:`~overlap_runtime.stepgraph.costs.MachineProfile`:
+
+1. the pipeline graph of the schedule (``schedules.compile_spec``; pp == 1: ``0F0 -> 0B0``);
+2. every F/B/I/W expanded into its stage's layer ops (:func:`~overlap_runtime.stepgraph.
+   layer_program.stage_program`), each priced by the profile (:func:`priced_ops`): compute from
+   the op's FLOPs and its op class, collectives by group size and placement, the GDN state
+   chain as ``cp - 1`` hops (rank ``cp - 1`` waits for all of them), ring-attention hops only
+   where they outlast the block they are prefetched behind;
+3. one representative rank per pipeline rank (:func:`~overlap_runtime.stepgraph.layout_graph.
+   layout_graph` with ``representative=True``): ranks of one cp/ep/dp group run the same
+   program; their collectives are costed by the group's size;
+4. the list-scheduler simulation, plus what lies outside the pipeline: FSDP's one unshard
+   (all-gather) and one reduce-scatter per step over ``dp_shard x cp``, and the optimizer step
+   (16 bytes per sharded parameter through HBM);
+5. peak memory per pipeline rank (:func:`peak_memory`).
+
+Everything here is pure Python over the config (the parameter count uses a meta-device model).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from overlap_runtime.graph._gc import gc_paused
+from overlap_runtime.graph.simulate import SimulationResult, simulate
+from overlap_runtime.graph.tasks import Task
+
+from .costs import MachineProfile
+from .layer_program import LayerOp, MicrobatchShape, microbatch_shape, stage_program
+from .layout_graph import Op, layout_graph
+
+if TYPE_CHECKING:
+    from overlap_runtime.trainer.config import TrainConfig
+
+__all__ = ["RankPrediction", "ScalePrediction", "a2a_hidden_share", "op_class", "priced_ops",
+           "peak_memory", "predict_at_scale", "stage_parameters"]
+
+
+def op_class(name: str) -> str:
+    """The profile's throughput class of a layer op: ``gdn``, ``attention`` (the core of full
+    attention), ``moe`` (router, experts, shared expert) or ``gemm`` (everything else)."""
+    if name.startswith(("gdn.", "recompute.gdn.")):
+        return "gdn"
+    if ".core" in name or ".block" in name:
+        return "attention"
+    if name.startswith(("moe.", "recompute.moe.")):
+        return "moe"
+    return "gemm"
+
+
+def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile, *,
+               cp: int, ep: int) -> list[Op]:
+    """Price the ops of one stage action on ``profile`` (see the module doc for the rules).
+
+    Compute ops keep their names; messages become blocking ops on ``comm:cp`` / ``comm:ep``
+    (the group's collectives are costed by its size; consecutive ranks, stride 1). Sends cost
+    nothing on the thread (non-blocking); a receive waits one hop, the GDN chain's ``cp - 1``.
+    """
+    ops = [op for _, op in program]
+    out: list[Op] = []
+    for j, op in enumerate(ops):
+        if op.kind == "compute":
+            out.append(Op(op.name, "compute", profile.compute(op.flops, op_class(op.name))))
+            continue
+        g = cp if op.group == "cp" else ep if op.group == "ep" else 1
+        if op.kind == "collective":
+            if op.collective == "all_to_all":
+                cost = profile.all_to_all(op.nbytes, g) + profile.copy(op.nbytes)
+            else:
+                cost = profile.all_gather(op.nbytes, g)
+        elif op.kind == "send":
+            continue
+        elif ".chain." in op.name:  # the state chain: the far end waits for every hop
+            cost = (g - 1) * profile.ring_step(op.nbytes, g)
+        else:  # a halo or ring hop: prefetched behind the next compute op
+            nxt = next((o for o in ops[j + 1:] if o.kind == "compute"), None)
+            prefetched = ".ring" in op.name or ".dkv" in op.name
+            hidden = profile.compute(nxt.flops, op_class(nxt.name)) \
+                if nxt is not None and prefetched else 0.0
+            cost = max(0.0, profile.ring_step(op.nbytes, g) - hidden)
+        join = "moe.combine_wait" if op.name == "moe.combine" else None
+        out.append(Op(op.name, "comm", cost, group=op.group, group_size=g, join=join))
+    return out
+
+
+def stage_parameters(config: "TrainConfig", stage_layers: list[list[int]]
+                     ) -> list[tuple[int, int]]:
+    """Per stage ``(dense parameters, routed-expert parameters)``: the decoder layers it holds,
+    the embedding on the first stage, the final norm and LM head on the last. One decoder layer
+    of each type is built on the meta device and counted (layers of a type are alike)."""
+    import torch
+
+    from overlap_runtime.models.qwen3_5 import Qwen3_5DecoderLayer
+
+    m = config.model
+    by_type: dict[str, tuple[int, int]] = {}
+    for kind in set(m.layer_types):
+        with torch.device("meta"):
+            layer = Qwen3_5DecoderLayer(m, kind)
+        dense = expert = 0
+        for name, p in layer.named_parameters():
+            if ".experts." in f".{name}":
+                expert += p.numel()
+            else:
+                dense += p.numel()
+        by_type[kind] = (dense, expert)
+    per_layer = [by_type[k] for k in m.layer_types]
+    embed = m.vocab_size * m.hidden_size
+    head = m.hidden_size + (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
+    out = []
+    last = len(stage_layers) - 1
+    for s, layers in enumerate(stage_layers):
+        dense = sum(per_layer[i][0] for i in layers) + (embed if s == 0 else 0) \
+            + (head if s == last else 0)
+        out.append((dense, sum(per_layer[i][1] for i in layers)))
+    return out
+
+
+def _activation_bytes(config: "TrainConfig", layers: list[int], shape: MicrobatchShape) -> float:
+    """Saved activations of one microbatch through ``layers`` on one rank (bytes): per token
+    and layer ``e x`` (4 hidden + the mixer's projections + the MLP's inner activations), an
+    estimate of what autograd keeps (inputs of every GEMM and nonlinearity)."""
+    m, e, t = config.model, shape.dtype_bytes, shape.tokens
+    total = 0.0
+    for i in layers:
+        per = 4 * m.hidden_size
+        if m.layer_types[i] == "linear_attention":
+            conv = 2 * m.linear_num_key_heads * m.linear_key_head_dim \
+                + m.linear_num_value_heads * m.linear_value_head_dim
+            per += 2 * conv + 3 * m.linear_num_value_heads * m.linear_value_head_dim
+        else:
+            per += (3 * m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+        if m.mlp == "moe":
+            shared = m.shared_expert_intermediate_size or 0
+            per += m.num_experts_per_tok * (m.hidden_size + 3 * m.moe_intermediate_size) \
+                + 3 * shared
+        else:
+            per += 3 * m.intermediate_size
+        total += per * e * t
+    return total
+
+
+def _inflight(pipeline: Any) -> dict[int, dict[int, int]]:
+    """Per pipeline rank and stage: the most microbatches whose activations are held at once
+    (F done, its B / W not yet), walking the rank's program."""
+    out: dict[int, dict[int, int]] = {}
+    by_rank: dict[int, list[Task]] = {}
+    for t in pipeline.tasks():
+        if t.comm is None and t.kind in ("F", "B", "W"):
+            by_rank.setdefault(t.rank, []).append(t)
+    for r, ts in by_rank.items():
+        ts.sort(key=lambda t: (t.step, 0 if t.kind == "B" else 1))
+        held: dict[int, int] = {}
+        best: dict[int, int] = {}
+        peak_total, split = 0, any(t.kind == "W" for t in ts)
+        for t in ts:
+            s = int(t.meta["stage"])
+            if t.kind == "F":
+                held[s] = held.get(s, 0) + 1
+            elif (t.kind == "W") == split:
+                held[s] -= 1
+            total = sum(held.values())
+            if total > peak_total:
+                peak_total = total
+                best = dict(held)
+        out[r] = best
+    return out
+
+
+def peak_memory(config: "TrainConfig", pipeline: Any, stage_layers: list[list[int]],
+                stage_to_rank: dict[int, int], shape: MicrobatchShape,
+                params: list[tuple[int, int]] | None = None) -> dict[int, dict[str, float]]:
+    """Peak bytes per pipeline rank: ``params`` (sharded fp32 master + grads + AdamW = 16 B per
+    parameter over ``dp_shard x cp``, routed experts over ``ep x efsdp``), ``gathered`` (the
+    stage's parameters unsharded in the compute dtype plus their full fp32 gradients during the
+    step: ``GatheredStep``) and ``activations`` (in-flight microbatches x saved bytes)."""
+    dims = config.train.accelerator.parallel_dims()
+    shard = dims.dp_shard * dims.cp
+    e = shape.dtype_bytes
+    params = params if params is not None else stage_parameters(config, stage_layers)
+    act = [_activation_bytes(config, layers, shape) for layers in stage_layers]
+    inflight = _inflight(pipeline)
+    out: dict[int, dict[str, float]] = {}
+    for r in sorted(set(stage_to_rank.values())):
+        stages = [s for s, q in stage_to_rank.items() if q == r]
+        dense = sum(params[s][0] for s in stages)
+        expert = sum(params[s][1] for s in stages) / dims.ep
+        sharded = 16.0 * (dense / shard + expert / dims.efsdp)
+        gathered = (e + 4.0) * (dense + expert) if config.train.accelerator.pp > 1 else \
+            (e + 4.0) * (dense + expert) / max(1, len(config.model.layer_types))
+        held = inflight.get(r, {})
+        activations = sum(held.get(s, 0) * act[s] for s in stages)
+        out[r] = {"params": sharded, "gathered": gathered, "activations": activations,
+                  "total": sharded + gathered + activations}
+    return out
+
+
+@dataclass
+class RankPrediction:
+    """One pipeline rank: ``busy_s`` (device), ``bubble``, ``exposed_comm_s`` and memory."""
+
+    pp_rank: int
+    busy_s: float
+    bubble: float
+    exposed_comm_s: float
+    memory: dict[str, float]
+
+
+@dataclass
+class ScalePrediction:
+    """A predicted step: ``pipeline_s`` (the simulated schedule), ``fsdp_s`` and
+    ``optimizer_s`` (outside it), ``step_s`` (their sum), per-rank figures, and how long the
+    prediction took (``build_s``, ``simulate_s``) over how many tasks."""
+
+    config_label: str
+    profile: str
+    pipeline_s: float
+    fsdp_s: float
+    optimizer_s: float
+    bubble: float
+    ranks: list[RankPrediction]
+    tasks: int
+    represented_ranks: int
+    world: int
+    build_s: float = 0.0
+    simulate_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    result: SimulationResult | None = field(default=None, repr=False)
+
+    @property
+    def step_s(self) -> float:
+        return self.pipeline_s + self.fsdp_s + self.optimizer_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max((r.exposed_comm_s for r in self.ranks), default=0.0)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max((r.memory["total"] for r in self.ranks), default=0.0)
+
+
+@gc_paused
+def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
+                     representative: bool = True) -> ScalePrediction:
+    """Predict one training step of ``config`` on ``profile`` (module doc).
+
+    ``representative=False`` builds every rank (small layouts only: the check of the
+    symmetry reduction).
+    """
+    from .compose import _pipeline, _stage_layers  # the step graph's own pipeline and split
+
+    t0 = time.perf_counter()
+    acc = config.train.accelerator
+    dims = acc.parallel_dims()
+    world = dims.world_size
+    inner = world // dims.pp
+    shape = microbatch_shape(config)
+    pipeline = _pipeline(config)
+    if dims.pp > 1:
+        from overlap_runtime.trainer.config import schedule_spec
+
+        spec = schedule_spec(config)
+        num_stages, stage_to_rank = spec.num_stages, spec.stage_mapping()
+    else:
+        num_stages, stage_to_rank = 1, {0: 0}
+    stage_layers = _stage_layers(config, num_stages)
+    last = num_stages - 1
+    cache: dict[tuple[int, str], list[Op]] = {}
+    rep_cp = min(1, dims.cp - 1)  # a middle rank: halo and chain messages both ways
+
+    def ops_of(t: Task) -> list[Op]:
+        stage = int(t.meta["stage"])
+        key = (stage, t.kind)
+        if key not in cache:
+            prog = stage_program(config, stage_layers[stage], t.kind, shape,  # type: ignore[arg-type]
+                                 cp_rank=rep_cp, stage=stage, first=stage == 0,
+                                 last=stage == last)
+            cache[key] = priced_ops(prog, profile, cp=dims.cp, ep=dims.ep)
+        return cache[key]
+
+    act_bytes = shape.tokens * config.model.hidden_size * shape.dtype_bytes
+    pp_link = profile.link(2, inner)
+    graph = layout_graph(pipeline, ops_of, inner=inner, representative=representative,
+                         message_cost=lambda t: pp_link.time(act_bytes),
+                         name=f"step {config.train.pipeline.schedule} pp={dims.pp}")
+    t1 = time.perf_counter()
+    res = simulate(graph)
+    t2 = time.perf_counter()
+
+    # outside the pipeline: FSDP unshard + reduce-scatter, optimizer
+    params = stage_parameters(config, stage_layers)
+    shard = dims.dp_shard * dims.cp
+    fsdp_s = opt_s = 0.0
+    for r in range(dims.pp):
+        stages = [s for s, q in stage_to_rank.items() if q == r]
+        dense = sum(params[s][0] for s in stages)
+        expert = sum(params[s][1] for s in stages) / dims.ep
+        gather = profile.all_gather(dense / shard * shape.dtype_bytes, shard) + \
+            profile.all_gather(expert / dims.efsdp * shape.dtype_bytes, dims.efsdp)
+        reduce = profile.all_gather(dense / shard * 4.0, shard) + \
+            profile.all_gather(expert / dims.efsdp * 4.0, dims.efsdp)
+        fsdp_s = max(fsdp_s, gather + reduce)
+        opt_s = max(opt_s, 16.0 * (dense / shard + expert / dims.efsdp) * 2 / profile.hbm_Bps)
+    memory = peak_memory(config, pipeline, stage_layers, stage_to_rank, shape, params)
+    ranks = []
+    for g in res.ranks:
+        r = g // inner
+        ranks.append(RankPrediction(r, res.busy_by_rank[g], res.bubble_by_rank[g],
+                                    res.exposed_comm_by_rank[g], memory[r]))
+    label = (f"pp{dims.pp} x dp_shard{dims.dp_shard} x cp{dims.cp} x ep{dims.ep} "
+             f"({config.train.pipeline.schedule}, v{config.train.pipeline.virtual_stages}, "
+             f"m{config.train.pipeline.microbatches})")
+    notes = []
+    if any(r.memory["total"] > profile.memory_bytes for r in ranks):
+        notes.append(f"peak memory exceeds the {profile.memory_bytes / 2**30:.0f} GiB of one "
+                     f"{profile.name}")
+    return ScalePrediction(label, profile.name, res.makespan, fsdp_s, opt_s, res.bubble_ratio,
+                           ranks, len(graph), len(res.ranks), world, t1 - t0, t2 - t1, notes,
+                           res)
+
+
+def a2a_hidden_share(result: SimulationResult, paired_only: bool = True) -> float:
+    """Share of the expert all-to-all time (``comm:ep`` tasks) during which the same rank
+    computes (seed 001's OV-B06 figure); ``paired_only``: only the all-to-alls of OVERLAP_B_F
+    steps (their action ran on the ``fwd``/``bwd`` lane)."""
+    from overlap_runtime.graph.intervals import overlap, union
+
+    comp: dict[int, list[tuple[float, float]]] = {}
+    for t, s, e in zip(result.tasks, result.start, result.end):
+        if t.comm is None and e > s:
+            comp.setdefault(t.rank, []).append((s, e))
+    unions = {r: union(v) for r, v in comp.items()}
+    total = hidden = 0.0
+    for t, s, e in zip(result.tasks, result.start, result.end):
+        if t.lane != "comm:ep" or e <= s:
+            continue
+        if paired_only and t.meta.get("action_lane") not in ("fwd", "bwd"):
+            continue
+        total += e - s
+        hidden += overlap(s, e, unions.get(t.rank, []))
+    return hidden / total if total else 0.0

@@ -1,0 +1,116 @@
+"""Cost models of the step graph: alpha-beta links and collectives by placement, node costs
+measured from traces (waits taken out), the shared-core simulation and its inverse, the
+coordinator's hand-over edges. Pure Python, no ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap_runtime.graph import Task, TaskGraph
+from overlap_runtime.graph.simulate import simulate
+from overlap_runtime.pipeline.exec_trace import TraceEvent
+from overlap_runtime.stepgraph.costs import Link, h200_profile, measured_costs, split_busy
+from overlap_runtime.stepgraph.layout_graph import handover_edges
+from overlap_runtime.stepgraph.shared_cores import simulate_shared_cores, work_of_spans
+
+
+def test_alpha_beta_and_placement() -> None:
+    h = h200_profile()
+    assert Link("x", 1e-5, 1e9).time(1e6) == pytest.approx(1e-5 + 1e-3)
+    assert h.nodes_spanned(8) == 1 and h.nodes_spanned(16) == 2 and h.nodes_spanned(4, 8) == 4
+    assert h.link(8) is h.intra and h.link(2, 8) is h.inter
+    n = 64e6
+    intra = h.all_to_all(n, 8)
+    assert intra == pytest.approx(h.intra.time(n * 7 / 8))
+    # 16 ranks over 2 nodes: half of every buffer leaves the node, over the slower link
+    assert h.all_to_all(n, 16) == pytest.approx(h.inter.time(n / 2) + h.inter.latency_s)
+    assert h.all_to_all(n, 1) == 0.0 and h.all_gather(n, 4) == pytest.approx(3 * h.intra.time(n))
+    with pytest.raises(ValueError, match="no throughput for op class 'tensor'"):
+        h.compute(1.0, "tensor")
+
+
+def test_measured_costs_take_the_waits_out_of_the_actions() -> None:
+    """Stage 1's F spans 10 ms of which 6 wait for its input: it costs 4; its all-to-all
+    inside the B is counted as the action's message, not its compute."""
+    ms = 1_000_000
+    step = [TraceEvent(1, "main", "1F0", "compute", 0, 10 * ms),
+            TraceEvent(1, "main", "wait 1RECV_F0", "comm", 0, 6 * ms),
+            TraceEvent(1, "main", "1B0", "compute", 10 * ms, 20 * ms),
+            TraceEvent(1, "main", "S1.L0.combine bwd", "a2a", 12 * ms, 15 * ms),
+            TraceEvent(0, "main", "0F0", "compute", 0, 5 * ms)]
+    assert split_busy(step)[(1, "main", "1F0")] == pytest.approx(4e-3)
+    c = measured_costs([step, step])
+    assert c.cost(1, "F") == pytest.approx(4e-3) and c.cost(1, "B") == pytest.approx(7e-3)
+    assert c.cost(0, "F") == pytest.approx(5e-3)
+    assert c.a2a[(1, "B", False)] == (1, pytest.approx(3e-3))
+    with pytest.raises(KeyError, match="no measured cost for W of stage 0"):
+        c.cost(0, "W")
+    assert c.gap_s == 0.0  # every rank's spans cover its step
+    # rank 0 idles 2 ms between its two steps that no span covers: the runtime's 1 ms a step
+    gap = [TraceEvent(0, "main", "0F0", "compute", 0, 5 * ms),
+           TraceEvent(0, "main", "0F1", "compute", 7 * ms, 12 * ms)]
+    assert measured_costs([gap]).gap_s == pytest.approx(1e-3)
+
+
+def _two_ranks(work: float) -> TaskGraph:
+    g = TaskGraph("two")
+    g.add_tasks([Task("a", 0, "compute", "F", cost=work), Task("b", 1, "compute", "F", cost=work)])
+    return g
+
+
+def test_shared_cores_stretch_and_their_inverse() -> None:
+    """Two ranks of 1 s work on one core: both run at half speed, 2 s each; with two cores (or
+    the list scheduler) 1 s. From the stretched spans, work_of_spans recovers 1 s each."""
+    res = simulate_shared_cores(_two_ranks(1.0), 1)
+    assert res.makespan == pytest.approx(2.0) and res.bubble_ratio == pytest.approx(0.0)
+    assert simulate_shared_cores(_two_ranks(1.0), 2).makespan == pytest.approx(1.0)
+    assert simulate(_two_ranks(1.0)).makespan == pytest.approx(1.0)
+    # a representative rank standing for 3 ranks on 2 cores: rate 2/3
+    g = TaskGraph("one")
+    g.add_task(Task("a", 0, "compute", "F", cost=1.0))
+    assert simulate_shared_cores(g, 2, {0: 3}).makespan == pytest.approx(1.5)
+    spans = {"a": [(0.0, 2.0)], "b": [(0.0, 2.0)]}
+    assert work_of_spans(spans, 1) == {"a": pytest.approx(1.0), "b": pytest.approx(1.0)}
+    # rank b busy only half the time: a's first second ran at 1/2, its second at full speed
+    work = work_of_spans({"a": [(0.0, 2.0)], "b": [(0.0, 1.0)]}, 1)
+    assert work["a"] == pytest.approx(1.5) and work["b"] == pytest.approx(0.5)
+    # two threads of one rank take turns (one interpreter lock), even with a core to spare
+    work = work_of_spans(spans, 2, {"a": (0, "main"), "b": (0, "bwd")})
+    assert work == {"a": pytest.approx(1.0), "b": pytest.approx(1.0)}
+
+
+def test_handover_edges_alternate_the_comm_token_backward_first() -> None:
+    """fwd: c0 d c1 k c2, bwd: c0' k' c1' d' c2'. Token: k' -> d -> d' -> k; each compute after
+    a comm waits for the peer's launch of its next comm (the op before it)."""
+    fwd = [("c0", False), ("d", True), ("c1", False), ("k", True), ("c2", False)]
+    bwd = [("b0", False), ("kb", True), ("b1", False), ("db", True), ("b2", False)]
+    edges = set(handover_edges(fwd, bwd))
+    assert {("kb", "d"), ("d", "db"), ("db", "k")} <= edges
+    assert ("c0", "b1") in edges  # bwd computes after fwd launched d (fwd's c0 done)
+    assert ("b1", "c1") in edges  # fwd computes after bwd launched db
+    assert ("c1", "b2") in edges
+    assert not any(v == "c2" for _, v in edges)  # the last comm: the peer has departed
+
+
+def test_layout_graph_per_rank_costs_and_ep_rendezvous() -> None:
+    """pp2 x 2 inner ranks: with ``per_rank`` each global rank gets its own op costs; its
+    all-to-all is a collective of its EP pair, so the fast peer waits for the slow one."""
+    from overlap_runtime.schedules import ScheduleSpec, compile_spec
+    from overlap_runtime.stepgraph.layout_graph import Op, layout_graph
+
+    pipe = compile_spec(ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=2)).graph
+    seen: list[int] = []
+
+    def ops(t: Task) -> list[Op]:
+        seen.append(t.rank)
+        slow = 3.0 if t.rank == 1 else 1.0  # global rank 1: the slow EP peer of rank 0
+        return [Op("c", t.kind, slow), Op("a2a", "a2a", 0.5, group="ep", group_size=2),
+                Op("c2", t.kind, 1.0)]
+
+    g = layout_graph(pipe, ops, inner=2, representative=False, per_rank=True,
+                     message_cost=lambda t: 0.0)
+    assert sorted(set(seen)) == [0, 1, 2, 3]
+    res = simulate(g)
+    start = dict(zip([t.id for t in res.tasks], res.start))
+    # rank 0's first all-to-all starts when rank 1 (3 s of compute) reaches it, not at 1 s
+    assert start[(0, "0F0", 1)] == pytest.approx(3.0)
