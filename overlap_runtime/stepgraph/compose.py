@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from overlap_runtime.trainer.config import TrainConfig
     from overlap_runtime.trainer.parallel_dims import ParallelDims
 
-__all__ = ["StepGraph", "compile_step", "group_key", "message_name"]
+__all__ = ["StepGraph", "compile_step", "estimate_tasks", "group_key", "message_name",
+           "pipeline_graph", "stage_layers_of"]
 
 _COMPUTE_KINDS = ("F", "B", "I", "W")
 
@@ -102,7 +103,7 @@ class StepGraph:
                 if t.comm is not None]
 
 
-def _stage_layers(config: "TrainConfig", num_stages: int) -> list[list[int]]:
+def stage_layers_of(config: "TrainConfig", num_stages: int) -> list[list[int]]:
     from overlap_runtime.models.pipeline_split import split_layers
 
     return [list(r) for r in split_layers(config.model.num_hidden_layers, num_stages,
@@ -139,7 +140,7 @@ def _pp_peer(dims: "ParallelDims", rank: int, pp: int) -> int:
             + c["dp_shard"]) * dims.cp + c["cp"]
 
 
-def _pipeline(config: "TrainConfig") -> Any:
+def pipeline_graph(config: "TrainConfig") -> Any:
     """The per-pp-rank pipeline graph: ``compile_spec`` (pp > 1) or ``0F0 -> 0B0``."""
     if config.train.accelerator.pp > 1:
         from overlap_runtime.schedules import compile_spec
@@ -184,9 +185,9 @@ def estimate_tasks(config: "TrainConfig") -> int:
     (no graph is built), so the trainer checks it before compiling."""
     dims = config.train.accelerator.parallel_dims()
     shape = microbatch_shape(config)
-    pipe = _pipeline(config)
+    pipe = pipeline_graph(config)
     num_stages = max((t.meta.get("stage", 0) for t in pipe.tasks() if t.meta), default=0) + 1
-    stage_layers = _stage_layers(config, num_stages)
+    stage_layers = stage_layers_of(config, num_stages)
     per_kind: dict[tuple[int, str], int] = {}
     total = 0
     for t in pipe.tasks():
@@ -213,9 +214,9 @@ def compile_step(config: "TrainConfig", *, validate: bool = True,
     t0 = time.perf_counter()
     dims = dims if dims is not None else config.train.accelerator.parallel_dims()
     shape = microbatch_shape(config)
-    pipe = _pipeline(config)
+    pipe = pipeline_graph(config)
     num_stages = max((t.meta.get("stage", 0) for t in pipe.tasks() if t.meta), default=0) + 1
-    stage_layers = _stage_layers(config, num_stages)
+    stage_layers = stage_layers_of(config, num_stages)
     groups = _groups(dims)
     # the HookCoordinator runs the two sides of a compound step on two threads only with
     # overlap_b_f and EP (trainer.build); otherwise the sub-actions run in order

@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterable
 from overlap_runtime.graph.task_graph import TaskGraph
 from overlap_runtime.graph.tasks import Task
 
+from .compose import pipeline_graph
 from .costs import MeasuredCosts
 from .layout_graph import Op, layout_graph
 
-__all__ = ["StepFigures", "measured_ops", "pipeline_graph", "predict_step",
-           "measured_step"]
+__all__ = ["StepFigures", "measured_ops", "measured_step", "predict_step"]
 
 
 @dataclass(frozen=True)
@@ -33,15 +33,6 @@ class StepFigures:
     step_s: float
     bubble: float
     exposed_comm_s: float = 0.0
-
-
-def pipeline_graph(config: Any) -> TaskGraph:
-    """The pipeline graph the step graph starts from (``stepgraph.compose``): the compiled,
-    validated schedule for pp > 1, ``0F0 -> 0B0`` for pp == 1."""
-    from .compose import _pipeline
-
-    graph: TaskGraph = _pipeline(config)
-    return graph
 
 
 def measured_ops(costs: MeasuredCosts, ep: int = 2, per_rank: bool = False

@@ -254,7 +254,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
     ``representative=False`` builds every rank (small layouts only: the check of the
     symmetry reduction).
     """
-    from .compose import _pipeline, _stage_layers  # the step graph's own pipeline and split
+    from .compose import pipeline_graph, stage_layers_of  # the step graph's own pipeline and split
 
     t0 = time.perf_counter()
     acc = config.train.accelerator
@@ -262,7 +262,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
     world = dims.world_size
     inner = world // dims.pp
     shape = microbatch_shape(config)
-    pipeline = _pipeline(config)
+    pipeline = pipeline_graph(config)
     if dims.pp > 1:
         from overlap_runtime.trainer.config import schedule_spec
 
@@ -270,7 +270,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
         num_stages, stage_to_rank = spec.num_stages, spec.stage_mapping()
     else:
         num_stages, stage_to_rank = 1, {0: 0}
-    stage_layers = _stage_layers(config, num_stages)
+    stage_layers = stage_layers_of(config, num_stages)
     last = num_stages - 1
     cache: dict[tuple[int, str], list[Op]] = {}
     rep_cp = min(1, dims.cp - 1)  # a middle rank: halo and chain messages both ways

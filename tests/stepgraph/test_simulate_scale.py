@@ -48,9 +48,9 @@ def test_one_f_one_b_holds_pp_minus_r_microbatches() -> None:
         "train.accelerator.pp=4", "train.accelerator.world_size=16",
         "train.pipeline.schedule=1f1b", "train.pipeline.virtual_stages=1",
         "train.pipeline.microbatches=4", "data.batch_size=8"])
-    from overlap_runtime.stepgraph.compose import _pipeline
+    from overlap_runtime.stepgraph.compose import pipeline_graph
 
-    held = _inflight(_pipeline(config))
+    held = _inflight(pipeline_graph(config))
     assert {r: sum(v.values()) for r, v in held.items()} == {0: 4, 1: 3, 2: 2, 3: 1}
 
 
