@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from overlap_runtime.layers.elementwise import causal_conv_silu, gdn_gates
+from overlap_runtime.layers.elementwise import causal_conv_silu_shifted, gdn_gates
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.norm import RMSNorm, RMSNormGated
 
@@ -30,13 +30,13 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
     """Compile the elementwise pieces of ``model`` in place (module docstring); returns it.
 
     Every ``RMSNorm`` / ``RMSNormGated`` is compiled (``nn.Module.compile``); every
-    ``GatedDeltaNet`` calls the compiled :func:`causal_conv_silu` and :func:`gdn_gates`. Call it
+    ``GatedDeltaNet`` calls the compiled ``causal_conv_silu_shifted`` and ``gdn_gates``. Call it
     before FSDP2 wraps the model (as torchtitan does); the cores and collectives stay eager.
     """
     for module in model.modules():
         if isinstance(module, (RMSNorm, RMSNormGated)):
             module.compile()
         elif isinstance(module, GatedDeltaNet):
-            module.conv_fn = compiled(causal_conv_silu)
+            module.conv_fn = compiled(causal_conv_silu_shifted)
             module.gates_fn = compiled(gdn_gates)
     return model

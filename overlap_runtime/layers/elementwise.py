@@ -8,11 +8,12 @@ pieces, so each becomes one or two fused kernels forward and backward, while the
 attention cores (Triton / SDPA, opaque to the compiler) and every collective stay outside the
 compiled regions; it is what ``train.compile: true`` applies.
 
-- :func:`causal_conv_silu`: SiLU of the causal depthwise conv of the GDN layer, written as a sum
-  of ``K`` shifted products in the ``[B, T, C]`` layout (no transposes), accumulated in fp32
-  (float64 stays float64); eager it is exact to fp32 rounding against ``F.conv1d``, compiled it
-  is one kernel (4.3 ms fwd+bwd at 32K x 8192 channels on an H200 vs 11.9 ms for cuDNN's
-  depthwise conv).
+- :func:`causal_conv_silu`: SiLU of the causal depthwise conv of the GDN layer (``F.conv1d``,
+  the eager form); :func:`causal_conv_silu_shifted`: the same as a sum of ``K`` shifted
+  products in the ``[B, T, C]`` layout, accumulated in fp32, which the compiler fuses into one
+  kernel (4.3 ms fwd+bwd at 32K x 8192 channels on an H200 vs 11.9 ms for cuDNN's depthwise
+  conv). The context-parallel halo conv (p2p, all_gather, prefix_scan) keeps ``F.conv1d``: under
+  ``train.compile`` with those modes the single-device and CP convs differ by bf16 rounding.
 - :func:`gdn_gates`: ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
 - ``RMSNorm`` / ``RMSNormGated`` modules: compiled in place (``nn.Module.compile``).
 """
@@ -22,12 +23,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv_silu", "gdn_gates"]
+__all__ = ["causal_conv_silu", "causal_conv_silu_shifted", "gdn_gates"]
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
                      dilation: int = 1) -> torch.Tensor:
-    """``SiLU(causal depthwise conv)`` over the sequence.
+    """``SiLU(causal depthwise conv)`` over the sequence, with ``F.conv1d`` (the eager form: the
+    same arithmetic as the context-parallel halo conv of ``context_parallel.gdn.common``).
 
     Args:
         x: ``[B, T, C]`` input, any float dtype.
@@ -37,8 +39,25 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor |
         dilation: the conv's dilation.
 
     Returns:
-        ``[B, T, C]`` in x's dtype; products and sums in fp32 (float64 for float64 input).
+        ``[B, T, C]`` in x's dtype.
     """
+    halo = (weight.shape[-1] - 1) * dilation
+    xt = x.transpose(1, 2)  # [B, C, T]
+    if left is None:
+        xt = F.pad(xt, (halo, 0))
+    else:
+        xt = torch.cat([left.to(x.dtype).transpose(1, 2), xt], dim=2)
+    out = F.conv1d(xt, weight.unsqueeze(1), None, 1, 0, dilation, weight.shape[0])
+    return F.silu(out).transpose(1, 2)
+
+
+def causal_conv_silu_shifted(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
+                             dilation: int = 1) -> torch.Tensor:
+    """:func:`causal_conv_silu` as a sum of ``K`` shifted products in the ``[B, T, C]`` layout
+    (no transposes), accumulated in fp32 (float64 stays float64) and rounded once: the form
+    ``torch.compile`` fuses into one kernel forward and one backward (the compiled
+    ``train.compile`` path). Same arguments and result; equal to fp32 rounding in fp32, and
+    more exact than the bf16 ``F.conv1d`` in bf16 (one rounding instead of one per op)."""
     k, t = weight.shape[-1], x.shape[1]
     halo = (k - 1) * dilation
     xp = F.pad(x, (0, 0, halo, 0)) if left is None else torch.cat([left.to(x.dtype), x], 1)

@@ -7,14 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from overlap_runtime.layers.elementwise import causal_conv_silu
+from overlap_runtime.layers.elementwise import causal_conv_silu, causal_conv_silu_shifted
 from overlap_runtime.testing import rel_l2
 
 
+@pytest.mark.parametrize("conv", [causal_conv_silu, causal_conv_silu_shifted])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("dilation", [1, 2])
 @pytest.mark.parametrize("with_left", [False, True])
-def test_causal_conv_silu_matches_conv1d(dtype: torch.dtype, dilation: int,
+def test_causal_conv_silu_matches_conv1d(conv, dtype: torch.dtype, dilation: int,
                                          with_left: bool) -> None:
     torch.manual_seed(0)
     b, t, c, k = 2, 37, 12, 4
@@ -24,7 +25,7 @@ def test_causal_conv_silu_matches_conv1d(dtype: torch.dtype, dilation: int,
     left = torch.randn(b, halo, c, dtype=dtype) if with_left else None
     full = torch.cat([left if left is not None else torch.zeros(b, halo, c, dtype=dtype), x], 1)
     ref = F.silu(F.conv1d(full.transpose(1, 2), w, None, 1, 0, dilation, c)).transpose(1, 2)
-    got = causal_conv_silu(x, w[:, 0, :], left, dilation)
+    got = conv(x, w[:, 0, :], left, dilation)
     assert got.dtype == dtype and got.shape == (b, t, c)
     assert rel_l2(got, ref) <= (1e-6 if dtype == torch.float32 else 1e-14)
 
