@@ -59,6 +59,15 @@ _RECV = (ActionKind.RECV_F, ActionKind.RECV_B)
 _SEND = (ActionKind.SEND_F, ActionKind.SEND_B)
 
 
+def _drop_saved(t: torch.Tensor) -> None:
+    """Pack hook of the metadata forward: save nothing (its graph never runs backward)."""
+    return None
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("the metadata forward's graph is never backpropagated")
+
+
 class PipelineSchedule:
     """Execute ``spec`` with this rank's ``stages``.
 
@@ -287,7 +296,10 @@ class PipelineSchedule:
                 continue
             ins = first_inputs if s == 0 else example
             assert ins is not None
-            with torch.enable_grad():
+            # grad on (to learn requires_grad), but nothing saved: this graph never runs
+            # backward, so its activations are neither kept nor counted by memory meters
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                    _drop_saved, _never_unpacked):
                 out = as_boundary_value(st.module(*ins, **(first_kwargs if s == 0 else {})),
                                         f"stage {s} (metadata forward)")
             st.output_meta = boundary_meta_of(out)
