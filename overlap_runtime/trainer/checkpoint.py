@@ -274,6 +274,8 @@ class Checkpointer:
             label and world size).
         device: this rank's device (its RNG state is saved).
         log: rank 0's progress lines (None: silent).
+        distributed: False for a single-process run, even inside a process group (no
+            collective, DCP's ``no_dist``).
 
     Collective: every rank of the default process group (if one is initialised) constructs it
     and calls :meth:`resume`, :meth:`after_step` and :meth:`close` in the same order.
@@ -282,7 +284,7 @@ class Checkpointer:
     def __init__(self, config: Any, modules: list[nn.Module], optimizer: torch.optim.Optimizer,
                  scheduler: Any, dataset: Any, *, layout: str, device: torch.device,
                  model_config: dict[str, Any] | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, distributed: bool = True) -> None:
         self.config = config
         self.dir = Path(config.dir) if config.dir is not None else None
         self.model = modules[0] if len(modules) == 1 else _Parts(modules)
@@ -293,7 +295,9 @@ class Checkpointer:
         self.device = device
         self.model_config = model_config
         self.log = log or (lambda line: None)
-        self.distributed = dist.is_available() and dist.is_initialized()
+        # the single-device run (train_single) may run inside an initialised process group (a
+        # baseline on rank 0 alone): it must never enter a collective
+        self.distributed = distributed and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self._experts = _expert_modules(self.model)
@@ -312,8 +316,13 @@ class Checkpointer:
     # ---- state ---------------------------------------------------------------------------
 
     def _barrier(self) -> None:
+        """Every rank reached this point (bounded: ``checkpoint.timeout_s``, then an error
+        naming the wait, never a hang)."""
         if self.distributed:
-            dist.barrier()
+            from overlap_runtime.ops import comm
+
+            probe = torch.zeros(1, device=self.device)
+            comm.all_gather(probe, 0, None, self.config.timeout_s)
 
     def _model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
         msd, osd = get_state_dict(self.model, self.optimizer,

@@ -320,7 +320,8 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     compute_params = list(compute.parameters())
     ckpt = Checkpointer(config.checkpoint, [model], optimizer, scheduler, data,
                         layout="single", device=device,
-                        model_config=config.model.model_dump(mode="json"), log=log)
+                        model_config=config.model.model_dump(mode="json"), log=log,
+                        distributed=False)
     resumed = ckpt.resume()
     platform.reset_peak_memory_stats(device)
 
