@@ -28,22 +28,23 @@ def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 CP4_CONFIGS = {
-    "cp4_ulysses": tiny_config(20, cp=4, linear_attention_cp_mode="ulysses"),
-    "cp4_p2p": tiny_config(20, cp=4, linear_attention_cp_mode="p2p"),
+    "cp4_ulysses": _checked(tiny_config(20, cp=4, linear_attention_cp_mode="ulysses")),
+    "cp4_p2p": _checked(tiny_config(20, cp=4, linear_attention_cp_mode="p2p")),
     # the GDN prefix scan (peers r +- 1, r +- 2; pairs and states): checked against the step
     # graph too (stepgraph.layer_program), so a drift of the runtime's messages fails
     "cp4_prefix_scan": _checked(tiny_config(10, cp=4, linear_attention_cp_mode="prefix_scan")),
     # dp=2 x cp=2: FSDP over 4 ranks, two different sequences per step; ring attention; a tied
     # LM head (one parameter shared by the embedding and the head, in FSDP's root group).
-    "dp2_cp2_p2p_ring": tiny_config(10, cp=2, world_size=4, linear_attention_cp_mode="p2p",
-                                    full_attention_cp_mode="ring",
-                                    model={"tie_word_embeddings": True}),
+    "dp2_cp2_p2p_ring": _checked(tiny_config(10, cp=2, world_size=4,
+                                             linear_attention_cp_mode="p2p",
+                                             full_attention_cp_mode="ring",
+                                             model={"tie_word_embeddings": True})),
 }
 CP2_CONFIGS = {
-    "cp2_all_gather": tiny_config(20, cp=2, linear_attention_cp_mode="all_gather"),
-    "cp2_p2p_ckpt_off": tiny_config(10, cp=2, linear_attention_cp_mode="p2p"),
-    "cp2_p2p_ckpt_on": tiny_config(10, cp=2, linear_attention_cp_mode="p2p",
-                                   activation_checkpoint=True),
+    "cp2_all_gather": _checked(tiny_config(20, cp=2, linear_attention_cp_mode="all_gather")),
+    "cp2_p2p_ckpt_off": _checked(tiny_config(10, cp=2, linear_attention_cp_mode="p2p")),
+    "cp2_p2p_ckpt_on": _checked(tiny_config(10, cp=2, linear_attention_cp_mode="p2p",
+                                            activation_checkpoint=True)),
 }
 
 
