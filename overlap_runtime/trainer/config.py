@@ -257,6 +257,12 @@ def _data_problems(config: "TrainConfig") -> list[str]:
                 out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
                            f"full_attention_cp_mode 'ring' or 'ulysses' (causal within each "
                            f"document) in every attention layer; got {sorted(attn)}")
+            t = config.train
+            if t.validate_step_graph or t.check_conformance:
+                out.append(f"{rule} under cp={acc.cp}: the step graph (stepgraph.layer_program) "
+                           f"does not describe the packed CP messages yet (per-document halos, "
+                           f"the cu_seqlens agreement); set train.validate_step_graph: false "
+                           f"and train.check_conformance: false")
             if "prefix_scan" in modes_of_kind(acc, "linear_attention"):
                 out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
                            f"linear_attention_cp_mode 'p2p', 'all_gather' or 'ulysses' in every "

@@ -174,7 +174,13 @@ def test_data_config_errors_name_the_field(files: dict[str, Path], tmp_path: Pat
     for mode in ("p2p", "all_gather", "ulysses"):
         triton_cp = {"cp": 2, "full_attention_cp_mode": "ring", "linear_attention_cp_mode": mode,
                      "linear_attention_gdn_backend": "triton"}
-        config_from_dict({"data": {**reset, "seq_len": 128}, "train": {"accelerator": triton_cp}})
+        no_graph = {"validate_step_graph": False, "check_conformance": False}
+        config_from_dict({"data": {**reset, "seq_len": 128},
+                          "train": {"accelerator": triton_cp, **no_graph}})
+    # the step graph does not describe packed CP messages: validating it is refused by name
+    assert "does not describe the packed CP messages" in _error(
+        {**reset, "seq_len": 128}, train={"accelerator": {"cp": 2, "full_attention_cp_mode": "ring",
+                                                          "linear_attention_cp_mode": "p2p"}})
     assert "got train.accelerator.pp=2" in _error(
         reset, train={"accelerator": {"pp": 2}, "pipeline": {"microbatches": 1}},
         model={"tie_word_embeddings": False})
