@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 from overlap_runtime.graph import CommInfo, SimulationResult, Task, TaskGraph
 from overlap_runtime.graph.intervals import minus, overlap, union
+from overlap_runtime.schedules.ir import parse_compute_action
 
 __all__ = ["MoENodeCosts", "moe_layer_task_graph", "moe_overlap_pair_task_graph",
            "predicted_a2a_overlap", "measured_a2a_overlap", "node_costs_from_trace",
@@ -288,12 +289,5 @@ def node_costs_from_trace(events: Iterable[Any], layers: int) -> MoENodeCosts:
 
 def _action_kind(name: str) -> str | None:
     """``"2F5"`` -> ``"F"``; None for anything else."""
-    i = 0
-    while i < len(name) and name[i].isdigit():
-        i += 1
-    j = i
-    while j < len(name) and name[j].isalpha():
-        j += 1
-    if i == 0 or j == i or j == len(name) or not name[j:].isdigit():
-        return None
-    return name[i:j]
+    parsed = parse_compute_action(name)
+    return None if parsed is None else parsed[1]

@@ -206,6 +206,18 @@ Schedule = dict[int, list[Union[Action, None]]]
 """rank -> steps; ``None`` is a deliberate bubble."""
 
 
+def parse_compute_action(text: str) -> tuple[int, str, int] | None:
+    """``'1F3'`` -> ``(1, 'F', 3)`` for a plain F / B / I / W action; None for anything else
+    (a trace span's name, a send, a compound step), never an error."""
+    try:
+        a = parse_action(text)
+    except ValueError:
+        return None
+    if a is None or a.is_compound or a.kind not in COMPUTE_KINDS:
+        return None
+    return a.stage, a.kind.value, a.microbatch
+
+
 def schedule_to_rows(schedule: Schedule) -> list[list[str]]:
     """Rows of text cells, one per rank in rank order (ranks must be 0..n-1)."""
     ranks = sorted(schedule)

@@ -30,6 +30,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from overlap_runtime.schedules.ir import parse_compute_action
+
+
 __all__ = ["Link", "MachineProfile", "MeasuredCosts", "h200_profile", "cpu_profile",
            "measured_costs", "split_busy", "action_busy"]
 
@@ -248,22 +251,6 @@ class MeasuredCosts:
                            f"{sorted(self.compute)}") from None
 
 
-def _parse_action(name: str) -> tuple[int, str, int] | None:
-    """``'1F3'`` -> ``(1, 'F', 3)``; None for anything else."""
-    i = 0
-    while i < len(name) and name[i].isdigit():
-        i += 1
-    j = i
-    while j < len(name) and name[j].isalpha():
-        j += 1
-    if i == 0 or j == i or j == len(name) or not name[j:].isdigit():
-        return None
-    kind = name[i:j]
-    if kind not in ("F", "B", "I", "W"):
-        return None
-    return int(name[:i]), kind, int(name[j:])
-
-
 def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) -> MeasuredCosts:
     """Median node costs over the traces of a few steps (each an iterable of trace events of
     every rank, as :func:`~overlap_runtime.pipeline.gather_traces` returns them), over all
@@ -298,7 +285,7 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
         else:
             seconds = {k: sum(b - a for a, b in v) / 1e9 for k, v in busy.items()}
         for (rank, _thread, name), value in seconds.items():
-            parsed = _parse_action(name)
+            parsed = parse_compute_action(name)
             if parsed is not None:
                 comp.append((rank, (parsed[0], parsed[1]), value))
         comm.extend(_deliveries(events))
@@ -392,7 +379,7 @@ def _gaps(events: list[Any]) -> list[tuple[int, float]]:
         free = total_length(minus([(cover[0][0], cover[-1][1])], cover))
         compound = [(e.start_ns, e.end_ns) for e in mine if e.cat == "compound"]
         steps = len(compound) + sum(
-            1 for e in mine if e.cat == "compute" and _parse_action(e.name) is not None
+            1 for e in mine if e.cat == "compute" and parse_compute_action(e.name) is not None
             and not any(a <= e.start_ns and e.end_ns <= b for a, b in compound))
         if steps:
             out.append((rank, free / 1e9 / steps))
@@ -420,7 +407,7 @@ def _nested_a2a(events: list[Any]) -> Iterable[tuple[int, tuple[int, str, bool],
     for e in events:
         if e.cat != "compute" or e.end_ns <= e.start_ns:
             continue
-        parsed = _parse_action(e.name)
+        parsed = parse_compute_action(e.name)
         if parsed is None:
             continue
         paired = any(a <= e.start_ns and e.end_ns <= b for a, b in compound.get(e.rank, ()))

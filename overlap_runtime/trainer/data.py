@@ -43,7 +43,7 @@ import torch
 from overlap_runtime.trainer.batch import Batch, Packing, make_batch
 from overlap_runtime.trainer.byte_tokenizer import (BOS_ID, EOS_ID, PAD_ID, SEP_ID,
                                                     SPECIAL_TOKENS, VOCAB_SIZE, ByteTokenizer)
-from overlap_runtime.trainer.data_state import check_state, make_state
+from overlap_runtime.trainer.data_state import StepPositionState
 
 if TYPE_CHECKING:
     from overlap_runtime.trainer.config import DataConfig
@@ -81,7 +81,7 @@ def load_corpus(path: str | Path | None = None) -> str:
     return text
 
 
-class TextDataset:
+class TextDataset(StepPositionState):
     """Deterministic windows of the token stream (see the module docstring).
 
     Args:
@@ -147,18 +147,6 @@ class TextDataset:
         return {"kind": "windows", "files": files, "tokenizer": "byte", "seq_len": self.seq_len,
                 "rows_per_step": self.dp * self.batch_size, "packing": self.packing,
                 "seed": self.seed, "tokens": int(self.tokens.numel())}
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"version", "next_step", "fingerprint"}``: the next step to serve and the data."""
-        return make_state(self.position, self.fingerprint())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state["next_step"]`` after checking the fingerprint.
-
-        Raises:
-            DataStateMismatch: naming every field of the data that changed.
-        """
-        self.position = check_state(state, self.fingerprint())
 
 
 def build_dataset(data: "DataConfig", dp: int, seed: int) -> "TextDataset | Any":

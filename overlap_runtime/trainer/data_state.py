@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["STATE_VERSION", "DataStateMismatch", "check_state", "make_state"]
+__all__ = ["STATE_VERSION", "DataStateMismatch", "StepPositionState", "check_state", "make_state"]
 
 STATE_VERSION = 1
 
@@ -79,3 +79,26 @@ def check_state(state: dict[str, Any], fingerprint: dict[str, Any]) -> int:
         raise DataStateMismatch("the checkpoint's data differs from this run's, so its position "
                                 "would read other tokens:\n  " + "\n  ".join(diffs))
     return step
+
+
+class StepPositionState:
+    """``state_dict`` / ``load_state_dict`` of a dataset whose batch is a pure function of the
+    step: ``position`` (the next step to serve) and ``fingerprint()`` (what a step's tokens
+    depend on) make the state (``{"version", "next_step", "fingerprint"}``)."""
+
+    position: int
+
+    def fingerprint(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version", "next_step", "fingerprint"}``: the next step to serve and the data."""
+        return make_state(self.position, self.fingerprint())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state["next_step"]`` after checking the fingerprint.
+
+        Raises:
+            DataStateMismatch: naming every field of the data that changed.
+        """
+        self.position = check_state(state, self.fingerprint())

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from overlap_runtime.trainer.batch import Batch, Packing, make_batch
-from overlap_runtime.trainer.data_state import check_state, make_state
+from overlap_runtime.trainer.data_state import StepPositionState
 from overlap_runtime.trainer.documents import (DataTokenizer, TokenizedDocuments,
                                                file_fingerprint, load_tokenizer, read_documents,
                                                resolve_files, tokenize_documents)
@@ -64,7 +64,7 @@ def special_ids(tokenizer: DataTokenizer, bos_token: str | None,
     return ids["bos_token"], eos
 
 
-class PackedDataset:
+class PackedDataset(StepPositionState):
     """Shuffled, packed documents (see the module docstring).
 
     Args:
@@ -187,15 +187,3 @@ class PackedDataset:
                 "rows_per_step": self.dp * self.batch_size, "packing": self.packing,
                 "seed": self.seed, "documents": self.num_documents,
                 "tokens": self.epoch_tokens}
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"version", "next_step", "fingerprint"}``: the next step to serve and the data."""
-        return make_state(self.position, self.fingerprint())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state["next_step"]`` after checking the fingerprint.
-
-        Raises:
-            DataStateMismatch: naming every field of the data that changed.
-        """
-        self.position = check_state(state, self.fingerprint())

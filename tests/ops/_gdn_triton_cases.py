@@ -128,7 +128,12 @@ def gates(case: str) -> dict:
 
     dtype = torch.float32 if case == "gates_fp32" else torch.bfloat16
     errors, finite, zero_dg = {}, True, True
-    for i, (name, gate, positions) in enumerate(GATE_CASES):
+    # every gate below -20 is floored to -20 by the kernel: fp32 checks -inf and the finite
+    # -1e4 (-1e38 takes the same path as -1e4), bf16 the -inf positions and the partial chunk
+    # (the interpreter costs about 4 s per case: the suite's budget)
+    cases = [c for c in GATE_CASES if not c[0].startswith("-1e38")] if case == "gates_fp32" \
+        else [c for c in GATE_CASES if c[0].startswith(("-inf", "-12"))]
+    for i, (name, gate, positions) in enumerate(cases):
         x = make_inputs(1, 200, 2, 4, 32, 32, dtype=dtype, seed=7, decay_shift=3.0)
         g = x["g"].detach().clone()
         for p in positions:
