@@ -78,15 +78,10 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         """Packed batch: each rank's summary is its last document's tail map
         (``gdn/varlen.py``); the gathered prefix enters only a first piece that continues a
         document."""
-        from .varlen import (check_packed_call, packed_core_inputs, packed_local_outputs,
-                             packed_tail_maps, shard_pieces)
+        from .varlen import packed_local_outputs, packed_shard_inputs, packed_tail_maps
 
         plan = self.plan
-        batch, local_len = proj.mixed_qkv.shape[:2]
-        check_packed_call(layer, plan, cu_seqlens, batch, local_len)
-        pieces = shard_pieces(cu_seqlens, batch, local_len, plan.cp_size, plan.rank,
-                              layer.conv_halo)
-        q, k, v, g, beta = packed_core_inputs(layer, plan, proj, mask, pieces)
+        pieces, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
         m, s = packed_tail_maps(q, k, v, g, beta, pieces, layer.chunk_size)
         h_in, gathered = gathered_initial_state(m, s, plan)
         o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, q.shape[-1] ** -0.5,

@@ -299,6 +299,26 @@ class _HaloCausalConv(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+def check_state_passing_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              g: torch.Tensor, beta: torch.Tensor, plan: GDNCPPlan,
+                              chunk_size: int, mode: str) -> None:
+    """The checks of a mode that hands GDN states between ranks (p2p chain, prefix scan),
+    before any state message and on every rank alike (same shapes), so a refusal raises
+    everywhere instead of leaving a peer waiting: the inputs, the backend's rules for an fp32
+    incoming state (``H_in``'s dtype and layout), and a backend the mode knows (eager, triton).
+    Raises, never falls back."""
+    from overlap_runtime.ops.gdn import get_backend, validate_inputs
+
+    validate_inputs(q, k, v, g, beta, None, chunk_size)
+    state = q.new_empty((1, 1, q.shape[-1], v.shape[-1]),
+                        dtype=torch.promote_types(q.dtype, torch.float32))
+    get_backend(plan.backend).check(q, k, v, g, beta, initial_state=state, chunk_size=chunk_size)
+    if plan.backend not in ("eager", "triton"):  # pragma: no cover - the registry holds these
+        raise NotImplementedError(
+            f"mode={mode!r} with backend={plan.backend!r}: it knows the 'eager' and 'triton' "
+            "local kernels only")
+
+
 def halo_conv_qkv(
     layer: GatedDeltaNet, mixed_qkv: torch.Tensor, plan: GDNCPPlan
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -69,13 +69,12 @@ from overlap_runtime.ops.gdn import (
     apply_summary_backward,
     chunk_gated_delta_rule,
     chunk_output,
-    get_backend,
     prepare_chunks,
     summarize,
-    validate_inputs,
 )
 
 from .common import (
+    check_state_passing_call,
     ContextParallelGDNMixer,
     GDNCPPlan,
     local_core_inputs,
@@ -334,16 +333,7 @@ def gdn_state_chain(
     Returns:
         o ``[B, T_local, HV, V]`` in v's dtype.
     """
-    validate_inputs(q, k, v, g, beta, None, chunk_size)
-    impl = get_backend(plan.backend)
-    state = q.new_empty((1, 1, q.shape[-1], v.shape[-1]), dtype=torch.promote_types(
-        q.dtype, torch.float32))  # H_in's dtype and layout, for the backend's rules
-    impl.check(q, k, v, g, beta, initial_state=state, chunk_size=chunk_size)
-    if plan.backend not in ("eager", "triton"):  # pragma: no cover - the registry holds these two
-        raise NotImplementedError(
-            f"mode='p2p' with backend={plan.backend!r}: the state chain knows the 'eager' and "
-            "'triton' local kernels only"
-        )
+    check_state_passing_call(q, k, v, g, beta, plan, chunk_size, "p2p")
     scale = q.shape[-1] ** -0.5
     if plan.backend == "triton":
         return TritonStateChain.apply(q, k, v, g, beta, plan, scale)
@@ -363,13 +353,9 @@ class P2PGDNMixer(ContextParallelGDNMixer):
                        mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Packed batch (global ``cu_seqlens``): the chain with per-document maps
         (``gdn/varlen.py``) -> ``o [B, T_local, HV, V]``."""
-        from .varlen import PackedStateChain, check_packed_call, packed_core_inputs, shard_pieces
+        from .varlen import PackedStateChain, packed_shard_inputs
 
         plan = self.plan
-        batch, local_len = proj.mixed_qkv.shape[:2]
-        check_packed_call(layer, plan, cu_seqlens, batch, local_len)
-        pieces = shard_pieces(cu_seqlens, batch, local_len, plan.cp_size, plan.rank,
-                              layer.conv_halo)
-        q, k, v, g, beta = packed_core_inputs(layer, plan, proj, mask, pieces)
+        pieces, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
         return PackedStateChain.apply(q, k, v, g, beta, pieces, plan, q.shape[-1] ** -0.5,
                                       layer.chunk_size)

@@ -51,16 +51,15 @@ from torch.autograd.function import once_differentiable
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops.gdn import (
     chunk_output,
-    get_backend,
     prepare_chunks,
     summarize,
     tree_compose,
-    validate_inputs,
 )
 from overlap_runtime.ops.gdn.state_link import StateLink
 from overlap_runtime.ops.profile_range import profile_range
 
-from .common import ContextParallelGDNMixer, GDNCPPlan, local_core_inputs
+from .common import (ContextParallelGDNMixer, GDNCPPlan, check_state_passing_call,
+                     local_core_inputs)
 from .p2p import add_summary_grads, local_output_grads
 from .scan_rounds import AffinePrefixRounds
 
@@ -227,18 +226,10 @@ def gdn_prefix_scan(
     Returns:
         o ``[B, T_local, HV, V]`` in v's dtype.
     """
-    validate_inputs(q, k, v, g, beta, None, chunk_size)
-    impl = get_backend(plan.backend)
-    state = q.new_empty((1, 1, q.shape[-1], v.shape[-1]), dtype=torch.promote_types(
-        q.dtype, torch.float32))  # H_in's dtype and layout, for the backend's rules
-    impl.check(q, k, v, g, beta, initial_state=state, chunk_size=chunk_size)
+    check_state_passing_call(q, k, v, g, beta, plan, chunk_size, "prefix_scan")
     scale = q.shape[-1] ** -0.5
     if plan.backend == "triton":
         return TritonPrefixScan.apply(q, k, v, g, beta, plan, scale)
-    if plan.backend != "eager":  # pragma: no cover - the registry holds these two
-        raise NotImplementedError(
-            f"mode='prefix_scan' with backend={plan.backend!r}: the scan knows the 'eager' and "
-            "'triton' local kernels only")
     return GDNPrefixScan.apply(q, k, v, g, beta, plan, scale, chunk_size)
 
 

@@ -60,7 +60,7 @@ from .common import GDNCPPlan, check_halo, post_recv, post_send
 
 __all__ = ["ShardPieces", "shard_pieces", "HaloExchange", "document_causal_conv",
            "packed_local_outputs", "packed_tail_maps", "PackedStateChain",
-           "packed_core_inputs", "check_packed_call"]
+           "packed_core_inputs", "packed_shard_inputs", "check_packed_call"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,17 @@ def packed_core_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjectio
     q, k, v = layer.split_qkv(conv)
     g, beta = layer.gates(proj.a, proj.b, mask=mask)
     return q, k, v, g, beta
+
+
+def packed_shard_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections,
+                        mask: torch.Tensor | None, cu_seqlens: torch.Tensor
+                        ) -> tuple[ShardPieces, tuple[torch.Tensor, ...]]:
+    """A packed call's checks (:func:`check_packed_call`), this shard's document pieces and
+    its core inputs (:func:`packed_core_inputs`): the prologue of every state-passing mode."""
+    batch, local_len = proj.mixed_qkv.shape[:2]
+    check_packed_call(layer, plan, cu_seqlens, batch, local_len)
+    pieces = shard_pieces(cu_seqlens, batch, local_len, plan.cp_size, plan.rank, layer.conv_halo)
+    return pieces, packed_core_inputs(layer, plan, proj, mask, pieces)
 
 
 def packed_local_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
