@@ -79,7 +79,8 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None,
     norm = float(sq.sqrt())
     if max_norm is not None and math.isfinite(norm):
         coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for p in (*params, *expert_params):
-                p.grad.detach().mul_(coef)  # type: ignore[union-attr]
+        if coef < 1.0:  # one foreach multiply over the local pieces (no DTensor dispatch)
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                     for p in (*params, *expert_params)]
+            torch._foreach_mul_([g.detach() for g in grads], coef)  # type: ignore[union-attr]
     return norm

@@ -112,10 +112,12 @@ class TrainResult:
 def _optimizer(params: list[nn.Parameter], config: TrainConfig
                ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     o = config.optimizer
-    # foreach=False: the per-parameter loop on both the FSDP (DTensor) and the plain model, so the
-    # two runs execute the same update arithmetic.
+    # The same implementation on the FSDP (DTensor) and the plain model, so the two runs execute
+    # the same update arithmetic; never torch's device-dependent default (foreach=None).
+    kernels = {"for_loop": {"foreach": False}, "foreach": {"foreach": True},
+               "fused": {"fused": True}}[o.implementation]
     opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=False)
+                            weight_decay=o.weight_decay, **kernels)
     warmup = o.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)

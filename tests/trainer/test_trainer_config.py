@@ -238,3 +238,20 @@ def test_set_overrides_are_validated_like_the_yaml() -> None:
         apply_overrides(base, ["optimizer.lr"])
     with pytest.raises(ConfigError, match="train.accelerator.cp=3 does not divide"):
         apply_overrides(base, ["train.accelerator.cp=3"])
+
+
+@pytest.mark.parametrize("impl, fused, foreach", [("fused", True, None), ("foreach", None, True),
+                                                  ("for_loop", None, False)])
+def test_optimizer_implementation_reaches_adamw(impl: str, fused: Any, foreach: Any) -> None:
+    """``optimizer.implementation`` picks AdamW's kernels explicitly (fused by default: the
+    per-parameter loop cost 65 ms of a 240 ms step on an H200 with FSDP2's DTensors)."""
+    import torch
+
+    from overlap_runtime.trainer.loop import _optimizer
+
+    cfg = config_from_dict({"optimizer": {"implementation": impl}})
+    opt, _ = _optimizer([torch.nn.Parameter(torch.ones(3))], cfg)
+    assert (opt.defaults.get("fused"), opt.defaults.get("foreach")) == (fused, foreach)
+    assert config_from_dict({}).optimizer.implementation == "fused"
+    with pytest.raises(ConfigError, match="implementation"):
+        config_from_dict({"optimizer": {"implementation": "auto"}})
