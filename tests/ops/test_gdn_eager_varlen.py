@@ -54,7 +54,7 @@ CASES = [
     # lengths (shorter than a chunk, not multiples of 64, empty, several blocks), block_chunks,
     # initial state, l2norm, chunk size
     ([5, 0, 64, 130, 1, 100], 1, True, True, 64),
-    ([200, 37], None, False, False, 64),
+    ([200, 0, 37], None, False, False, 64),
     ([0, 7, 0, 90], 2, True, False, 32),
 ]
 

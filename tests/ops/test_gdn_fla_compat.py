@@ -107,7 +107,8 @@ def test_head_first_is_refused_as_fla_does(x):
 def test_packed_sequences_with_states_and_gradients():
     lengths = [40, 0, 75, 9]
     x = make_inputs(1, sum(lengths), 2, 4, 8, 6, dtype=torch.float32)
-    x["initial_state"] = torch.randn(len(lengths), 4, 8, 6).requires_grad_(True)
+    gen = torch.Generator().manual_seed(5)
+    x["initial_state"] = torch.randn(len(lengths), 4, 8, 6, generator=gen).requires_grad_(True)
     cu = torch.tensor([0] + lengths).cumsum(0)
     chunk_indices = torch.tensor([[0, 0], [2, 0], [2, 1], [3, 0]])
     o, h = chunk_gated_delta_rule(*(x[n] for n in NAMES), initial_state=x["initial_state"],
@@ -158,10 +159,11 @@ def test_state_v_first_transposes_the_state(x):
 
 def test_in_kernel_gate_and_beta_sigmoid(x):
     args = {n: x[n].detach() for n in NAMES}
-    raw_g = torch.randn(args["g"].shape)
-    a_log = torch.randn(4).requires_grad_(True)
-    dt_bias = torch.randn(4)
-    raw_beta = torch.randn(args["beta"].shape)
+    gen = torch.Generator().manual_seed(3)
+    raw_g = torch.randn(args["g"].shape, generator=gen)
+    a_log = (0.5 * torch.randn(4, generator=gen) - 1.0).requires_grad_(True)
+    dt_bias = torch.randn(4, generator=gen)
+    raw_beta = torch.randn(args["beta"].shape, generator=gen)
     o, _ = chunk_gated_delta_rule(args["q"], args["k"], args["v"], raw_g, raw_beta,
                                   use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,
                                   use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
