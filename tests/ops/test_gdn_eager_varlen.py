@@ -127,7 +127,7 @@ def test_cu_seqlens_needs_batch_one():
 
 def test_initial_state_must_have_one_row_per_sequence():
     args, h0, cu_seqlens = _valid()
-    with pytest.raises(ValueError, match=r"initial_state must be \[N, HV, K, V\] .*= \[2, 4, 8, 6\], "
-                                         r"got \[1, 4, 8, 6\]"):
+    match = r"initial_state must be \[N, HV, K, V\] .*= \[2, 4, 8, 6\], got \[1, 4, 8, 6\]"
+    with pytest.raises(ValueError, match=match):
         chunk_gated_delta_rule(*args, initial_state=h0[:1], cu_seqlens=cu_seqlens)
     chunk_gated_delta_rule(*args, initial_state=h0, cu_seqlens=cu_seqlens)  # the valid call runs
