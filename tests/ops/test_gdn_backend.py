@@ -108,7 +108,7 @@ def test_package_import_does_not_import_triton():
         "assert 'triton' not in sys.modules, 'triton imported'; "
         "assert sorted(gdn.__all__) == sorted(n for n in dir(gdn) "
         "if not n.startswith('_') and n not in {'backend', 'chunk', 'function', 'reference', "
-        "'summary'})"
+        "'summary', 'options'})"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)

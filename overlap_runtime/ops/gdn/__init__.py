@@ -4,7 +4,8 @@ The math of one GDN layer's sequence recurrence on one device, for ``layers.Gate
 for GDN context parallelism (``context_parallel.gdn``), which hand states across ranks through
 the ``state_link`` hooks. ``backend="eager" | "triton"`` (no auto); the Triton kernels live in
 ``triton/`` and load triton only on first use. See docs/gdn.md for the semantics, the chunked WY
-form and the summary algebra.
+form and the summary algebra. ``fla_compat.chunk_gated_delta_rule`` is a drop-in for
+flash-linear-attention 0.6.0's function of that name (its signature and defaults).
 
 May import: torch, ``overlap_runtime._lazy`` and (in ``triton/``, lazily) triton; nothing else
 of ``overlap_runtime``: no communication, no layers.
@@ -14,6 +15,7 @@ from .backend import (
     SUPPORTED_BACKENDS,
     EagerBackend,
     GDNBackend,
+    GDNKernelOptions,
     TritonBackend,
     chunk_gated_delta_rule,
     get_backend,
@@ -36,6 +38,7 @@ __all__ = [
     "SUPPORTED_BACKENDS",
     "EagerBackend",
     "GDNBackend",
+    "GDNKernelOptions",
     "PreparedChunks",
     "TritonBackend",
     "apply_summary",

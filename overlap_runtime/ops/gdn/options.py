@@ -1,0 +1,64 @@
+"""Tuning options of the GDN backends, one validated argument of ``chunk_gated_delta_rule``.
+
+:class:`GDNKernelOptions` is a frozen dataclass; every field is None ("the backend's default")
+or a value that applies to exactly one backend. Invalid values raise ``ValueError`` /
+``TypeError`` when the options are built; an option set for a backend it does not apply to
+raises ``ValueError`` in :meth:`GDNKernelOptions.check_backend` (called by the dispatch), never
+ignored. Results do not depend on the options (only speed and memory do), up to rounding.
+
+Imports nothing of ``overlap_runtime``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["GDNKernelOptions"]
+
+# option name -> the backend it applies to
+_APPLIES_TO = {"block_chunks": "eager", "num_segments": "triton"}
+
+
+@dataclass(frozen=True)
+class GDNKernelOptions:
+    """Backend tuning knobs (None: the backend's default).
+
+    Attributes:
+        block_chunks: eager only. Chunks per recompute block of the memory-lean backward
+            (default 4): forward peak memory is one block's intermediates, backward one block's
+            graph; a positive int.
+        num_segments: triton only. Segments the state scan splits each sequence into (default:
+            chosen from the machine, about two programs per SM); a positive int, 1 is the plain
+            sequential walk.
+    """
+
+    block_chunks: int | None = None
+    num_segments: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"GDNKernelOptions.{f.name}={value!r} must be an int or None, "
+                    f"got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"GDNKernelOptions.{f.name}={value} must be >= 1 (or None "
+                                 "for the backend's default)")
+
+    def set_options(self) -> dict[str, int]:
+        """The options that are set (not None), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    def check_backend(self, backend: str) -> None:
+        """Raise ``ValueError`` naming every set option that does not apply to ``backend``."""
+        wrong = {name: value for name, value in self.set_options().items()
+                 if _APPLIES_TO[name] != backend}
+        if wrong:
+            rules = ", ".join(f"{name}={value} applies to backend={_APPLIES_TO[name]!r} only"
+                              for name, value in wrong.items())
+            raise ValueError(f"GDNKernelOptions for backend={backend!r}: {rules}; unset it "
+                             "(None) or choose that backend")
