@@ -153,20 +153,19 @@ def measure(args: argparse.Namespace) -> None:
           f"{args.hidden}, {args.heads}/{2 * args.heads} heads of {args.dim}, attention "
           f"{args.heads}+ heads of {args.dim}, local {args.local_seq} tokens a rank, fp32, "
           f"forward + backward, median of {args.iters} of the slowest rank")
-    print("| CP | layer | " + " | ".join(f"{m} ms (rel-L2)" for m in GDN_MODES) + " |")
-    print("|---:|---|" + "---:|" * len(GDN_MODES))
+    modes = GDN_MODES + ATTENTION_MODES
+    print("| CP | " + " | ".join(f"GDN {m}" for m in GDN_MODES) + " | "
+          + " | ".join(f"attn {m}" for m in ATTENTION_MODES) + " |")
+    print("|---:|" + "---:|" * len(modes))
     for cp in args.cp:
         t0 = time.perf_counter()
         rows = spawn(measure_rank, cp, args=(args,), timeout_s=600.0)[0]
-        for kind, modes in (("gdn", GDN_MODES), ("attention", ATTENTION_MODES)):
-            cells = []
-            for m in modes:
+        cells = []
+        for kind, names in (("gdn", GDN_MODES), ("attention", ATTENTION_MODES)):
+            for m in names:
                 r = next(x for x in rows if x["kind"] == kind and x["mode"] == m)
                 cells.append("n/a" if r["ms"] is None else f"{r['ms']:.1f} ({r['rel']:.0e})")
-            cells += [""] * (len(GDN_MODES) - len(cells))
-            label = kind if kind == "gdn" else "attention: " + " / ".join(ATTENTION_MODES)
-            print(f"| {cp} | {label} | " + " | ".join(cells) + " |")
-        print(f"<!-- CP{cp}: {time.perf_counter() - t0:.1f} s wall -->")
+        print(f"| {cp} | " + " | ".join(cells) + f" |  <!-- {time.perf_counter() - t0:.1f} s -->")
 
 
 # ----------------------------------------------------------------------------- predict
