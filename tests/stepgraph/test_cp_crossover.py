@@ -34,15 +34,16 @@ def test_state_chain_and_scan_are_priced_per_hop_and_per_round() -> None:
     assert PROF.prefix_scan(STATE, pair, 2) == pytest.approx(hop_intra)
 
 
-def _priced(kind: str, mode: str, cp: int, a2a: int | None = None) -> dict[str, float]:
+def _priced(kind: str, mode: str, cp: int, a2a: int | None = None, direction: str = "F"
+            ) -> dict[str, float]:
     cfg = layer_config(BASE, kind, mode, cp, 8192, a2a)  # type: ignore[arg-type]
-    prog = stage_program(cfg, [0], "F", cp_rank=1, first=True, last=True)
+    prog = stage_program(cfg, [0], direction, cp_rank=1, first=True, last=True)  # type: ignore[arg-type]
     ops = priced_ops(prog, PROF, cp=cp, ep=1, cp_a2a=a2a)
     return {o.name: o.cost for o in ops if o.kind == "comm"}
 
 
 def test_the_representative_rank_waits_for_the_whole_scan_and_chain() -> None:
-    scan = _priced("gdn", "prefix_scan", 64)
+    scan = _priced("gdn", "prefix_scan", 64, direction="B")  # rank 1 receives every round
     waits = {k: v for k, v in scan.items() if k.startswith("gdn.scan")}
     assert len(waits) == 1  # every round on the first receive, the others not double-counted
     assert list(waits.values())[0] > 6 * PROF.inter.latency_s
