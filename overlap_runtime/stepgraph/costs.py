@@ -6,8 +6,9 @@ Two sources of costs feed the simulator (:func:`overlap_runtime.graph.simulate`)
 * :class:`MachineProfile` prices what has not been run: an **alpha-beta** message
   (``latency + bytes / bandwidth``) over the link a group's placement uses (NVLink inside a node
   of ``gpus_per_node`` devices, the inter-node network otherwise), collectives by group size
-  (all-to-all, ring all-gather / reduce-scatter, ring point-to-point step), and compute from a
-  FLOP count and the throughput of the op's class (``gemm``, ``moe``, ``gdn``, ``attention``),
+  (all-to-all, ring all-gather / reduce-scatter, ring point-to-point step, the GDN state chain
+  hop by hop and its prefix scan round by round), and compute from a FLOP count and the
+  throughput of the op's class (``gemm``, ``moe``, ``gdn``, ``attention``, ``state``),
   each calibrated from a measured figure of docs/benchmarks.md (:func:`h200_profile` says which).
 * :class:`MeasuredCosts` holds node costs read from an :class:`~overlap_runtime.pipeline.
   ExecutionTrace` of a few real steps (:func:`measured_costs`): per stage and action kind the
@@ -137,6 +138,37 @@ class MachineProfile:
             return 0.0
         return self.link(group, stride).time(nbytes)
 
+    def state_chain(self, nbytes: float, group: int, hop_flop: float = 0.0) -> float:
+        """The GDN state chain over ``group`` consecutive ranks, as its far end waits for it:
+        ``group - 1`` hops, each one message of ``nbytes`` plus the receiver's apply
+        (``hop_flop`` at the ``state`` throughput); a hop between two nodes (every
+        ``gpus_per_node``-th) goes over the inter-node link, the others over NVLink."""
+        if group <= 1:
+            return 0.0
+        crossing = self.nodes_spanned(group) - 1
+        apply = self.compute(hop_flop, "state") if hop_flop else 0.0
+        return ((group - 1 - crossing) * self.intra.time(nbytes)
+                + crossing * self.inter.time(nbytes) + (group - 1) * apply)
+
+    def prefix_scan(self, state_bytes: float, pair_bytes: float, group: int,
+                    compose_flop: float = 0.0) -> float:
+        """The Hillis-Steele scan of ``context_parallel/gdn/scan_rounds.py`` over ``group``
+        consecutive ranks: ``ceil(log2 group)`` rounds, each as long as its slowest message
+        plus one compose (``compose_flop`` at the ``state`` throughput). Round ``d``: position
+        ``p`` sends to ``p + 2^d``, a state when ``p < 2^d``, else an ``(M, S)`` pair of
+        ``pair_bytes``; it crosses a node boundary when some pair of that round does.
+        Bulk-synchronous (a round waits for the previous round everywhere): an upper bound
+        of the far end's critical path."""
+        total, step = 0.0, 1
+        compose = self.compute(compose_flop, "state") if compose_flop else 0.0
+        while step < group:
+            nbytes = pair_bytes if group - 1 - step >= step else state_bytes
+            crosses = any(p // self.gpus_per_node != (p + step) // self.gpus_per_node
+                          for p in range(group - step))
+            total += (self.inter if crosses else self.intra).time(nbytes) + compose
+            step *= 2
+        return total
+
     def copy(self, nbytes: float) -> float:
         """A layout copy (read + write) of ``nbytes``."""
         return 2.0 * nbytes / self.hbm_Bps
@@ -164,13 +196,17 @@ def h200_profile(gpus_per_node: int = 8) -> MachineProfile:
       heads, local 16K: 6.28 ms fwd + 10.39 ms bwd for 3.4 TFLOP); ``moe`` 166e12 (2 MoE layers,
       16 experts top-4 + shared expert, 8192 tokens, fwd + bwd 44.6 ms of compute for 7.4 TFLOP);
       ``gemm`` 600e12 (dense projections and MLPs: 61% of the 989 TFLOP/s peak, between the
-      attention and MoE figures; no dense-MLP-only figure was measured).
+      attention and MoE figures; no dense-MLP-only figure was measured); ``state`` 25.6e12
+      (fp32 products of the GDN state hand-over: one hop of the Triton chain, four
+      ``[K, K] x [K, V]`` products over 32 heads of 128, took 0.021 ms; prices the chain's
+      apply, the prefix scan's compose and the summary all-gather's prefix compose).
     * HBM: 3.0e12 B/s achieved (4.8 TB/s peak) for the layout copies around all-to-alls.
     """
     return MachineProfile(
         name="h200", gpus_per_node=gpus_per_node,
         intra=Link("nvlink", 15e-6, 99e9), inter=Link("ib-ndr400", 25e-6, 40e9),
-        flops={"attention": 552e12, "gdn": 205e12, "moe": 166e12, "gemm": 600e12},
+        flops={"attention": 552e12, "gdn": 205e12, "moe": 166e12, "gemm": 600e12,
+               "state": 25.6e12},
         hbm_Bps=3.0e12, memory_bytes=141e9,
         source="docs/benchmarks.md H200 figures (NVLink measured on 2 GPUs; inter-node assumed "
                "400 Gb/s NDR at 40 GB/s)")
@@ -183,7 +219,7 @@ def cpu_profile(flops: float = 20e9, latency_s: float = 60e-6,
     return MachineProfile(
         name="cpu", gpus_per_node=1 << 30, intra=Link("loopback", latency_s, bandwidth_Bps),
         inter=Link("loopback", latency_s, bandwidth_Bps),
-        flops={"attention": flops, "gdn": flops, "moe": flops, "gemm": flops},
+        flops={"attention": flops, "gdn": flops, "moe": flops, "gemm": flops, "state": flops},
         hbm_Bps=10e9, memory_bytes=64e9, source="nominal CPU figures")
 
 

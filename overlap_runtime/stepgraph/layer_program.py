@@ -102,6 +102,9 @@ class LayerOp:
     compute op. ``collective``: ``all_to_all`` or ``all_gather``. ``label``: the name the
     runtime gives the message where it has one (the MoE dispatcher's ``S0.L1.dispatch``).
     ``exact``: False when ``nbytes`` depends on the routing (then it is the mean per rank).
+    On a message op, ``flops`` is the GDN state work tied to it (fp32, the ``state`` class of
+    ``stepgraph.costs``): a chain receive's apply per hop, a scan receive's compose per round,
+    the summary all-gather's prefix compose of the far end (``stepgraph.scale.priced_ops``).
     """
 
     name: str
@@ -178,32 +181,50 @@ def _gdn_forward(config: "TrainConfig", s: MicrobatchShape, r: int, mode: str) -
         ops.append(_p2p("gdn.halo.send", "send", +1, halo))
     if mode == "p2p":
         if r > 0:
-            ops.append(_p2p("gdn.chain.recv_H", "recv", -1, state))
+            ops.append(replace(_p2p("gdn.chain.recv_H", "recv", -1, state),
+                               flops=_chain_hop_flops(s, m)))
         ops.append(_c("gdn.prepare_summary", core / 2))
         if r < p - 1:
             ops.append(_p2p("gdn.chain.send_H", "send", +1, state))
         return ops + [_c("gdn.output", core / 2)]
     if mode == "all_gather":
         summary = s.rows * hv * k * (k + v) * _FP32
-        return ops + [_c("gdn.summary", core / 2),
-                      _coll("gdn.gather_summary", "cp", "all_gather", summary),
+        gather = replace(_coll("gdn.gather_summary", "cp", "all_gather", summary),
+                         flops=max(p - 2, 0) * _compose_flops(s, m))  # the far end's prefix
+        return ops + [_c("gdn.summary", core / 2), gather,
                       _c("gdn.core", core)]
     if mode == "prefix_scan":
         pair = s.rows * hv * k * (k + v) * _FP32
-        recvs, sends = _scan_messages(p, r, reverse=False, state=state, pair=pair, tag="")
+        recvs, sends = _scan_messages(p, r, reverse=False, state=state, pair=pair, tag="",
+                                      compose=_compose_flops(s, m))
         return (ops + recvs + [_c("gdn.prepare_summary", core / 2)] + sends
                 + [_c("gdn.output", core / 2)])
     raise ValueError(f"train.accelerator.linear_attention_cp_mode={mode!r}: layer_program knows "
                      f"ulysses, p2p, all_gather and prefix_scan")
 
 
-def _scan_messages(p: int, r: int, *, reverse: bool, state: int, pair: int, tag: str
-                   ) -> tuple[list[LayerOp], list[LayerOp]]:
+def _chain_hop_flops(s: MicrobatchShape, m: object) -> float:
+    """FLOPs of one state-chain hop on its receiver, as the Triton chain measured them (four
+    ``[K, K] x [K, V]`` fp32 products per value head; docs/benchmarks.md, 0.021 ms)."""
+    return 4 * 2.0 * s.rows * m.linear_num_value_heads * m.linear_key_head_dim ** 2 \
+        * m.linear_value_head_dim  # type: ignore[attr-defined]
+
+
+def _compose_flops(s: MicrobatchShape, m: object) -> float:
+    """FLOPs of one summary compose ``(M1 M0, M1 S0 + S1)``: ``[K, K] x [K, K + V]`` per value
+    head (``ops.gdn.compose``)."""
+    k = m.linear_key_head_dim  # type: ignore[attr-defined]
+    return 2.0 * s.rows * m.linear_num_value_heads * k * k * (k + m.linear_value_head_dim)  # type: ignore[attr-defined]
+
+
+def _scan_messages(p: int, r: int, *, reverse: bool, state: int, pair: int, tag: str,
+                   compose: float = 0.0) -> tuple[list[LayerOp], list[LayerOp]]:
     """The receives and sends of the prefix scan on CP rank ``r`` (``gdn/scan_rounds.py``):
     position ``r`` (``P - 1 - r`` when ``reverse``); round ``d`` receives from position
     ``pos - 2^d`` and sends to ``pos + 2^d``; a message is a state when its sender's window
     reaches position 0 (sender position ``< 2^d``), else an ``(M, S)`` pair. All receives are
-    posted first, the sends follow round by round."""
+    posted first, the sends follow round by round. A receive carries the ``compose`` FLOPs
+    its round costs the receiver (``flops`` of a message op: the state work it waits for)."""
     pos = p - 1 - r if reverse else r
     sign = -1 if reverse else 1
     recvs: list[LayerOp] = []
@@ -212,8 +233,8 @@ def _scan_messages(p: int, r: int, *, reverse: bool, state: int, pair: int, tag:
     while (1 << d) < p:
         step = 1 << d
         if pos - step >= 0:
-            recvs.append(_p2p(f"gdn.scan{tag}{d}.recv", "recv", -sign * step,
-                              pair if pos - step >= step else state))
+            recvs.append(replace(_p2p(f"gdn.scan{tag}{d}.recv", "recv", -sign * step,
+                                      pair if pos - step >= step else state), flops=compose))
         if pos + step < p:
             sends.append(_p2p(f"gdn.scan{tag}{d}.send", "send", sign * step,
                               pair if pos >= step else state))
@@ -236,7 +257,8 @@ def _gdn_backward(config: "TrainConfig", s: MicrobatchShape, r: int,
         state = s.rows * config.model.linear_num_value_heads * config.model.linear_key_head_dim \
             * config.model.linear_value_head_dim * _FP32
         if r < p - 1:
-            ops.append(_p2p("gdn.chain.recv_dH", "recv", +1, state))
+            ops.append(replace(_p2p("gdn.chain.recv_dH", "recv", +1, state),
+                               flops=_chain_hop_flops(s, config.model)))
         ops.append(_c("gdn.output.bwd", core / 2))
         if r > 0:
             ops.append(_p2p("gdn.chain.send_dH", "send", -1, state))
@@ -247,14 +269,15 @@ def _gdn_backward(config: "TrainConfig", s: MicrobatchShape, r: int,
             * m.linear_value_head_dim * _FP32
         pair = s.rows * m.linear_num_value_heads * m.linear_key_head_dim \
             * (m.linear_key_head_dim + m.linear_value_head_dim) * _FP32
-        recvs, sends = _scan_messages(p, r, reverse=True, state=state, pair=pair, tag=".bwd")
+        recvs, sends = _scan_messages(p, r, reverse=True, state=state, pair=pair, tag=".bwd",
+                                      compose=_compose_flops(s, m))
         ops += recvs + [_c("gdn.output.bwd", core / 2)] + sends
         ops.append(_c("gdn.summary.bwd", core / 2))
     else:  # all_gather: the gather's backward is an all-to-all of P times its input
         g = by["gdn.gather_summary"]
         ops += [_c("gdn.core.bwd", core / 2),
                 replace(g, name="gdn.gather_summary.bwd", collective="all_to_all",
-                        nbytes=g.nbytes * p),
+                        nbytes=g.nbytes * p, flops=2 * g.flops),  # the compose's backward
                 _c("gdn.summary.bwd", core / 2)]
     halo = next(o.nbytes for o in fwd if o.name.startswith("gdn.halo."))
     if r > 0:

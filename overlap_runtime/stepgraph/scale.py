@@ -8,8 +8,12 @@ and a :class:`~overlap_runtime.stepgraph.costs.MachineProfile`:
 2. every F/B/I/W expanded into its stage's layer ops (:func:`~overlap_runtime.stepgraph.
    layer_program.stage_program`), each priced by the profile (:func:`priced_ops`): compute from
    the op's FLOPs and its op class, collectives by group size and placement, the GDN state
-   chain as ``cp - 1`` hops (rank ``cp - 1`` waits for all of them), ring-attention hops only
-   where they outlast the block they are prefetched behind;
+   chain as ``cp - 1`` hops with their applies (rank ``cp - 1`` waits for all of them; NVLink
+   hops inside a node, inter-node hops between nodes), the prefix scan as its
+   ``ceil(log2 cp)`` rounds with their composes, the summary all-gather plus the far end's
+   prefix compose, hierarchical attention's all-to-alls on ``cp_a2a`` and its ring on
+   ``cp_ring`` (ranks ``cp_a2a`` apart), ring-attention hops only where they outlast the block
+   they are prefetched behind;
 3. one representative rank per pipeline rank (:func:`~overlap_runtime.stepgraph.layout_graph.
    layout_graph` with ``representative=True``): ranks of one cp/ep/dp group run the same
    program; their collectives are costed by the group's size;
@@ -55,37 +59,65 @@ def op_class(name: str) -> str:
 
 
 def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile, *,
-               cp: int, ep: int) -> list[Op]:
+               cp: int, ep: int, cp_a2a: int | None = None) -> list[Op]:
     """Price the ops of one stage action on ``profile`` (see the module doc for the rules).
 
-    Compute ops keep their names; messages become blocking ops on ``comm:cp`` / ``comm:ep``
-    (the group's collectives are costed by its size; consecutive ranks, stride 1). Sends cost
-    nothing on the thread (non-blocking); a receive waits one hop, the GDN chain's ``cp - 1``.
+    Compute ops keep their names; messages become blocking ops on ``comm:<group>`` (the
+    group's collectives are costed by its size and placement: ``cp`` and ``ep`` consecutive
+    ranks; hierarchical attention's ``cp_a2a`` the ``cp_a2a`` consecutive ranks of one ring
+    index, ``cp_ring`` the ``cp / cp_a2a`` ranks ``cp_a2a`` apart). Sends cost nothing on the
+    thread (non-blocking). A receive waits one hop, except the GDN state hand-over, priced as
+    its far end waits for it: the chain's receive ``cp - 1`` hops with their applies
+    (:meth:`MachineProfile.state_chain`), the prefix scan's first receive of a direction every
+    round with its compose (:meth:`MachineProfile.prefix_scan`; its other receives then cost
+    nothing). The summary all-gather is followed by the far end's prefix compose (``state``).
     """
     ops = [op for _, op in program]
+    sizes: dict[str | None, tuple[int, int]] = {"cp": (cp, 1), "ep": (ep, 1)}
+    if cp_a2a is not None:
+        if cp_a2a < 1 or cp % cp_a2a:
+            raise ValueError(f"priced_ops: cp_a2a={cp_a2a} does not divide cp={cp}")
+        sizes["cp_a2a"] = (cp_a2a, 1)
+        sizes["cp_ring"] = (cp // cp_a2a, cp_a2a)
+    scans_priced: set[str] = set()
     out: list[Op] = []
     for j, op in enumerate(ops):
         if op.kind == "compute":
             out.append(Op(op.name, "compute", profile.compute(op.flops, op_class(op.name))))
             continue
-        g = cp if op.group == "cp" else ep if op.group == "ep" else 1
+        if op.group in ("cp_a2a", "cp_ring") and op.group not in sizes:
+            raise ValueError(f"priced_ops: op {op.name!r} is on group {op.group!r} "
+                             f"(hierarchical attention) but cp_a2a was not given")
+        g, stride = sizes.get(op.group, (1, 1))
         if op.kind == "collective":
             if op.collective == "all_to_all":
-                cost = profile.all_to_all(op.nbytes, g) + profile.copy(op.nbytes)
+                cost = profile.all_to_all(op.nbytes, g, stride) + profile.copy(op.nbytes)
             else:
-                cost = profile.all_gather(op.nbytes, g)
+                cost = profile.all_gather(op.nbytes, g, stride)
         elif op.kind == "send":
             continue
         elif ".chain." in op.name:  # the state chain: the far end waits for every hop
-            cost = (g - 1) * profile.ring_step(op.nbytes, g)
+            cost = profile.state_chain(op.nbytes, g, op.flops)
+        elif ".scan" in op.name and op.name.removeprefix("recompute.").startswith("gdn.scan"):
+            # every round of the scan, on its first receive (per direction; a recompute's own)
+            which = op.name.split("gdn.scan")[0] + (
+                "gdn.scan.bwd" if "gdn.scan.bwd" in op.name else "gdn.scan")
+            if which in scans_priced:
+                continue
+            scans_priced.add(which)
+            mine = [o.nbytes for o in ops if o.name.startswith(which)
+                    and (which.endswith(".bwd") or not o.name.startswith(which + ".bwd"))]
+            cost = profile.prefix_scan(min(mine), max(mine), g, op.flops)
         else:  # a halo or ring hop: prefetched behind the next compute op
             nxt = next((o for o in ops[j + 1:] if o.kind == "compute"), None)
             prefetched = ".ring" in op.name or ".dkv" in op.name
             hidden = profile.compute(nxt.flops, op_class(nxt.name)) \
                 if nxt is not None and prefetched else 0.0
-            cost = max(0.0, profile.ring_step(op.nbytes, g) - hidden)
+            cost = max(0.0, profile.ring_step(op.nbytes, g, stride) - hidden)
         join = "moe.combine_wait" if op.name == "moe.combine" else None
         out.append(Op(op.name, "comm", cost, group=op.group, group_size=g, join=join))
+        if op.kind == "collective" and op.flops and op.name.startswith("gdn.gather_summary"):
+            out.append(Op(f"{op.name}.compose", "compute", profile.compute(op.flops, "state")))
     return out
 
 
@@ -274,6 +306,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
     last = num_stages - 1
     cache: dict[tuple[int, str], list[Op]] = {}
     rep_cp = min(1, dims.cp - 1)  # a middle rank: halo and chain messages both ways
+    cp_a2a = acc.hierarchical_cp.a2a if acc.hierarchical_cp is not None else None
 
     def ops_of(t: Task) -> list[Op]:
         stage = int(t.meta["stage"])
@@ -282,7 +315,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
             prog = stage_program(config, stage_layers[stage], t.kind, shape,  # type: ignore[arg-type]
                                  cp_rank=rep_cp, stage=stage, first=stage == 0,
                                  last=stage == last)
-            cache[key] = priced_ops(prog, profile, cp=dims.cp, ep=dims.ep)
+            cache[key] = priced_ops(prog, profile, cp=dims.cp, ep=dims.ep, cp_a2a=cp_a2a)
         return cache[key]
 
     act_bytes = shape.tokens * config.model.hidden_size * shape.dtype_bytes

@@ -37,9 +37,9 @@
         pp: 1
         ep: 1                     # borrowed from dp_shard x cp (see trainer.parallel_dims)
         ulysses_degree: null
-        linear_attention_cp_mode: ulysses     # ulysses | p2p | all_gather | prefix_scan
+        linear_attention_cp_mode: prefix_scan # ulysses | p2p | all_gather | prefix_scan
         linear_attention_gdn_backend: eager   # eager | triton
-        full_attention_cp_mode: ulysses       # ulysses | ring | all_gather_kv | hierarchical
+        full_attention_cp_mode: ring          # ulysses | ring | all_gather_kv | hierarchical
         hierarchical_cp: null                 # {a2a: 2, ring: 2} for hierarchical (cp_config)
         full_attention_cp_modes: null         # per full_attention layer, e.g. [ring, ulysses]
         linear_attention_cp_modes: null       # per GDN layer, e.g. [p2p, all_gather, p2p]
@@ -124,9 +124,12 @@ class AcceleratorConfig(_Strict):
     pp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     ulysses_degree: int | None = None
-    linear_attention_cp_mode: Literal["ulysses", "p2p", "all_gather", "prefix_scan"] = "ulysses"
+    # the defaults follow the crossover table (docs/benchmarks.md "Where each CP mode wins";
+    # docs/context_parallel.md "Default modes"): an explicit choice, never picked at run time
+    linear_attention_cp_mode: Literal["ulysses", "p2p", "all_gather", "prefix_scan"] = \
+        "prefix_scan"
     linear_attention_gdn_backend: Literal["eager", "triton"] = "eager"
-    full_attention_cp_mode: Literal["ulysses", "ring", "all_gather_kv", "hierarchical"] = "ulysses"
+    full_attention_cp_mode: Literal["ulysses", "ring", "all_gather_kv", "hierarchical"] = "ring"
     hierarchical_cp: HierarchicalCPConfig | None = None
     full_attention_cp_modes: list[str] | None = None  # per layer: trainer.cp_config
     linear_attention_cp_modes: list[str] | None = None

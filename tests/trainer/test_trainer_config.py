@@ -96,9 +96,11 @@ def test_gpu_config_is_local_16k_bf16() -> None:
     (_acc(cp=2, ulysses_degree=1), "train.accelerator.ulysses_degree=1"),
     ({"data": {"seq_len": 130}, **_acc(cp=4)}, "data.seq_len=130 is not a multiple of "
                                                "train.accelerator.cp=4"),
-    ({"model": {"linear_num_value_heads": 6, "linear_num_key_heads": 2}, **_acc(cp=4)},
+    ({"model": {"linear_num_value_heads": 6, "linear_num_key_heads": 2},
+      **_acc(cp=4, linear_attention_cp_mode="ulysses")},
      "linear_attention_cp_mode='ulysses' with cp=4 needs model.linear_num_value_heads"),
-    ({"model": {"num_attention_heads": 6, "num_key_value_heads": 2}, **_acc(cp=4)},
+    ({"model": {"num_attention_heads": 6, "num_key_value_heads": 2},
+      **_acc(cp=4, full_attention_cp_mode="ulysses")},
      "full_attention_cp_mode='ulysses' with cp=4 needs model.num_attention_heads"),
     ({"train": {"precision": "fp16"}}, "train.precision: Input should be 'fp32' or 'bf16'"),
     ({"model": {"vocab_size": 128}}, "model.vocab_size=128 is smaller than the byte-level"),
