@@ -13,6 +13,8 @@ With ``h`` the state entering the chunk, ``dH`` the gradient of the state leavin
 ``(P * Gamma)^T`` is formed by a second product ``v_new dO^T`` rather than transposing the
 cast result of a product (the Hopper miscompile pattern of gpu/README.md).
 
+Both take a ``VARLEN`` constexpr: chunk ``i_n`` is then the chunk table's (common.chunk_span).
+
 ``wy_kkt_bwd_kernel``, grid ``(NT, B * HV)``: everything left, in one pass per chunk. Through
 ``u = Ainv diag(beta) V`` and ``w = Ainv diag(beta exp(gamma)) K``: dv, the beta and gamma parts,
 and ``dAinv = du (beta V)^T + dw (beta e^gamma K)^T``; through ``Ainv = (I + A)^-1``:
@@ -32,23 +34,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, gate_floored, mm, mma
+from .common import autotune_configs, chunk_span, gate_floored, mm, mma
 
 __all__ = ["dqkwg_kernel", "wy_kkt_bwd_kernel"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit
-def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, scale,
+def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, chunks, scale,
                  T, NT, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 VARLEN: tl.constexpr):
     i_kb, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_i = tl.arange(0, BT)
-    t0 = i_n * BT
+    t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
     o_t = t0 + o_i
-    m_t = o_t < T
+    m_t = o_t < eos
     o_k = i_kb * BK + tl.arange(0, BK)
     DT = k.dtype.element_ty
     base = ((i_b * NT + i_n) * HV + i_hv).to(tl.int64) * (K * V)
@@ -78,11 +81,11 @@ def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, 
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
-    # padded tokens (t >= T) take the last token's gamma: every exponent below stays <= 0 (with
-    # gamma 0 there, 0 - gamma_j overflowed to inf once a partial chunk's gates summed below
-    # -88, and inf * 0 = NaN reached dk)
-    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, T - 1)) * HV + i_hv)
-    last = tl.minimum(t0 + BT, T) - 1
+    # padded tokens (t >= eos) take the last token's gamma: every exponent below stays <= 0
+    # (with gamma 0 there, 0 - gamma_j overflowed to inf once a partial chunk's gates summed
+    # below -88, and inf * 0 = NaN reached dk)
+    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
+    last = tl.minimum(t0 + BT, eos) - 1
     g_last = tl.load(gamma + (i_b * T + last) * HV + i_hv)
     causal = o_i[:, None] >= o_i[None, :]
     b_p = tl.where(causal, b_p * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0)),
@@ -123,25 +126,28 @@ def _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
     return b_dk
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "NORM_OUT"], restore_value=["dk"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "NORM_OUT", "VARLEN"],
+                 restore_value=["dk"])
 @triton.jit
 def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbeta, dg, kraw,
-                      k_rstd, dk_out, T, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      SLOTS: tl.constexpr, NORM_OUT: tl.constexpr):
+                      k_rstd, dk_out, chunks, T, B, H: tl.constexpr, HV: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, SLOTS: tl.constexpr, NORM_OUT: tl.constexpr,
+                      VARLEN: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
+    t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
     o_i = tl.arange(0, BT)
-    o_t = i_n * BT + o_i
-    m_t = o_t < T
+    o_t = t0 + o_i
+    m_t = o_t < eos
     DT = k.dtype.element_ty
     # Ainv^T, loaded transposed from memory, in the storage dtype for the products
     p_at = ainv + ((i_b * T + o_t[None, :]) * HV + i_hv) * BT + o_i[:, None]
     b_atd = tl.load(p_at, mask=m_t[None, :], other=0.0).to(DT)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     # padded tokens take the last token's gamma (no positive exponent, as in dqkwg)
-    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, T - 1)) * HV + i_hv)
+    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
     b_eg = tl.exp(b_gam)
     b_bk = b_beta * b_eg
     b_dai = tl.zeros([BT, BT], dtype=tl.float32)  # gradient of Ainv

@@ -4,7 +4,8 @@
 (the part of dv_new's gradient that does not depend on the state gradient), in dO's dtype.
 
 ``bwd_scan_kernel``, grid ``(V / BV, NS segments, B * HV)``: walks the chunks of its segment
-backwards with ``dh`` the gradient of the state leaving chunk n::
+(``VARLEN``: of the segment table, common.segment_span) backwards with ``dh`` the gradient of
+the state leaving chunk n::
 
     dv_new_n = dv_local_n + Ktail_n dh                         (stored: the gradient of u)
     dh      <- exp(gamma_C) dh + scale (diag(exp(gamma)) Q_n)^T dO_n - w_n^T dv_new_n
@@ -20,30 +21,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, mm, mma
+from .common import autotune_configs, chunk_span, mm, mma, segment_span
 
 __all__ = ["dv_local_kernel", "bwd_scan_kernel"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit
-def dv_local_kernel(q, k, gamma, do, dv_local, scale, T, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+def dv_local_kernel(q, k, gamma, do, dv_local, chunks, scale, T, H: tl.constexpr,
+                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    BV: tl.constexpr, VARLEN: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
+    t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
     o_i = tl.arange(0, BT)
-    o_t = i_n * BT + o_i
-    m_t = o_t < T
+    o_t = t0 + o_i
+    m_t = o_t < eos
     o_k = tl.arange(0, K)
     DT = k.dtype.element_ty
     b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
-    # padded tokens (t >= T) take the last token's gamma, so no exponent is positive (gamma 0
+    # padded tokens (t >= eos) take the last token's gamma, so no exponent is positive (gamma 0
     # there overflowed to inf once a partial chunk's gates summed below -88: inf * 0 = NaN)
-    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, T - 1)) * HV + i_hv)
+    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
     # (K Q^T)[j, i] for i >= j: the transposed intra-chunk attention, built directly
     later = o_i[None, :] >= o_i[:, None]
     b_kq = mm(b_k, tl.trans(b_q))
@@ -57,34 +60,33 @@ def dv_local_kernel(q, k, gamma, do, dv_local, scale, T, H: tl.constexpr, HV: tl
                  mask=m_t[:, None])
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE", "VARLEN"])
 @triton.jit
-def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, scale,
-                    T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, chunks, segs,
+                    scale, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                    HAS_INIT: tl.constexpr, STORE: tl.constexpr):
+                    HAS_INIT: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr):
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    n0 = i_s * L
-    n1 = tl.minimum(n0 + L, NT)
+    n0, n1, row = segment_span(segs, i_s, i_bh, i_hv, L, NT, NS, HV, VARLEN)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     DT = k.dtype.element_ty
     if HAS_INIT:
-        b_dh = tl.load(dh_init + ((i_bh * NS + i_s) * K + o_k[:, None]) * V + o_v[None, :])
+        b_dh = tl.load(dh_init + (row * K + o_k[:, None]) * V + o_v[None, :])
     else:
         b_dh = tl.zeros([K, BV], dtype=tl.float32)
     for j in range(n1 - n0):
         n = n1 - 1 - j
-        t0 = n * BT
+        t0, eos = chunk_span(chunks, n, T, BT, VARLEN)
         o_t = t0 + tl.arange(0, BT)
-        m_t = o_t < T
+        m_t = o_t < eos
         if STORE:
             base = ((i_b * NT + n) * HV + i_hv).to(tl.int64) * (K * V)
             tl.store(dhs + base + o_k[:, None] * V + o_v[None, :], b_dh.to(DT))
         b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
-        g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, T) - 1) * HV + i_hv)
+        g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
@@ -100,4 +102,4 @@ def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, s
                        mask=m_t[None, :], other=0.0)
         b_dh = mma(b_qt, b_do, b_dh * tl.exp(g_last))
         b_dh = mma(b_wt, (-b_dv).to(DT), b_dh)
-    tl.store(dh_start + ((i_bh * NS + i_s) * K + o_k[:, None]) * V + o_v[None, :], b_dh)
+    tl.store(dh_start + (row * K + o_k[:, None]) * V + o_v[None, :], b_dh)

@@ -3,7 +3,10 @@
 Layouts (flash-linear-attention's, no transposes anywhere): per-token tensors are
 ``[B, T, heads, D]`` contiguous; per-chunk states ``[B, NT, HV, K, V]``; per-chunk square
 matrices (the WY inverse, its gradient) ``[B, T, HV, BT]`` (row = token, column = position in
-its chunk); segment summaries ``[B * HV, NS, K, K]`` / ``[B * HV, NS, K, V]`` fp32.
+its chunk); segment summaries ``[B * HV, NS, K, K]`` / ``[B * HV, NS, K, V]`` fp32
+(``[NS, HV, ...]`` for packed variable-length sequences, B = 1: varlen.py). Every chunk kernel
+takes a ``VARLEN`` constexpr and a chunk table: :func:`chunk_span` gives a chunk's first token
+and the end of its rows, :func:`segment_span` a scan segment's chunks.
 
 This module imports triton: import it only from the kernel modules (the package ``__init__``
 is lazy).
@@ -19,7 +22,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["INTERPRET", "IS_CUDA", "mm", "mma", "mm_f32x3", "autotune_configs", "CHUNK",
-           "GATE_FLOOR", "gate_floor", "gate_floored", "num_sms", "choose_segments"]
+           "GATE_FLOOR", "gate_floor", "gate_floored", "num_sms", "choose_segments",
+           "chunk_span", "segment_span"]
 
 CHUNK = 64
 
@@ -89,6 +93,43 @@ def gate_floor(g):
 def gate_floored(g):
     """Where :func:`gate_floor` changed ``g`` (its derivative is 0 there; False for NaN)."""
     return g < -GATE_FLOOR
+
+
+@triton.jit
+def chunk_span(chunks, i_n, T, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """``(t0, eos)``: the first token of chunk ``i_n`` and the end (exclusive) of the tokens it
+    may hold. Dense: ``(i_n BT, T)``, the kernels' original arithmetic. ``VARLEN``: read from the
+    chunk table ``chunks [NT, 2]`` int32 (varlen.py), ``eos`` the end of the chunk's sequence,
+    so a chunk never straddles two sequences and rows ``>= eos`` are masked as rows ``>= T``
+    are for the last dense chunk."""
+    if VARLEN:
+        t0 = tl.load(chunks + 2 * i_n)
+        eos = tl.load(chunks + 2 * i_n + 1)
+    else:
+        t0 = i_n * BT
+        eos = T
+    return t0, eos
+
+
+@triton.jit
+def segment_span(segs, i_s, i_bh, i_hv, L, NT, NS, HV: tl.constexpr, VARLEN: tl.constexpr):
+    """``(n0, n1, row)``: segment ``i_s`` walks chunks ``[n0, n1)``; ``row`` indexes its
+    per-segment fp32 tensors (entering/leaving states, summaries).
+
+    Dense: ``[i_s L, min((i_s + 1) L, NT))``, rows ``[B * HV, NS]`` (``row = i_bh NS + i_s``).
+    ``VARLEN`` (B = 1): ``[n0, n1)`` from the segment table ``segs [NS, 2]`` int32, rows
+    ``[NS, HV]`` (``row = i_s HV + i_hv``), so that with one segment per sequence the
+    ``[N, HV, K, V]`` initial and final states are those tensors themselves.
+    """
+    if VARLEN:
+        n0 = tl.load(segs + 2 * i_s)
+        n1 = tl.load(segs + 2 * i_s + 1)
+        row = i_s * HV + i_hv
+    else:
+        n0 = i_s * L
+        n1 = tl.minimum(n0 + L, NT)
+        row = i_bh * NS + i_s
+    return n0, n1, row
 
 
 def autotune_configs(pairs: tuple[tuple[int, int], ...] = ((2, 2), (4, 1), (4, 2), (8, 1), (8, 2))

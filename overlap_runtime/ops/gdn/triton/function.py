@@ -27,6 +27,22 @@ Backward::
                           (and dk's norm backward when H == HV)
     l2norm_bwd            sum over the value heads of each key head, norm backward (dq; dk
                           when H < HV)
+
+Packed variable-length sequences (``cu_seqlens``, varlen.py): ``B = 1``, offsets int32 or
+int64 ``[N + 1]`` from 0 to T (empty sequences allowed); the state restarts at every offset;
+initial_state, the final state and their gradients are ``[N, HV, K, V]`` fp32. The same
+launches as above, one per kernel for all sequences (no loop over sequences): a chunk table
+built once per call maps every chunk index to ``(first token, sequence end)`` so that no chunk
+straddles two sequences (a sequence of L tokens owns ``ceil(L / 64)`` chunks, the last cut at
+its end and masked there as the dense path masks rows >= T; ``NT`` is the total), and the
+scans walk segment tables instead of ``NS`` equal segments: one segment per sequence when
+``num_segments`` (that of the longest sequence) is 1 or the sequences fill the machine, else
+each sequence is cut into segments of the longest one's length whose summaries are chained per
+sequence (``chain_kernel`` with ``VARLEN``). No token is copied or padded. Per-segment fp32
+tensors are ``[NS, HV, K, V]`` there (``[B*HV, NS, K, V]`` dense), so with one segment per
+sequence the initial and final states are those tensors. The dense path (``cu_seqlens=None``)
+runs the same arithmetic as before (``VARLEN`` is a constexpr; ``cu_seqlens = [0, T]`` gives the
+dense bits). Not combined with a context-parallel ``StateLink`` (raises).
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ from .fwd_output import output_kernel
 from .fwd_prepare import kkt_solve, wy_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
 from .l2norm import l2norm_forward, l2norm_group_backward
+from .varlen import VarlenLayout, varlen_layout
 
 __all__ = [
     "TritonChunkGatedDeltaRuleFunction",
@@ -78,43 +95,64 @@ def segment_layout(num_chunks: int, programs: int, device: torch.device,
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-            beta: torch.Tensor, use_qk_l2norm: bool) -> dict[str, torch.Tensor | None]:
-    """Normalised q, k (and 1/norm), gamma, Ainv, w, u: everything before the state scan."""
+            beta: torch.Tensor, use_qk_l2norm: bool, chunks: torch.Tensor | None = None
+            ) -> dict[str, torch.Tensor | None]:
+    """Normalised q, k (and 1/norm), gamma, Ainv, w, u: everything before the state scan
+    (``chunks``: the varlen chunk table, varlen.py, or None)."""
     if use_qk_l2norm:
         qn, q_rstd = l2norm_forward(q)
         kn, k_rstd = l2norm_forward(k)
     else:
         qn, kn, q_rstd, k_rstd = q, k, None, None
-    gamma, ainv = kkt_solve(kn, g, beta, v.shape[2])
-    w, u = wy_forward(kn, v, beta, gamma, ainv)
+    gamma, ainv = kkt_solve(kn, g, beta, v.shape[2], chunks)
+    w, u = wy_forward(kn, v, beta, gamma, ainv, chunks)
     return {"qn": qn, "kn": kn, "q_rstd": q_rstd, "k_rstd": k_rstd, "gamma": gamma,
             "ainv": ainv, "w": w, "u": u}
 
 
+def _rows(bh: int, num_segments: int, layout: VarlenLayout | None) -> tuple[int, int]:
+    """Leading dims of the per-segment tensors: ``[B*HV, NS]`` dense, ``[NS, HV]`` varlen
+    (B = 1; common.segment_span)."""
+    return (bh, num_segments) if layout is None else (num_segments, bh)
+
+
+def _tables(layout: VarlenLayout | None, dummy: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(chunks, segments, NT)`` arguments of a scan launch (``dummy`` pointers when dense)."""
+    if layout is None:
+        return dummy, dummy, 0
+    return layout.chunks, layout.segments, layout.num_chunks
+
+
 def segment_summaries(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
-                      num_segments: int, per_segment: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_segments: int, per_segment: int, layout: VarlenLayout | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Affine summary of every segment from zero, all in parallel.
 
     Returns:
-        ``(M [B*HV, NS, K, K], S [B*HV, NS, K, V])`` fp32: ``h_out = M_s h_in + S_s``.
+        ``(M [B*HV, NS, K, K], S [B*HV, NS, K, V])`` fp32: ``h_out = M_s h_in + S_s``
+        (``[NS, HV, ...]`` with a varlen ``layout``).
     """
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     bv = _block(key_dim, value_dim)
     bh = batch * num_value_heads
-    m = torch.empty(bh, num_segments, key_dim, key_dim, device=kn.device, dtype=torch.float32)
-    s = torch.empty(bh, num_segments, key_dim, value_dim, device=kn.device, dtype=torch.float32)
+    rows = _rows(bh, num_segments, layout)
+    m = torch.empty(*rows, key_dim, key_dim, device=kn.device, dtype=torch.float32)
+    s = torch.empty(*rows, key_dim, value_dim, device=kn.device, dtype=torch.float32)
+    chunks, segs, num_chunks = _tables(layout, m)
     fwd_scan_kernel[((key_dim + value_dim) // bv, num_segments, bh)](
-        kn, w, u, gamma, m, kn, u, m, m, s, seq_len, triton.cdiv(seq_len, CHUNK), per_segment,
+        kn, w, u, gamma, m, kn, u, m, m, s, chunks, segs, seq_len,
+        triton.cdiv(seq_len, CHUNK) if layout is None else num_chunks, per_segment,
         num_segments, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
-        SUMMARY=True, HAS_INIT=False, STORE=False,
+        SUMMARY=True, HAS_INIT=False, STORE=False, VARLEN=layout is not None,
     )
     return m, s
 
 
 def chain(m: torch.Tensor, s: torch.Tensor | None, h0: torch.Tensor | None, *,
-          reverse: bool = False, store_segments: bool = False
-          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+          reverse: bool = False, store_segments: bool = False,
+          layout: VarlenLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Carry a state through ``NS`` affine maps in fp32.
 
     Args:
@@ -122,79 +160,93 @@ def chain(m: torch.Tensor, s: torch.Tensor | None, h0: torch.Tensor | None, *,
         h0: ``[BH, K, N]`` fp32 or None (zero start; then ``s`` fixes N).
         reverse: walk from the last map back with ``M_s^T`` (state gradients).
         store_segments: also return the value entering each map ``[BH, NS, K, N]``.
+        layout: varlen tables: m, s and the entering values are ``[NS, HV, ...]``, each
+            sequence chains its own segments, h0 and h_out are ``[N * HV, K, N]``.
 
     Returns:
         ``(h_out [BH, K, N], h_seg or None)``.
     """
-    bh, num_segments, key_dim = m.shape[0], m.shape[1], m.shape[2]
+    rows = tuple(m.shape[:2])
+    key_dim = m.shape[2]
+    if layout is None:
+        bh, num_segments, value_heads, programs = rows[0], rows[1], 1, rows[0]
+    else:
+        num_segments, value_heads = rows
+        programs = bh = layout.num_seqs * value_heads
     cols = (s if s is not None else h0).shape[-1]
     block = min(32, cols)
     h_out = torch.empty(bh, key_dim, cols, device=m.device, dtype=torch.float32)
-    h_seg = (torch.empty(bh, num_segments, key_dim, cols, device=m.device, dtype=torch.float32)
+    h_seg = (torch.empty(*rows, key_dim, cols, device=m.device, dtype=torch.float32)
              if store_segments else None)
-    chain_kernel[(triton.cdiv(cols, block), bh)](
+    chain_kernel[(triton.cdiv(cols, block), programs)](
         m, s if s is not None else m, h0 if h0 is not None else m,
-        h_seg if h_seg is not None else m, h_out, num_segments, K=key_dim, N=cols, BN=block,
-        HAS_H0=h0 is not None, HAS_S=s is not None, STORE_SEG=store_segments, REVERSE=reverse,
-        num_warps=8,
+        h_seg if h_seg is not None else m, h_out,
+        layout.seq_segments if layout is not None else m, num_segments, K=key_dim, N=cols,
+        BN=block, HAS_H0=h0 is not None, HAS_S=s is not None, STORE_SEG=store_segments,
+        REVERSE=reverse, HV=value_heads, VARLEN=layout is not None, num_warps=8,
     )
     return h_out, h_seg
 
 
 def state_scan(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
-               seg_init: torch.Tensor | None, num_segments: int, per_segment: int
+               seg_init: torch.Tensor | None, num_segments: int, per_segment: int,
+               layout: VarlenLayout | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every segment from its entering state, storing per-chunk states and residuals.
 
     Args:
         seg_init: ``[B*HV, NS, K, V]`` fp32 state entering each segment, or None (one segment
-            from zero).
+            from zero). With a varlen ``layout``: ``[NS, HV, K, V]``, or None (zeros).
 
     Returns:
         ``(states [B, NT, HV, K, V] in k's dtype, v_new [B, T, HV, V] in v's dtype,
-        h_end [B*HV, NS, K, V] fp32)``; ``h_end[:, -1]`` is the final state.
+        h_end [B*HV, NS, K, V] fp32)``; ``h_end[:, -1]`` is the final state (varlen: h_end is
+        ``[NS, HV, K, V]``, and with one segment per sequence the final states).
     """
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
-    num_chunks = triton.cdiv(seq_len, CHUNK)
+    num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
     bv = _block(key_dim, value_dim)
     bh = batch * num_value_heads
     states = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim, device=kn.device,
                          dtype=kn.dtype)
     v_new = torch.empty_like(u)
-    h_end = torch.empty(bh, num_segments, key_dim, value_dim, device=kn.device,
+    h_end = torch.empty(*_rows(bh, num_segments, layout), key_dim, value_dim, device=kn.device,
                         dtype=torch.float32)
+    chunks, segs, _ = _tables(layout, h_end)
     fwd_scan_kernel[(value_dim // bv, num_segments, bh)](
         kn, w, u, gamma, seg_init if seg_init is not None else h_end, states, v_new, h_end,
-        h_end, h_end, seq_len, num_chunks, per_segment, num_segments, H=heads,
+        h_end, h_end, chunks, segs, seq_len, num_chunks, per_segment, num_segments, H=heads,
         HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv, SUMMARY=False,
-        HAS_INIT=seg_init is not None, STORE=True,
+        HAS_INIT=seg_init is not None, STORE=True, VARLEN=layout is not None,
     )
     return states, v_new, h_end
 
 
 def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor,
                     do: torch.Tensor, dv_local: torch.Tensor, seg_init: torch.Tensor | None,
-                    scale: float, num_segments: int, per_segment: int, store: bool = True
+                    scale: float, num_segments: int, per_segment: int, store: bool = True,
+                    layout: VarlenLayout | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Reverse walk of every segment from the gradient of the state leaving it.
 
     Args:
         seg_init: ``[B*HV, NS, K, V]`` fp32 gradient of the state leaving each segment, or None
-            for zero.
+            for zero (varlen ``layout``: ``[NS, HV, K, V]``).
         store: keep the per-chunk state gradients and dv_new (else only the segment starts).
 
     Returns:
         ``(dhs [B, NT, HV, K, V] or None, dv2 [B, T, HV, V] or None,
-        dh_start [B*HV, NS, K, V] fp32)``.
+        dh_start [B*HV, NS, K, V] fp32)`` (varlen: dh_start ``[NS, HV, K, V]``).
     """
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = do.shape[2], do.shape[3]
-    num_chunks = triton.cdiv(seq_len, CHUNK)
+    num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
     bv = _block(key_dim, value_dim)
     bh = batch * num_value_heads
-    dh_start = torch.empty(bh, num_segments, key_dim, value_dim, device=kn.device,
-                           dtype=torch.float32)
+    dh_start = torch.empty(*_rows(bh, num_segments, layout), key_dim, value_dim,
+                           device=kn.device, dtype=torch.float32)
+    chunks, segs, _ = _tables(layout, dh_start)
     dhs = dv2 = None
     if store:
         dhs = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim,
@@ -203,23 +255,27 @@ def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: 
                           dtype=kn.dtype)
     bwd_scan_kernel[(value_dim // bv, num_segments, bh)](
         qn, kn, w, gamma, do, dv_local, seg_init if seg_init is not None else dh_start,
-        dhs if store else dh_start, dv2 if store else dh_start, dh_start, scale, seq_len,
-        num_chunks, per_segment, num_segments, H=heads, HV=num_value_heads, K=key_dim,
+        dhs if store else dh_start, dv2 if store else dh_start, dh_start, chunks, segs, scale,
+        seq_len, num_chunks, per_segment, num_segments, H=heads, HV=num_value_heads, K=key_dim,
         V=value_dim, BT=CHUNK, BV=bv, HAS_INIT=seg_init is not None, STORE=store,
+        VARLEN=layout is not None,
     )
     return dhs, dv2, dh_start
 
 
 def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.Tensor,
-             scale: float) -> torch.Tensor:
+             scale: float, chunks: torch.Tensor | None = None) -> torch.Tensor:
     """``scale (Q K^T * Gamma)^T dO`` per chunk: ``[B, T, HV, V]`` in dO's dtype (the reverse
-    scan adds it to ``Ktail dh`` in fp32 and rounds the sum to that dtype anyway)."""
+    scan adds it to ``Ktail dh`` in fp32 and rounds the sum to that dtype anyway); ``chunks``:
+    the varlen chunk table or None."""
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = do.shape[2], do.shape[3]
     out = torch.empty_like(do)
-    dv_local_kernel[(triton.cdiv(seq_len, CHUNK), batch * num_value_heads)](
-        qn, kn, gamma, do, out, scale, seq_len, H=heads, HV=num_value_heads, K=key_dim,
-        V=value_dim, BT=CHUNK, BV=_block(key_dim, value_dim),
+    num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
+    dv_local_kernel[(num_chunks, batch * num_value_heads)](
+        qn, kn, gamma, do, out, chunks if chunks is not None else out, scale, seq_len, H=heads,
+        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=_block(key_dim, value_dim),
+        VARLEN=chunks is not None,
     )
     return out
 
@@ -227,11 +283,28 @@ def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.
 @dataclass(frozen=True)
 class ScanMeta:
     """What one forward decided and its backward reuses: the query scale and the segment
-    layout (``num_segments`` segments of ``per_segment`` chunks, the last possibly shorter)."""
+    layout (``num_segments`` segments of ``per_segment`` chunks, the last possibly shorter;
+    with ``varlen``, the tables of varlen.py instead and ``per_segment`` unused)."""
 
     scale: float
     num_segments: int
     per_segment: int
+    varlen: VarlenLayout | None = None
+
+    @property
+    def chained(self) -> bool:
+        """The scans need the segment summaries and the chain (more than one segment in a
+        sequence)."""
+        return self.num_segments > 1 if self.varlen is None else not self.varlen.single
+
+
+def _entering(flat: torch.Tensor | None, bh: int, layout: VarlenLayout | None
+              ) -> torch.Tensor | None:
+    """A per-sequence state (``[BH, K, V]`` dense, ``[N * HV, K, V]`` varlen) as the value
+    entering (or leaving) the scan's one segment per sequence."""
+    if flat is None:
+        return None
+    return flat.reshape(bh, 1, *flat.shape[1:]) if layout is None else flat
 
 
 def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
@@ -248,7 +321,8 @@ def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
 
 def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, h0: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
-                num_segments: int | None, link: StateLink | None = None
+                num_segments: int | None, link: StateLink | None = None,
+                cu_seqlens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...],
                            "ScanMeta"]:
     """The forward kernels (module docstring) without autograd.
@@ -257,48 +331,75 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, beta ``[B, T, HV]`` contiguous, one of
         bf16/fp16/fp32; g ``[B, T, HV]`` fp32; h0 ``[B, HV, K, V]`` fp32 or None (with a
         ``link``, the link's entering state is used instead).
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B = 1; no ``link``);
+            h0 and the final state are then ``[N, HV, K, V]``.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final [B, HV, K, V] fp32, saved tensors, meta)``:
         what :func:`gdn_backward` needs (``saved`` may hold None).
     """
-    prep = prepare(q, k, v, g, beta, use_qk_l2norm)
+    layout = None
+    if cu_seqlens is not None:
+        layout = _varlen(q, v, num_segments, link, cu_seqlens)
+    prep = prepare(q, k, v, g, beta, use_qk_l2norm, None if layout is None else layout.chunks)
     kn, w, u, gamma = prep["kn"], prep["w"], prep["u"], prep["gamma"]
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     bh = batch * num_value_heads
-    num_chunks = triton.cdiv(seq_len, CHUNK)
-    ns, per_segment = _layout(kn, u, num_segments, link.min_segments if link else 1)
+    if layout is None:
+        num_chunks = triton.cdiv(seq_len, CHUNK)
+        ns, per_segment = _layout(kn, u, num_segments, link.min_segments if link else 1)
+    else:
+        num_chunks, ns, per_segment = layout.num_chunks, layout.num_segments, 0
+    meta = ScanMeta(scale, ns, per_segment, layout)
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps
-    if ns > 1 or wants_maps:
-        m_seg, s_seg = segment_summaries(kn, w, u, gamma, ns, per_segment)
+    if meta.chained or wants_maps:
+        m_seg, s_seg = segment_summaries(kn, w, u, gamma, ns, per_segment, layout)
     if link is not None:
         if wants_maps:
             link.segment_maps(m_seg, s_seg)
         h0 = link.entering_state()
-    h0_flat = None if h0 is None else h0.reshape(bh, key_dim, value_dim)
-    if ns > 1:
-        final_flat, seg_init = chain(m_seg, s_seg, h0_flat, store_segments=True)
+    h0_flat = None if h0 is None else h0.reshape(-1, key_dim, value_dim)
+    if meta.chained:
+        final_flat, seg_init = chain(m_seg, s_seg, h0_flat, store_segments=True, layout=layout)
         if link is not None:
             link.leaving_state(final_flat.reshape(batch, num_value_heads, key_dim, value_dim))
     else:
-        seg_init = None if h0_flat is None else h0_flat.reshape(bh, 1, key_dim, value_dim)
+        seg_init = _entering(h0_flat, bh, layout)
     del s_seg
-    states, v_new, h_end = state_scan(kn, w, u, gamma, seg_init, ns, per_segment)
-    final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)
+    states, v_new, h_end = state_scan(kn, w, u, gamma, seg_init, ns, per_segment, layout)
+    if layout is None:
+        final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)
+    else:
+        final = (h_end if layout.single else final_flat).reshape(-1, num_value_heads, key_dim,
+                                                                   value_dim)
     if link is not None and ns == 1:
         link.leaving_state(final)
     o = torch.empty_like(v)
     bv = _block(key_dim, value_dim)
     output_kernel[(value_dim // bv, num_chunks, bh)](
-        prep["qn"], kn, gamma, states, v_new, o, scale, seq_len, num_chunks, H=heads,
-        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
+        prep["qn"], kn, gamma, states, v_new, o, o if layout is None else layout.chunks, scale,
+        seq_len, num_chunks, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
+        BV=bv, VARLEN=layout is not None,
     )
     saved = (q, k, v, g, beta, prep["qn"], kn, prep["q_rstd"], prep["k_rstd"], gamma,
              prep["ainv"], w, u, seg_init, m_seg, states, v_new)
-    meta = ScanMeta(scale, ns, per_segment)
     return o, final, saved, meta
+
+
+def _varlen(q: torch.Tensor, v: torch.Tensor, num_segments: int | None,
+            link: StateLink | None, cu_seqlens: torch.Tensor) -> VarlenLayout:
+    """The varlen tables of a call, after its two rules (B = 1, no state link)."""
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs the sequences packed into batch 1, got B={q.shape[0]}")
+    if link is not None:
+        raise NotImplementedError("cu_seqlens with a context-parallel state link is not "
+                                  "supported by the Triton kernels (one sequence per rank chain)")
+    key_dim, value_heads, value_dim = q.shape[3], v.shape[2], v.shape[3]
+    return varlen_layout(cu_seqlens, q.shape[1], value_heads * (value_dim // _block(key_dim,
+                                                                                     value_dim)),
+                         q.device, num_segments)
 
 
 def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: torch.Tensor,
@@ -309,44 +410,45 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
 
     Args:
         do: ``[B, T, HV, V]``; dht: ``[B, HV, K, V]`` gradient of the final state or None
-            (zeros; with a ``link``, the link's leaving-state gradient is used instead).
+            (zeros; with a ``link``, the link's leaving-state gradient is used instead);
+            ``[N, HV, K, V]`` after a varlen forward.
 
     Returns:
         ``(dq, dk, dv, dg fp32, dbeta, dh0 [B, HV, K, V] fp32)``; dh0 is the gradient of the
-        entering state (zeros-start included).
+        entering state (zeros-start included; ``[N, HV, K, V]`` after a varlen forward).
     """
     (q, k, v, g, beta, qn, kn, q_rstd, k_rstd, gamma, ainv, w, u, seg_init, m_seg, states,
      v_new) = saved
-    scale, ns, per_segment = meta.scale, meta.num_segments, meta.per_segment
+    scale, ns, per_segment, layout = meta.scale, meta.num_segments, meta.per_segment, meta.varlen
+    chunks = None if layout is None else layout.chunks
     do = do.contiguous()
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     bh = batch * num_value_heads
-    num_chunks = triton.cdiv(seq_len, CHUNK)
-    dvl = dv_local(qn, kn, gamma, do, scale)
+    num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
+    dvl = dv_local(qn, kn, gamma, do, scale, chunks)
     local = None
     wants_maps = link is not None and link.wants_segment_maps
-    if ns > 1 or wants_maps:
+    if meta.chained or wants_maps:
         _, _, local = state_grad_scan(qn, kn, w, gamma, do, dvl, None, scale, ns,
-                                      per_segment, store=False)
+                                      per_segment, store=False, layout=layout)
     if link is not None:
         if wants_maps:
             assert m_seg is not None, "the forward ran without the link's segment maps"
             link.segment_state_grads(m_seg, local)
         dht = link.leaving_state_grad()
     dht_flat = (None if dht is None
-                else dht.to(torch.float32).reshape(bh, key_dim, value_dim).contiguous())
-    if ns > 1:
-        dh_in, dh_seg = chain(m_seg, local, dht_flat, reverse=True, store_segments=True)
+                else dht.to(torch.float32).reshape(-1, key_dim, value_dim).contiguous())
+    if meta.chained:
+        dh_in, dh_seg = chain(m_seg, local, dht_flat, reverse=True, store_segments=True,
+                              layout=layout)
         if link is not None:
             link.entering_state_grad(dh_in.reshape(batch, num_value_heads, key_dim, value_dim))
-    elif dht_flat is None:
-        dh_seg = None
     else:
-        dh_seg = dht_flat.reshape(bh, 1, key_dim, value_dim)
+        dh_seg = _entering(dht_flat, bh, layout)
     del local
     dhs, dv2, dh_start = state_grad_scan(qn, kn, w, gamma, do, dvl, dh_seg, scale, ns,
-                                         per_segment)
+                                         per_segment, layout=layout)
     if link is not None and ns == 1:
         link.entering_state_grad(dh_start[:, 0].reshape(batch, num_value_heads, key_dim,
                                                         value_dim))
@@ -360,9 +462,10 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     dw = torch.empty_like(w)
     dg_part = torch.empty(slots, batch, seq_len, num_value_heads, **f32)
     dqkwg_kernel[(key_dim // bk, num_chunks, bh)](
-        qn, kn, gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part, scale, seq_len,
-        num_chunks, batch, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
-        BK=bk, BV=bv,
+        qn, kn, gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part,
+        chunks if chunks is not None else dw, scale, seq_len, num_chunks, batch, H=heads,
+        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
+        VARLEN=chunks is not None,
     )
     del states, dhs, v_new
     dv = torch.empty_like(v)
@@ -373,29 +476,35 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     dk = torch.empty_like(k) if norm_out else dk_v
     wy_kkt_bwd_kernel[(num_chunks, bh)](
         kn, v, beta, g, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg, k,
-        k_rstd if norm_out else dbeta, dk, seq_len, batch, H=heads, HV=num_value_heads,
-        K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv, SLOTS=slots, NORM_OUT=norm_out,
+        k_rstd if norm_out else dbeta, dk, chunks if chunks is not None else dg, seq_len, batch,
+        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
+        SLOTS=slots, NORM_OUT=norm_out, VARLEN=chunks is not None,
     )
     dq = l2norm_group_backward(q, q_rstd, dq_v)
     if not norm_out:
         dk = l2norm_group_backward(k, k_rstd, dk_v)
-    dh0 = dh_start[:, 0].reshape(batch, num_value_heads, key_dim, value_dim)
+    if layout is None:
+        dh0 = dh_start[:, 0].reshape(batch, num_value_heads, key_dim, value_dim)
+    else:
+        dh0 = (dh_start if layout.single else dh_in).reshape(-1, num_value_heads, key_dim,
+                                                              value_dim)
     return dq, dk, dv, dg, dbeta, dh0
 
 
 class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """``apply(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, num_segments)`` returns
-    ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``."""
+    """``apply(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, num_segments,
+    cu_seqlens)`` returns ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``
+    (``[N, HV, K, V]`` with ``cu_seqlens``)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
-                use_qk_l2norm: bool, num_segments: int | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                use_qk_l2norm: bool, num_segments: int | None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
         o, final, saved, meta = gdn_forward(q, k, v, g, beta, h0, scale, use_qk_l2norm,
-                                            num_segments)
+                                            num_segments, cu_seqlens=cu_seqlens)
         ctx.save_for_backward(*saved)
         ctx.meta = meta
         ctx.has_initial_state = initial_state is not None
@@ -408,13 +517,14 @@ class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
                  ) -> tuple[torch.Tensor | None, ...]:
         dq, dk, dv, dg, dbeta, dh0 = gdn_backward(ctx.saved_tensors, ctx.meta, do, dht)
         dh0 = dh0.to(ctx.state_dtype) if ctx.has_initial_state else None
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
 
 
 def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   g: torch.Tensor, beta: torch.Tensor, scale: float,
                                   initial_state: torch.Tensor | None = None,
-                                  use_qk_l2norm: bool = True, num_segments: int | None = None
+                                  use_qk_l2norm: bool = True, num_segments: int | None = None,
+                                  cu_seqlens: torch.Tensor | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton chunked gated delta rule (inputs are not validated here: use
     ``chunk_gated_delta_rule(..., backend="triton")``).
@@ -422,10 +532,15 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; beta: ``[B, T, HV]``, all one of
             bf16/fp16/fp32; g: ``[B, T, HV]`` fp32; initial_state ``[B, HV, K, V]`` fp32.
-        num_segments: segments of the parallel state scan (None: chosen from the machine).
+        num_segments: segments of the parallel state scan (None: chosen from the machine);
+            with ``cu_seqlens``, the segments of the longest sequence.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of N sequences packed in ``B = 1``
+            (0 first, T last, never decreasing; empty sequences allowed): the state restarts
+            at every offset, initial_state and the final state are ``[N, HV, K, V]``.
 
     Returns:
-        ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``, differentiable.
+        ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``, differentiable
+        (final_state ``[N, HV, K, V]`` with ``cu_seqlens``).
     """
     return TritonChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, scale,
-                                                   use_qk_l2norm, num_segments)
+                                                   use_qk_l2norm, num_segments, cu_seqlens)

@@ -1,6 +1,7 @@
 """Output kernel: ``o = scale (diag(exp(gamma)) Q h_n + (Q K^T * Gamma) v_new)`` per chunk.
 
-Grid ``(V / BV, NT, B * HV)``; reads q, k (key head), the chunk's entering state and residuals
+Grid ``(V / BV, NT, B * HV)`` (``VARLEN``: chunk ``i_n`` spans the tokens of the chunk table,
+common.chunk_span); reads q, k (key head), the chunk's entering state and residuals
 from the state scan; writes o in v's dtype.
 """
 
@@ -9,22 +10,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, mm
+from .common import autotune_configs, chunk_span, mm
 
 __all__ = ["output_kernel"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit
-def output_kernel(q, k, gamma, states, v_new, o, scale, T, NT, H: tl.constexpr,
+def output_kernel(q, k, gamma, states, v_new, o, chunks, scale, T, NT, H: tl.constexpr,
                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BV: tl.constexpr):
+                  BV: tl.constexpr, VARLEN: tl.constexpr):
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
+    t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
     o_i = tl.arange(0, BT)
-    o_t = i_n * BT + o_i
-    m_t = o_t < T
+    o_t = t0 + o_i
+    m_t = o_t < eos
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     DT = k.dtype.element_ty
@@ -32,8 +34,8 @@ def output_kernel(q, k, gamma, states, v_new, o, scale, T, NT, H: tl.constexpr,
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
-    # padded tokens (t >= T) take the last token's gamma: no exponent is positive
-    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, T - 1)) * HV + i_hv)
+    # padded tokens (t >= eos) take the last token's gamma: no exponent is positive
+    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
     base = ((i_b * NT + i_n) * HV + i_hv).to(tl.int64) * (K * V)
     b_h = tl.load(states + base + o_k[:, None] * V + o_v[None, :])
     b_o = mm(b_q, b_h) * tl.exp(b_gam)[:, None]

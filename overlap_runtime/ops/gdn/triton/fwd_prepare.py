@@ -16,6 +16,8 @@ and the six blocks below them by block forward substitution
 ``Ainv_ij = -Ainv_ii sum_{j <= m < i} A_im Ainv_mj``, all in fp32 (block products in 3xTF32 on
 NVIDIA: ``ieee`` fp32 products run on the CUDA cores, not the tensor cores).
 ``wy_fwd_kernel`` (grid ``(NT, B * HV)``) forms u and w from Ainv with tensor-core products.
+With ``VARLEN`` chunk ``i_n`` is the chunk table's (common.chunk_span): it starts anywhere and
+its rows end at its sequence's end.
 """
 
 from __future__ import annotations
@@ -24,18 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, autotune_configs, gate_floor, mm, mm_f32x3
+from .common import CHUNK, autotune_configs, chunk_span, gate_floor, mm, mm_f32x3
 
 __all__ = ["kkt_solve", "wy_forward"]
 
 
 @triton.jit
-def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, H: tl.constexpr, HV: tl.constexpr,
+def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, eos, H: tl.constexpr, HV: tl.constexpr,
                K: tl.constexpr):
     """Rows ``row0 .. row0 + 15``: keys ``[16, K]`` (storage dtype), g (floored, common.py)
-    and beta ``[16]`` fp32."""
+    and beta ``[16]`` fp32; rows ``>= eos`` read as zeros."""
     o_t = row0 + tl.arange(0, 16)
-    m_t = o_t < T
+    m_t = o_t < eos
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + tl.arange(0, K)[None, :],
                   mask=m_t[:, None], other=0.0)
     b_g = gate_floor(tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32))
@@ -70,30 +72,31 @@ def _unit_lower_inverse(a):
 
 
 @triton.jit
-def _store_block(ainv, x, i_b, i_hv, row0, col0, T, HV: tl.constexpr, BT: tl.constexpr):
+def _store_block(ainv, x, i_b, i_hv, row0, col0, T, eos, HV: tl.constexpr, BT: tl.constexpr):
     o_t = row0 + tl.arange(0, 16)
     tl.store(ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + col0 + tl.arange(0, 16)[None, :],
-             x, mask=(o_t < T)[:, None])
+             x, mask=(o_t < eos)[:, None])
 
 
 @triton.jit
-def _store_gamma(gamma, c, i_b, i_hv, row0, T, HV: tl.constexpr):
+def _store_gamma(gamma, c, i_b, i_hv, row0, T, eos, HV: tl.constexpr):
     o_t = row0 + tl.arange(0, 16)
-    tl.store(gamma + (i_b * T + o_t) * HV + i_hv, c, mask=o_t < T)
+    tl.store(gamma + (i_b * T + o_t) * HV + i_hv, c, mask=o_t < eos)
 
 
-@triton.autotune(configs=autotune_configs(((1, 1), (2, 1), (4, 1), (2, 2))), key=["K"])
+@triton.autotune(configs=autotune_configs(((1, 1), (2, 1), (4, 1), (2, 2))),
+                 key=["K", "VARLEN"])
 @triton.jit
-def kkt_solve_kernel(k, g, beta, gamma, ainv, T, H: tl.constexpr, HV: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr):
+def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    t0 = i_n * BT
-    k0, g0, b0 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0, T, H, HV, K)
-    k1, g1, b1 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 16, T, H, HV, K)
-    k2, g2, b2 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 32, T, H, HV, K)
-    k3, g3, b3 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 48, T, H, HV, K)
+    t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
+    k0, g0, b0 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0, T, eos, H, HV, K)
+    k1, g1, b1 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 16, T, eos, H, HV, K)
+    k2, g2, b2 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 32, T, eos, H, HV, K)
+    k3, g3, b3 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 48, T, eos, H, HV, K)
     # chunk-local cumsum of the (floored) gate, block by block; the offsets of the earlier
     # blocks are summed as scalars and added once (one rounding per token, shared by a block)
     s0, s1, s2 = tl.sum(g0, axis=0), tl.sum(g1, axis=0), tl.sum(g2, axis=0)
@@ -101,10 +104,10 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, T, H: tl.constexpr, HV: tl.constex
     c1 = tl.cumsum(g1, axis=0) + s0
     c2 = tl.cumsum(g2, axis=0) + (s0 + s1)
     c3 = tl.cumsum(g3, axis=0) + (s0 + s1 + s2)
-    _store_gamma(gamma, c0, i_b, i_hv, t0, T, HV)
-    _store_gamma(gamma, c1, i_b, i_hv, t0 + 16, T, HV)
-    _store_gamma(gamma, c2, i_b, i_hv, t0 + 32, T, HV)
-    _store_gamma(gamma, c3, i_b, i_hv, t0 + 48, T, HV)
+    _store_gamma(gamma, c0, i_b, i_hv, t0, T, eos, HV)
+    _store_gamma(gamma, c1, i_b, i_hv, t0 + 16, T, eos, HV)
+    _store_gamma(gamma, c2, i_b, i_hv, t0 + 32, T, eos, HV)
+    _store_gamma(gamma, c3, i_b, i_hv, t0 + 48, T, eos, HV)
 
     a00 = _kkt_block(k0, k0, c0, c0, b0, True)
     a11 = _kkt_block(k1, k1, c1, c1, b1, True)
@@ -129,34 +132,35 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, T, H: tl.constexpr, HV: tl.constex
     t30 = -mm_f32x3(t33, mm_f32x3(a30, t00) + mm_f32x3(a31, t10) + mm_f32x3(a32, t20))
 
     zero = tl.zeros([16, 16], dtype=tl.float32)
-    _store_block(ainv, t00, i_b, i_hv, t0, 0, T, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0, 16, T, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0, 32, T, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0, 48, T, HV, BT)
-    _store_block(ainv, t10, i_b, i_hv, t0 + 16, 0, T, HV, BT)
-    _store_block(ainv, t11, i_b, i_hv, t0 + 16, 16, T, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0 + 16, 32, T, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0 + 16, 48, T, HV, BT)
-    _store_block(ainv, t20, i_b, i_hv, t0 + 32, 0, T, HV, BT)
-    _store_block(ainv, t21, i_b, i_hv, t0 + 32, 16, T, HV, BT)
-    _store_block(ainv, t22, i_b, i_hv, t0 + 32, 32, T, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0 + 32, 48, T, HV, BT)
-    _store_block(ainv, t30, i_b, i_hv, t0 + 48, 0, T, HV, BT)
-    _store_block(ainv, t31, i_b, i_hv, t0 + 48, 16, T, HV, BT)
-    _store_block(ainv, t32, i_b, i_hv, t0 + 48, 32, T, HV, BT)
-    _store_block(ainv, t33, i_b, i_hv, t0 + 48, 48, T, HV, BT)
+    _store_block(ainv, t00, i_b, i_hv, t0, 0, T, eos, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0, 16, T, eos, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0, 32, T, eos, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0, 48, T, eos, HV, BT)
+    _store_block(ainv, t10, i_b, i_hv, t0 + 16, 0, T, eos, HV, BT)
+    _store_block(ainv, t11, i_b, i_hv, t0 + 16, 16, T, eos, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0 + 16, 32, T, eos, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0 + 16, 48, T, eos, HV, BT)
+    _store_block(ainv, t20, i_b, i_hv, t0 + 32, 0, T, eos, HV, BT)
+    _store_block(ainv, t21, i_b, i_hv, t0 + 32, 16, T, eos, HV, BT)
+    _store_block(ainv, t22, i_b, i_hv, t0 + 32, 32, T, eos, HV, BT)
+    _store_block(ainv, zero, i_b, i_hv, t0 + 32, 48, T, eos, HV, BT)
+    _store_block(ainv, t30, i_b, i_hv, t0 + 48, 0, T, eos, HV, BT)
+    _store_block(ainv, t31, i_b, i_hv, t0 + 48, 16, T, eos, HV, BT)
+    _store_block(ainv, t32, i_b, i_hv, t0 + 48, 32, T, eos, HV, BT)
+    _store_block(ainv, t33, i_b, i_hv, t0 + 48, 48, T, eos, HV, BT)
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit
-def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, T, H: tl.constexpr, HV: tl.constexpr,
+def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, chunks, T, H: tl.constexpr, HV: tl.constexpr,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr):
+                  BV: tl.constexpr, VARLEN: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    o_t = i_n * BT + tl.arange(0, BT)
-    m_t = o_t < T
+    t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < eos
     b_a = tl.load(ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + tl.arange(0, BT)[None, :],
                   mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
@@ -177,38 +181,45 @@ def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, T, H: tl.constexpr, HV: tl.cons
                  b_w.to(w.dtype.element_ty), mask=m_t[:, None])
 
 
-def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_heads: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_heads: int,
+              chunks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate cumsum and WY inverse.
 
     Args:
         k: ``[B, T, H, K]`` keys (l2-normed if asked), bf16/fp16/fp32.
         g: ``[B, T, HV]`` fp32 log decay (any value <= 0, -inf included); beta: ``[B, T, HV]``.
+        chunks: the varlen chunk table ``[NT, 2]`` int32 (varlen.py; B = 1), or None (dense
+            chunks of 64 from token 0).
 
     Returns:
         ``(gamma [B, T, HV] fp32, ainv [B, T, HV, 64] fp32)``; gamma is the in-chunk cumsum of
         the gates floored at ``-GATE_FLOOR`` (common.py).
     """
     batch, seq_len, heads, key_dim = k.shape
-    num_chunks = triton.cdiv(seq_len, CHUNK)
+    num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     gamma = torch.empty(batch, seq_len, num_value_heads, device=k.device, dtype=torch.float32)
     ainv = torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device,
                        dtype=torch.float32)
     kkt_solve_kernel[(num_chunks, batch * num_value_heads)](
-        k, g, beta, gamma, ainv, seq_len, H=heads, HV=num_value_heads, K=key_dim, BT=CHUNK,
+        k, g, beta, gamma, ainv, chunks if chunks is not None else gamma, seq_len, H=heads,
+        HV=num_value_heads, K=key_dim, BT=CHUNK, VARLEN=chunks is not None,
     )
     return gamma, ainv
 
 
 def wy_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor,
-               ainv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """WY factors ``(w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's dtype)``."""
+               ainv: torch.Tensor, chunks: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """WY factors ``(w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's dtype)``; ``chunks``
+    as :func:`kkt_solve`."""
     batch, seq_len, heads, key_dim = k.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     w = torch.empty(batch, seq_len, num_value_heads, key_dim, device=k.device, dtype=k.dtype)
     u = torch.empty_like(v)
-    wy_fwd_kernel[(triton.cdiv(seq_len, CHUNK), batch * num_value_heads)](
-        k, v, beta, gamma, ainv, w, u, seq_len, H=heads, HV=num_value_heads, K=key_dim,
-        V=value_dim, BT=CHUNK, BK=min(64, key_dim), BV=min(64, value_dim),
+    num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
+    wy_fwd_kernel[(num_chunks, batch * num_value_heads)](
+        k, v, beta, gamma, ainv, w, u, chunks if chunks is not None else gamma, seq_len,
+        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=min(64, key_dim),
+        BV=min(64, value_dim), VARLEN=chunks is not None,
     )
     return w, u
