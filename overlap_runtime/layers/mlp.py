@@ -3,15 +3,59 @@
 Token-wise (a token's output reads only that token), so it runs unchanged on a context-parallel
 sequence shard. The choice between SwiGLU and a mixture of experts is the model's
 (``models.mlp.build_mlp``), not this floor's.
+
+Activation memory (issue #29 item 5, ``benchmarks/activation_memory.py``): written as three
+modules and two elementwise ops, autograd keeps four ``[.., intermediate]`` tensors per layer -
+``gate(x)``, ``up(x)``, ``silu(gate(x))`` and the product (``down``'s input) - the largest share
+of the hybrid's saved activations (1.6 GB per layer at 32K tokens, intermediate 6144, bf16).
+:class:`SwiGLUDownFunction` keeps only ``gate(x)`` and ``up(x)`` and recomputes the other two in
+backward (one elementwise pass over ``[.., intermediate]``, bandwidth-bound and small next to
+the three GEMMs); every operation and rounding is the eager one's (``aten.silu_backward``, the
+products in the input dtype), so forward and gradients are bit-identical to it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SwiGLU"]
+__all__ = ["SwiGLU", "SwiGLUDownFunction", "swiglu_down"]
+
+
+class SwiGLUDownFunction(torch.autograd.Function):
+    """``F.linear(silu(g) * u, weight)`` saving only ``g``, ``u`` (and ``weight``) for backward.
+
+    ``g``, ``u``: ``[..., I]``; ``weight``: ``[hidden, I]``; all one float dtype. Returns
+    ``[..., hidden]`` in that dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.save_for_backward(g, u, weight)
+        return F.linear(F.silu(g) * u, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        g, u, weight = ctx.saved_tensors
+        act = F.silu(g)                                    # recomputed, as the forward rounds it
+        d_h = grad @ weight                                # [..., I]
+        d_weight = None
+        if ctx.needs_input_grad[2]:
+            h = act * u
+            d_weight = grad.reshape(-1, grad.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+        d_u = d_h * act if ctx.needs_input_grad[1] else None
+        d_g = (torch.ops.aten.silu_backward(d_h * u, g) if ctx.needs_input_grad[0] else None)
+        return d_g, d_u, d_weight
+
+
+def swiglu_down(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``down(silu(g) * u)`` with the lean saved set of :class:`SwiGLUDownFunction`."""
+    return SwiGLUDownFunction.apply(g, u, weight)
 
 
 class SwiGLU(nn.Module):
@@ -20,6 +64,8 @@ class SwiGLU(nn.Module):
     Args:
         hidden_size: model width.
         intermediate_size: width of the gated hidden layer.
+
+    Backward keeps ``gate(x)`` and ``up(x)`` only (module docstring).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
@@ -29,4 +75,6 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.down_proj.bias is not None:  # never built with one; a swapped-in Linear might
+            raise ValueError("SwiGLU.down_proj must have no bias (swiglu_down takes none)")
+        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)

@@ -1,13 +1,97 @@
 """Norms of the Qwen3.5-style layers: RMSNorm (pre-norms, final norm, q/k head norms) and the
-Gated DeltaNet output norm RMSNormGated."""
+Gated DeltaNet output norm RMSNormGated.
+
+Activation memory (issue #29 item 5, ``benchmarks/activation_memory.py``): written as plain
+tensor ops in fp32, autograd keeps fp32 copies of the input (the cast, the normalised product,
+and for the gated norm the fp32 gate and its SiLU): 4-5 fp32 ``[..., D]`` tensors per norm where
+a bf16 model needs its bf16 input alone. Eagerly both norms therefore run as autograd Functions
+(:class:`RMSNormFunction`) that keep ``x`` (and ``gate``) in their own dtype plus the fp32
+``1/rms`` ``[..., 1]`` and recompute the rest in backward, in the same fp32 arithmetic. Under
+``torch.compile`` (``layers.compile``, ``train.compile``) the plain ops are traced instead: the
+compiler's partitioner already keeps only the inputs, and the fused kernels stay its own.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "RMSNormGated"]
+__all__ = ["RMSNorm", "RMSNormGated", "RMSNormFunction"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32, float64 stays float64
+
+
+def _rstd(xc: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * x / rms(x) [* silu(gate)]`` as plain ops in fp32 (float64 stays); x's dtype."""
+    compute = _compute_dtype(x.dtype)
+    xc = x.to(compute)
+    out = weight.to(compute) * (xc * _rstd(xc, eps))
+    if gate is not None:
+        out = out * F.silu(gate.to(compute))
+    return out.to(x.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``apply(x, weight, gate, eps)``: :func:`rms_norm_reference` keeping only x, gate (their
+    own dtype), weight and ``1/rms`` ``[..., 1]`` (fp32) for backward.
+
+    x, gate ``[..., D]`` (gate may be None), weight ``[D]``; returns ``[..., D]`` in x's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None,
+                eps: float) -> torch.Tensor:
+        compute = _compute_dtype(x.dtype)
+        xc = x.to(compute)
+        rstd = _rstd(xc, eps)
+        out = weight.to(compute) * (xc * rstd)
+        if gate is not None:
+            out = out * F.silu(gate.to(compute))
+        ctx.save_for_backward(x, weight, gate, rstd)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, gate, rstd = ctx.saved_tensors
+        compute = rstd.dtype
+        xc, dy = x.to(compute), grad.to(compute)
+        xhat = xc * rstd                                         # [..., D]
+        d_gate = None
+        if gate is not None:
+            gc = gate.to(compute)
+            sg = torch.sigmoid(gc)
+            silu = gc * sg
+            if ctx.needs_input_grad[2]:
+                d_silu = dy * weight.to(compute) * xhat
+                d_gate = (d_silu * sg * (1 + gc * (1 - sg))).to(gate.dtype)
+            dy = dy * silu
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = (dy * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            d_xhat = dy * weight.to(compute)
+            d_x = (rstd * (d_xhat - xhat * (d_xhat * xhat).mean(dim=-1, keepdim=True))
+                   ).to(x.dtype)
+        return d_x, d_weight, d_gate, None
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+          gate: torch.Tensor | None = None) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return rms_norm_reference(x, weight, eps, gate)
+    return RMSNormFunction.apply(x, weight, gate, eps)
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +102,8 @@ class RMSNorm(nn.Module):
         eps: added to the mean square.
 
     ``forward(x [..., dim] any float dtype) -> [..., dim]`` in x's dtype; the statistics are taken
-    in fp32 (float64 stays float64) so bf16 activations keep a stable normaliser.
+    in fp32 (float64 stays float64) so bf16 activations keep a stable normaliser. Backward keeps
+    x and the fp32 ``1/rms`` only (module docstring).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -27,11 +112,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        compute = torch.promote_types(dtype, torch.float32)
-        xc = x.to(compute)
-        xc = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (self.weight.to(compute) * xc).to(dtype)
+        return _norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -40,7 +121,8 @@ class RMSNorm(nn.Module):
 class RMSNormGated(nn.Module):
     """``weight * rmsnorm(x) * silu(gate)`` over the last dim, computed in fp32 (or float64).
 
-    x, gate: ``[..., D]`` any float dtype; returns x's dtype.
+    x, gate: ``[..., D]`` any float dtype; returns x's dtype. Backward keeps x, gate and the
+    fp32 ``1/rms`` only (module docstring).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -49,9 +131,4 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        compute = torch.promote_types(dtype, torch.float32)  # fp32, float64 stays float64
-        xc = x.to(compute)
-        xc = xc * torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        out = self.weight.to(compute) * xc * F.silu(gate.to(compute))
-        return out.to(dtype)
+        return _norm(x, self.weight, self.eps, gate)
