@@ -52,6 +52,7 @@ from torch import nn
 from overlap_runtime.layers.elementwise import causal_conv_silu, gdn_gates
 from overlap_runtime.layers.norm import RMSNormGated
 from overlap_runtime.layers.sequence_mixer import GDNProjections, GDNSequenceMixer, LocalGDNMixer
+from overlap_runtime.ops.causal_conv.capability import MAX_KERNEL_SIZE
 from overlap_runtime.ops.causal_conv.function import causal_conv_silu_triton
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
@@ -113,6 +114,10 @@ class GatedDeltaNet(nn.Module):
                              "(no automatic choice)")
         if conv_kernel_size < 1:
             raise ValueError(f"conv_kernel_size={conv_kernel_size} must be >= 1")
+        if conv_backend == "triton" and conv_kernel_size > MAX_KERNEL_SIZE:
+            raise NotImplementedError(
+                f"conv_kernel_size={conv_kernel_size} with conv_backend='triton': the kernels "
+                f"take K <= {MAX_KERNEL_SIZE} (use conv_backend='torch')")
         self.hidden_size = hidden_size
         self.num_key_heads = num_key_heads
         self.num_value_heads = num_value_heads

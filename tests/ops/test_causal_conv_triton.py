@@ -94,6 +94,8 @@ def test_conv_backend_is_explicit_and_wired() -> None:
         GatedDeltaNet(32, 2, 4, 8, 8, conv_backend="auto")
     with pytest.raises(ValueError, match="conv_backend"):
         Qwen3_5Config(conv_backend="auto")
+    with pytest.raises(NotImplementedError, match="K <= 8"):
+        GatedDeltaNet(32, 2, 4, 8, 8, conv_kernel_size=9, conv_backend="triton")
     for backend, expected in (("torch", causal_conv_silu), ("triton", causal_conv_silu_triton)):
         model = Qwen3_5ForCausalLM(Qwen3_5Config(conv_backend=backend))
         layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
