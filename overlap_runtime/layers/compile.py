@@ -30,13 +30,16 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
     """Compile the elementwise pieces of ``model`` in place (module docstring); returns it.
 
     Every ``RMSNorm`` / ``RMSNormGated`` is compiled (``nn.Module.compile``); every
-    ``GatedDeltaNet`` calls the compiled ``causal_conv_silu_shifted`` and ``gdn_gates``. Call it
-    before FSDP2 wraps the model (as torchtitan does); the cores and collectives stay eager.
+    ``GatedDeltaNet`` calls the compiled ``gdn_gates`` and, with ``conv_backend="torch"``, the
+    compiled ``causal_conv_silu_shifted`` (``conv_backend="triton"`` keeps its Triton conv).
+    Call it before FSDP2 wraps the model (as torchtitan does); the cores and collectives stay
+    eager.
     """
     for module in model.modules():
         if isinstance(module, (RMSNorm, RMSNormGated)):
             module.compile()
         elif isinstance(module, GatedDeltaNet):
-            module.conv_fn = compiled(causal_conv_silu_shifted)
+            if module.conv_backend == "torch":
+                module.conv_fn = compiled(causal_conv_silu_shifted)
             module.gates_fn = compiled(gdn_gates)
     return model

@@ -12,8 +12,20 @@ compiled regions; it is what ``train.compile: true`` applies.
   the eager form); :func:`causal_conv_silu_shifted`: the same as a sum of ``K`` shifted
   products in the ``[B, T, C]`` layout, accumulated in fp32, which the compiler fuses into one
   kernel (4.3 ms fwd+bwd at 32K x 8192 channels on an H200 vs 11.9 ms for cuDNN's depthwise
-  conv). The context-parallel halo conv (p2p, all_gather, prefix_scan) keeps ``F.conv1d``: under
+  conv). The third form is ``ops.causal_conv.causal_conv_silu_triton``, Triton kernels with the
+  same arguments (x ``[B, T, C]`` C innermost, bf16/fp16/fp32; weight ``[C, K]``, K <= 8;
+  ``left`` halo; dilation): forward one pass over x accumulated in fp32 and rounded once,
+  backward dx (SiLU derivative recomputed from x), dweight (fp32 per-program partial sums, one
+  deterministic reduction) and d_left. Which one a ``GatedDeltaNet`` uses is explicit:
+  ``conv_backend="torch"`` (``model.conv_backend``, the default) runs this module's
+  ``F.conv1d`` form eagerly and the compiled shifted sum under ``train.compile``; the
+  context-parallel halo conv (p2p, all_gather, prefix_scan) keeps ``F.conv1d`` then, so under
   ``train.compile`` with those modes the single-device and CP convs differ by bf16 rounding.
+  ``conv_backend="triton"`` runs the Triton kernels whatever ``train.compile`` says, and the CP
+  halo conv (``context_parallel.gdn.common``) runs the same kernels with the previous rank's
+  halo as ``left``: single-device and CP share the arithmetic. The packed-document CP conv
+  (``context_parallel.gdn.varlen``) stays in torch either way. Benchmark:
+  ``benchmarks/causal_conv.py``.
 - :func:`gdn_gates`: ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
 - ``RMSNorm`` / ``RMSNormGated`` modules: compiled in place (``nn.Module.compile``).
 """

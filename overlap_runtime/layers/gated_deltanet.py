@@ -52,9 +52,14 @@ from torch import nn
 from overlap_runtime.layers.elementwise import causal_conv_silu, gdn_gates
 from overlap_runtime.layers.norm import RMSNormGated
 from overlap_runtime.layers.sequence_mixer import GDNProjections, GDNSequenceMixer, LocalGDNMixer
+from overlap_runtime.ops.causal_conv.capability import MAX_KERNEL_SIZE
+from overlap_runtime.ops.causal_conv.function import causal_conv_silu_triton
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
-__all__ = ["GatedDeltaNet", "GDNProjections"]
+__all__ = ["CONV_BACKENDS", "GatedDeltaNet", "GDNProjections"]
+
+#: The causal conv's implementations (``GatedDeltaNet(conv_backend=...)``, ``model.conv_backend``).
+CONV_BACKENDS = ("torch", "triton")
 
 
 def _keep(mask: torch.Tensor) -> torch.Tensor:
@@ -75,6 +80,10 @@ class GatedDeltaNet(nn.Module):
         chunk_size: GDN chunk length (64).
         backend: GDN backend of the single-device mixer (``"eager"`` or ``"triton"``; a
             context-parallel mixer carries its own).
+        conv_backend: the causal conv + SiLU: ``"torch"`` (``F.conv1d``, or the compiled
+            shifted sum under ``layers.compile.compile_elementwise``) or ``"triton"`` (the
+            kernels of ``ops.causal_conv``, whatever ``train.compile`` says; the CP halo conv
+            uses them too). No automatic choice.
 
     Attributes:
         sequence_mixer: the conv + GDN strategy (``layers.sequence_mixer``), default
@@ -92,6 +101,7 @@ class GatedDeltaNet(nn.Module):
         norm_eps: float = 1e-6,
         chunk_size: int = 64,
         backend: str = "eager",
+        conv_backend: str = "torch",
     ) -> None:
         super().__init__()
         if num_value_heads % num_key_heads:
@@ -99,8 +109,15 @@ class GatedDeltaNet(nn.Module):
                 f"num_value_heads={num_value_heads} must be a multiple of "
                 f"num_key_heads={num_key_heads} (each key head serves a group of value heads)"
             )
+        if conv_backend not in CONV_BACKENDS:
+            raise ValueError(f"conv_backend={conv_backend!r} is not one of {CONV_BACKENDS} "
+                             "(no automatic choice)")
         if conv_kernel_size < 1:
             raise ValueError(f"conv_kernel_size={conv_kernel_size} must be >= 1")
+        if conv_backend == "triton" and conv_kernel_size > MAX_KERNEL_SIZE:
+            raise NotImplementedError(
+                f"conv_kernel_size={conv_kernel_size} with conv_backend='triton': the kernels "
+                f"take K <= {MAX_KERNEL_SIZE} (use conv_backend='torch')")
         self.hidden_size = hidden_size
         self.num_key_heads = num_key_heads
         self.num_value_heads = num_value_heads
@@ -112,6 +129,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel_size = conv_kernel_size
         self.chunk_size = chunk_size
         self.backend = backend
+        self.conv_backend = conv_backend
 
         self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
@@ -128,7 +146,8 @@ class GatedDeltaNet(nn.Module):
         self.sequence_mixer: GDNSequenceMixer = LocalGDNMixer()
         # the elementwise pieces: eager functions, or their compiled form
         # (layers.elementwise.compile_elementwise; configuration, the same for every call)
-        self.conv_fn: Callable[..., torch.Tensor] = causal_conv_silu
+        self.conv_fn: Callable[..., torch.Tensor] = (
+            causal_conv_silu if conv_backend == "torch" else causal_conv_silu_triton)
         self.gates_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gates
 
     # -- geometry --------------------------------------------------------------------------

@@ -78,6 +78,9 @@ class Qwen3_5Config(BaseModel):
     linear_conv_kernel_dim: int = Field(4, ge=1)
     gdn_chunk_size: int = Field(64, ge=1)
     gdn_backend: Literal["eager", "triton"] = "eager"
+    conv_backend: Literal["torch", "triton"] = Field(
+        "torch", description="GDN causal conv + SiLU: torch (F.conv1d, compiled shifted sum "
+        "under train.compile) or triton (ops.causal_conv, also in the CP halo conv)")
     # feed-forward
     mlp: Literal["swiglu", "moe"] = "swiglu"
     intermediate_size: int = Field(64, ge=1)
@@ -139,7 +142,7 @@ class Qwen3_5DecoderLayer(nn.Module):
                 config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
                 config.linear_key_head_dim, config.linear_value_head_dim,
                 config.linear_conv_kernel_dim, config.rms_norm_eps, config.gdn_chunk_size,
-                config.gdn_backend,
+                config.gdn_backend, config.conv_backend,
             )
         else:
             self.self_attn = Qwen3_5Attention(

@@ -31,12 +31,14 @@ from overlap_runtime.testing import rel_l2
 HIDDEN, KEY_HEADS, VALUE_HEADS, HEAD_DIM = 32, 2, 4, 8
 
 
-def make_module(seed: int = 0, value_heads: int = VALUE_HEADS, head_dim: int = HEAD_DIM
-                ) -> GatedDeltaNet:
+def make_module(seed: int = 0, value_heads: int = VALUE_HEADS, head_dim: int = HEAD_DIM,
+                conv_backend: str = "torch") -> GatedDeltaNet:
     """Tiny Qwen3.5-shaped layer (2 key heads, 4 value heads, head dim 8; the Triton tests use
-    16, the smallest the interpreter runs), fp32, eager backend (the reference)."""
+    16, the smallest the interpreter runs), fp32, eager backend (the reference). The same seed
+    gives the same parameters whatever ``conv_backend``."""
     torch.manual_seed(seed)
-    m = GatedDeltaNet(HIDDEN, KEY_HEADS, value_heads, head_dim, head_dim)
+    m = GatedDeltaNet(HIDDEN, KEY_HEADS, value_heads, head_dim, head_dim,
+                      conv_backend=conv_backend)
     with torch.no_grad():
         m.norm.weight.uniform_(0.5, 1.5)  # non-trivial, so its gradient means something
         # Slow decay (exp(g) ~ 0.97-0.9995 per token, Qwen's init decays ~100x faster): the
@@ -119,16 +121,19 @@ def _errors(got: tuple, ref: tuple) -> dict[str, float]:
 def compare_worker(rank: int, world: int, mode: str, batch: int, local_len: int,
                    iterations: int = 1, use_mask: bool = False,
                    use_checkpoint: bool = False, value_heads: int = VALUE_HEADS,
-                   backend: str = "eager", head_dim: int = HEAD_DIM) -> dict:
+                   backend: str = "eager", head_dim: int = HEAD_DIM,
+                   conv_backend: str = "torch") -> dict:
     """CP vs single process for ``iterations`` fresh inputs; returns the worst figure of each.
 
-    ``backend`` is the CP layer's local GDN backend; the reference is always the single-process
-    module on the eager backend.
+    ``backend`` / ``conv_backend`` are the CP layer's local GDN backend and causal conv; the
+    reference is always the single-process module on the eager backend with the torch conv.
     """
     mesh = init_device_mesh("cpu", (world,))
     ref_module = make_module(value_heads=value_heads, head_dim=head_dim)
-    cp_module = LinearAttentionContextParallel(mode=mode, backend=backend).apply(
-        copy.deepcopy(ref_module), mesh)
+    cp_source = (copy.deepcopy(ref_module) if conv_backend == "torch" else
+                 make_module(value_heads=value_heads, head_dim=head_dim,
+                             conv_backend=conv_backend))
+    cp_module = LinearAttentionContextParallel(mode=mode, backend=backend).apply(cp_source, mesh)
     seq_len = world * local_len
     worst: dict[str, float] = {}
     result: dict = {}

@@ -299,6 +299,63 @@ class _HaloCausalConv(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+class _HaloTritonConv(torch.autograd.Function):
+    """:class:`_HaloCausalConv` for ``conv_backend="triton"``: the same halo messages, and the
+    single-device Triton kernels (``ops.causal_conv``) with the received halo as ``left`` (rank
+    0: None, the causal padding), SiLU fused. Backward: the kernels' ``d_left`` goes back to the
+    previous rank and the next rank's halo gradient is added to the last ``halo`` rows of dx."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dilation: int, halo: int,
+                plan: GDNCPPlan) -> torch.Tensor:
+        from overlap_runtime.ops.causal_conv import (causal_conv_silu_forward,
+                                                     check_causal_conv_inputs)
+
+        # the kernels' rules before any message: the same shapes on every rank, so every rank
+        # raises here alike and no peer is left waiting
+        check_causal_conv_inputs(x, weight, None, dilation)
+        rank, world = plan.rank, plan.cp_size
+        recv = left = send = None
+        if rank > 0:
+            left = x.new_empty(x.shape[0], halo, x.shape[2])
+            recv = post_recv(left, rank - 1, plan, "gdn halo conv forward (halo)")
+        if rank < world - 1:
+            send = post_send(x[:, x.shape[1] - halo:].contiguous(), rank + 1, plan,
+                             "gdn halo conv forward (halo)")
+        if recv is not None:
+            recv.wait()
+        out = causal_conv_silu_forward(x, weight, left, dilation)
+        if send is not None:
+            send.wait()
+        ctx.save_for_backward(x, weight, left)
+        ctx.dilation, ctx.halo, ctx.plan = dilation, halo, plan
+        return out  # [B, T, C], SiLU applied
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from overlap_runtime.ops.causal_conv import causal_conv_silu_backward
+
+        x, weight, left = ctx.saved_tensors
+        plan: GDNCPPlan = ctx.plan
+        rank, world, halo = plan.rank, plan.cp_size, ctx.halo
+        grad_x, grad_w, grad_left = causal_conv_silu_backward(
+            grad_out, x, weight, left, ctx.dilation, need_weight=ctx.needs_input_grad[1],
+            need_left=left is not None)
+        send = recv = tail = None
+        if rank > 0:
+            send = post_send(grad_left, rank - 1, plan, "gdn halo conv backward (halo grad)")
+        if rank < world - 1:
+            tail = grad_x.new_empty(grad_x.shape[0], halo, grad_x.shape[2])
+            recv = post_recv(tail, rank + 1, plan, "gdn halo conv backward (halo grad)")
+        if recv is not None:
+            recv.wait()
+            grad_x[:, grad_x.shape[1] - halo:] += tail
+        if send is not None:
+            send.wait()
+        return grad_x, grad_w, None, None, None
+
+
 def check_state_passing_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               g: torch.Tensor, beta: torch.Tensor, plan: GDNCPPlan,
                               chunk_size: int, mode: str) -> None:
@@ -325,8 +382,9 @@ def halo_conv_qkv(
     """Causal conv of a sequence shard with the previous rank's halo, then split into q, k, v.
 
     Only the last ``conv_halo`` positions of each shard travel, to the next rank (point to
-    point, inside :class:`_HaloCausalConv`); rank 0 uses zeros, which equal the causal padding
-    of the unsplit conv. Backward returns the halo's gradient to the previous rank.
+    point, inside :class:`_HaloCausalConv`, or :class:`_HaloTritonConv` for the layer's
+    ``conv_backend="triton"``, the single-device kernels); rank 0 uses zeros, which equal the
+    causal padding of the unsplit conv. Backward returns the halo's gradient to the previous rank.
 
     Args:
         mixed_qkv: ``[B, T_local, conv_dim]`` projections before the conv.
@@ -338,6 +396,10 @@ def halo_conv_qkv(
     halo = layer.conv_halo
     if halo == 0 or plan.cp_size == 1:
         return layer.split_qkv(layer.causal_conv(mixed_qkv))
+    if layer.conv_backend == "triton":  # the single-device kernels, the same arithmetic
+        conv = _HaloTritonConv.apply(mixed_qkv, layer.conv1d.weight[:, 0, :],
+                                     layer.conv1d.dilation[0], halo, plan)
+        return layer.split_qkv(conv)
     pre = _HaloCausalConv.apply(mixed_qkv, layer.conv1d.weight, layer.conv1d.dilation[0],
                                 halo, plan)
     return layer.split_qkv(F.silu(pre).transpose(1, 2))

@@ -1,0 +1,97 @@
+"""Micro-benchmark of the GDN layer's causal depthwise conv + SiLU on one GPU (issue #29): the
+Triton kernels (``conv_backend="triton"``, ``ops.causal_conv``) against cuDNN's depthwise
+``F.conv1d`` (``layers.elementwise.causal_conv_silu``) and the compiled sum of shifted products
+(``causal_conv_silu_shifted`` under ``torch.compile``, what ``train.compile`` runs with
+``conv_backend="torch"``).
+
+    python benchmarks/causal_conv.py --tokens 8192 16384 32768 --channels 8192
+
+For each size: median ms of the forward and of forward + backward (``triton.testing.do_bench``),
+the memory floor (x read and y written once forward; x, dy read and dx written once more
+backward, at ``--hbm-tbps``) and the rel-L2 of y, dx and dweight against a float64 reference
+(``F.conv1d`` on the float64 inputs). Prints one markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from overlap_runtime.layers.elementwise import causal_conv_silu, causal_conv_silu_shifted  # noqa: E402
+from overlap_runtime.ops.causal_conv import causal_conv_silu_triton  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def measure(name: str, fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+            dy: torch.Tensor, ref: tuple[torch.Tensor, ...], dilation: int) -> dict:
+    """Time forward and forward + backward of ``fn``, and its errors against ``ref``."""
+    from triton.testing import do_bench
+
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def fwd() -> None:
+        with torch.no_grad():
+            fn(x, w, None, dilation)
+
+    def fwd_bwd() -> None:
+        y = fn(xg, wg, None, dilation)
+        torch.autograd.grad(y, (xg, wg), dy)
+
+    y = fn(xg, wg, None, dilation)
+    dx, dw = torch.autograd.grad(y, (xg, wg), dy)
+    errors = {"y": rel_l2(y, ref[0]), "dx": rel_l2(dx, ref[1]), "dw": rel_l2(dw, ref[2])}
+    return {"name": name, "fwd": do_bench(fwd, warmup=25, rep=200),
+            "fwd_bwd": do_bench(fwd_bwd, warmup=25, rep=200), **errors}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--channels", type=int, default=8192)
+    parser.add_argument("--kernel", type=int, default=4)
+    parser.add_argument("--dilation", type=int, default=1)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the floor")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/causal_conv.py needs a CUDA device")
+    dtype, dev = DTYPES[args.dtype], torch.device("cuda")
+    compiled_shifted = torch.compile(causal_conv_silu_shifted)
+    print(f"| tokens | C | impl | fwd ms | fwd+bwd ms | floor fwd / fwd+bwd ms | rel-L2 y | dx | dw |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for tokens in args.tokens:
+        gen = torch.Generator(device=dev).manual_seed(tokens)
+        x = torch.randn(1, tokens, args.channels, device=dev, dtype=dtype, generator=gen)
+        w = (torch.randn(args.channels, args.kernel, device=dev, generator=gen) * 0.5)
+        dy = torch.randn(1, tokens, args.channels, device=dev, dtype=dtype, generator=gen)
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        yd = causal_conv_silu(xd, wd, None, args.dilation)
+        ref = (yd.detach(), *torch.autograd.grad(yd, (xd, wd), dy.double()))
+        del xd, wd, yd
+        elem = x.numel() * x.element_size()
+        floor_fwd = 2 * elem / (args.hbm_tbps * 1e12) * 1e3
+        floor_all = 5 * elem / (args.hbm_tbps * 1e12) * 1e3
+        for name, fn in (("triton", causal_conv_silu_triton), ("F.conv1d (cuDNN)", causal_conv_silu),
+                         ("compiled shifted", compiled_shifted)):
+            r = measure(name, fn, x, w, dy, ref, args.dilation)
+            print(f"| {tokens} | {args.channels} | {name} | {r['fwd']:.3f} | {r['fwd_bwd']:.3f} | "
+                  f"{floor_fwd:.3f} / {floor_all:.3f} | {r['y']:.2e} | {r['dx']:.2e} | "
+                  f"{r['dw']:.2e} |", flush=True)
+        del ref
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

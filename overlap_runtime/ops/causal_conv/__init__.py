@@ -1,0 +1,37 @@
+"""Causal depthwise conv + SiLU of the GDN layer as Triton kernels (``conv_backend="triton"``).
+
+``causal_conv_silu_triton(x [B, T, C], weight [C, K], left [B, (K-1)*dilation, C] | None,
+dilation)`` has the semantics of ``layers.elementwise.causal_conv_silu``; the autograd Function
+returns the gradients of x, weight and the halo ``left`` (which context parallelism sends back to
+the previous rank). ``causal_conv_silu_forward`` / ``causal_conv_silu_backward`` are the same
+kernels without autograd, for an autograd Function that exchanges the halo itself
+(``context_parallel.gdn.common``). ``check_causal_conv_inputs`` holds the rules (no triton).
+
+Importing this package imports no triton: the names load their module on first use, and the
+kernels (``triton/kernels.py``) only at the first launch, so ``TRITON_INTERPRET`` can be set
+before.
+"""
+
+from __future__ import annotations
+
+from ..._lazy import lazy_exports
+
+__all__ = [
+    "CausalConvSiluFunction",
+    "MAX_KERNEL_SIZE",
+    "causal_conv_silu_backward",
+    "causal_conv_silu_forward",
+    "causal_conv_silu_triton",
+    "check_causal_conv_inputs",
+]
+
+_WHERE = {
+    "CausalConvSiluFunction": "function",
+    "causal_conv_silu_backward": "function",
+    "causal_conv_silu_forward": "function",
+    "causal_conv_silu_triton": "function",
+    "MAX_KERNEL_SIZE": "capability",
+    "check_causal_conv_inputs": "capability",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)

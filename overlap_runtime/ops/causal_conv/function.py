@@ -1,0 +1,156 @@
+"""The causal depthwise conv + SiLU as an autograd Function over the Triton kernels.
+
+:func:`causal_conv_silu_triton` is ``layers.elementwise.causal_conv_silu`` (same arguments,
+same result to fp32 rounding) for ``conv_backend="triton"``. Forward: one pass over x, y in x's
+dtype. Backward: dx (the SiLU derivative recomputed from x, nothing but the inputs saved),
+dweight (fp32 per-program partial sums over ``B * T``, one deterministic reduction, cast to the
+weight's dtype) and d_left (the halo's gradient, in left's dtype). Every sum accumulates in fp32
+and is rounded once. Launch sizes: ``BLOCK_T x BLOCK_C`` tiles, the backward walks
+``BACKWARD_ROWS`` rows per program (fewer partial sums to reduce).
+
+This module imports no triton; the kernels are imported at the first launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .capability import check_causal_conv_inputs
+
+__all__ = ["CausalConvSiluFunction", "causal_conv_silu_backward", "causal_conv_silu_forward",
+           "causal_conv_silu_triton"]
+
+BLOCK_T = 32
+BLOCK_C = 128
+BACKWARD_ROWS = 256
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _blocks(channels: int) -> int:
+    return min(BLOCK_C, max(16, _next_pow2(channels)))
+
+
+def causal_conv_silu_forward(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
+                             dilation: int) -> torch.Tensor:
+    """``SiLU(causal depthwise conv)`` without autograd: x ``[B, T, C]``, weight ``[C, K]``,
+    left ``[B, (K-1)*dilation, C]`` or None -> y ``[B, T, C]`` in x's dtype. Checks the inputs."""
+    from .triton.kernels import causal_conv_silu_fwd_kernel
+
+    check_causal_conv_inputs(x, weight, left, dilation)
+    batch, seq_len, channels = x.shape
+    kernel = weight.shape[1]
+    weight = weight.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous
+    bc = _blocks(channels)
+    grid = (-(-seq_len // BLOCK_T), -(-channels // bc), batch)
+    causal_conv_silu_fwd_kernel[grid](
+        x, x if left is None else left, weight, y, seq_len, channels, x.stride(0), x.stride(1),
+        (kernel - 1) * dilation, dilation, K=kernel, HAS_LEFT=left is not None, BT=BLOCK_T, BC=bc, num_warps=4)
+    return y
+
+
+def causal_conv_silu_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
+    dilation: int, need_x: bool = True, need_weight: bool = True, need_left: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of :func:`causal_conv_silu_forward` without autograd.
+
+    Args:
+        grad_y: ``[B, T, C]`` gradient of y (any strides; made contiguous).
+        x, weight, left, dilation: the forward's inputs.
+        need_x, need_weight, need_left: which gradients to compute.
+
+    Returns:
+        ``(dx [B, T, C] in x's dtype, dweight [C, K] in weight's dtype, d_left
+        [B, (K-1)*dilation, C] in left's dtype)``, each None when not asked for (d_left also
+        when left is None).
+    """
+    from .triton.kernels import causal_conv_silu_bwd_kernel, causal_conv_silu_bwd_left_kernel
+
+    check_causal_conv_inputs(x, weight, left, dilation)
+    if tuple(grad_y.shape) != tuple(x.shape):
+        raise ValueError(f"causal_conv_silu backward: grad_y shape {tuple(grad_y.shape)} differs "
+                         f"from x shape {tuple(x.shape)}")
+    batch, seq_len, channels = x.shape
+    kernel = weight.shape[1]
+    halo = (kernel - 1) * dilation
+    weight = weight.contiguous()
+    dy = grad_y.to(x.dtype).contiguous()
+    need_left = need_left and left is not None and halo > 0
+    bc = _blocks(channels)
+    rows = min(BACKWARD_ROWS, BLOCK_T * -(-seq_len // BLOCK_T))
+    programs_t = -(-seq_len // rows)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+    partial = None
+    if need_weight:
+        partial = torch.empty(batch * programs_t, kernel, channels, dtype=torch.float32,
+                              device=x.device)
+    dweight = d_left = None
+    if need_x or need_weight:
+        grid = (programs_t, -(-channels // bc), batch)
+        causal_conv_silu_bwd_kernel[grid](
+            x, x if left is None else left, weight, dy, x if dx is None else dx,
+            x if partial is None else partial, seq_len, channels, x.stride(0), x.stride(1), halo,
+            dilation, rows,
+            K=kernel, KP=_next_pow2(kernel), HAS_LEFT=left is not None, NEED_DX=need_x,
+            NEED_DW=need_weight, BT=BLOCK_T, BC=bc, num_warps=4)
+    if partial is not None:
+        dweight = partial.sum(0).t().to(weight.dtype)  # [C, K], one fp32 reduction
+    if need_left:
+        assert left is not None
+        d_left = torch.empty_like(left)
+        causal_conv_silu_bwd_left_kernel[(-(-channels // bc), batch)](
+            x, left, weight, dy, d_left, seq_len, channels, x.stride(0), x.stride(1), halo,
+            dilation,
+            K=kernel, BH=_next_pow2(halo), BC=bc, num_warps=4)
+    elif left is not None and halo == 0 and left.requires_grad:
+        d_left = torch.zeros_like(left)
+    return dx, dweight, d_left
+
+
+class CausalConvSiluFunction(torch.autograd.Function):
+    """Autograd of :func:`causal_conv_silu_forward`: saves x, weight and left (the inputs) and
+    recomputes the pre-activation in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
+                dilation: int) -> torch.Tensor:
+        y = causal_conv_silu_forward(x, weight, left, dilation)
+        ctx.save_for_backward(x, weight, left)
+        ctx.dilation = dilation
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, left = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dx, dweight, d_left = causal_conv_silu_backward(
+            grad_y, x, weight, left, ctx.dilation, need_x=need[0], need_weight=need[1],
+            need_left=need[2])
+        return dx, dweight, d_left, None
+
+
+def causal_conv_silu_triton(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
+                            dilation: int = 1) -> torch.Tensor:
+    """``SiLU(causal depthwise conv)`` of x with the Triton kernels (``conv_backend="triton"``).
+
+    Args:
+        x: ``[B, T, C]`` with C innermost (``x.stride(2) == 1``; a channel slice of a wider
+            tensor is read in place), bf16 / fp16 / fp32.
+        weight: ``[C, K]`` one filter per channel, ``K <= 8``, bf16 / fp16 / fp32.
+        left: ``[B, (K - 1) * dilation, C]`` in x's dtype, the positions just before x (a CP
+            halo), or None for causal zero padding.
+        dilation: the conv's dilation (>= 1).
+
+    Returns:
+        ``[B, T, C]`` contiguous in x's dtype, accumulated in fp32 and rounded once. Differentiable in x,
+        weight and left. Raises ``ValueError`` / ``NotImplementedError`` naming the value and
+        the rule for inputs the kernels do not run (``capability.py``).
+    """
+    check_causal_conv_inputs(x, weight, left, dilation)
+    return CausalConvSiluFunction.apply(x, weight, left, dilation)

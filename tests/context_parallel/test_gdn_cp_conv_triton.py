@@ -1,0 +1,36 @@
+"""The CP halo conv with ``conv_backend="triton"`` (the ``ops.causal_conv`` kernels with the
+previous rank's halo as ``left``, d_left sent back) on gloo ranks under the Triton interpreter,
+against the single-process layer with the torch conv (``F.conv1d``): output, input gradient,
+every parameter gradient and the grad norm within rel-L2 1e-5.
+
+p2p CP2, B = 2, local 64 (the GDN core on the eager backend: only the conv runs interpreted),
+and Ulysses CP2 (the local conv of a head slice, ``channels`` indexing the weight). Ranks run as
+children with ``TRITON_INTERPRET=1`` (see test_gdn_cp_triton.py). About 15 s on two cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from _gdn_cp_util import assert_figures, compare_worker
+
+from overlap_runtime.testing import run_ranks
+
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="triton is not installed"),
+]
+
+INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("mode", ["p2p", "ulysses"])
+def test_triton_conv_cp2_matches_single_process(mode: str) -> None:
+    results = run_ranks(compare_worker, 2, timeout_s=240.0, env=INTERPRETER_ENV,
+                        args=(mode, 2, 64, 1, False, False, 4, "eager", 8, "triton"))
+    for rank, res in enumerate(results):
+        what = f"conv_backend=triton mode={mode} cp=2 rank={rank}"
+        assert res["triton_interpreted"], f"{what}: the Triton kernels did not run"
+        assert_figures(res["worst"], what, 1e-5)

@@ -1,0 +1,96 @@
+"""Cases of tests/ops/test_causal_conv_triton.py, run as ``python _causal_conv_cases.py`` in a
+child process with ``TRITON_INTERPRET=1`` (triton reads it when the kernels are first imported;
+a child keeps it out of the other test files). Prints one line ``RESULT {json}``:
+``{case: {"errors": {name: rel-L2}, "tolerance": float}}``.
+
+Every case: y, dx, dweight and d_left of the Triton kernels against ``causal_conv_silu``
+(``F.conv1d``) on the float64 inputs, with the same float64 output gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+torch.set_num_threads(1)
+
+from overlap_runtime.layers import GatedDeltaNet  # noqa: E402
+from overlap_runtime.layers.elementwise import causal_conv_silu  # noqa: E402
+from overlap_runtime.ops.causal_conv import causal_conv_silu_triton, function  # noqa: E402
+from overlap_runtime.testing import rel_l2  # noqa: E402
+
+# name: (B, T, C, K, dilation, with left, x dtype, weight dtype, backward rows, tolerance)
+# T = 130 / 77 / 45 are not multiples of the 32-row tile; C = 48 / 24 are not multiples of the
+# channel block; backward rows 64 at T = 130 gives 3 programs of 2 tiles per batch (3 * 2 = 6
+# fp32 partial sums of dweight reduced); bf16/fp16 add one rounding of y / dx (the interpreter
+# truncates casts, hence the bound).
+CASES = {
+    "k4_d1_left": (2, 130, 48, 4, 1, True, torch.float32, torch.float32, 256, 1e-5),
+    "k4_d1_left_rows64": (2, 130, 48, 4, 1, True, torch.float32, torch.float32, 64, 1e-5),
+    "k4_d1": (2, 77, 64, 4, 1, False, torch.float32, torch.float32, 256, 1e-5),
+    # x a channel slice of a wider [B, T, 80] tensor (strides (80 T, 80, 1), read in place)
+    "k4_d1_left_channel_slice": (2, 77, 48, 4, 1, True, torch.float32, torch.float32, 64, 1e-5),
+    "k2_d2_left": (2, 45, 24, 2, 2, True, torch.float32, torch.float32, 256, 1e-5),
+    "k3_d2": (2, 100, 24, 3, 2, False, torch.float32, torch.float32, 256, 1e-5),
+    "k3_d1_left": (2, 64, 16, 3, 1, True, torch.float32, torch.float32, 256, 1e-5),
+    "k4_d2_left_t_below_halo": (2, 3, 16, 4, 2, True, torch.float32, torch.float32, 256, 1e-5),
+    "bf16_k4_left_fp32_weight": (2, 70, 32, 4, 1, True, torch.bfloat16, torch.float32, 256, 1e-2),
+    "fp16_k4_left": (2, 70, 32, 4, 1, True, torch.float16, torch.float16, 256, 2e-3),
+}
+
+
+def run_case(name: str) -> dict:
+    batch, seq_len, channels, kernel, dil, with_left, dtype, wdtype, rows, tol = CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    if name.endswith("channel_slice"):
+        wide = torch.randn(batch, seq_len, channels + 32, generator=gen).to(dtype)
+        x = wide[:, :, 16:16 + channels].requires_grad_()
+        assert not x.is_contiguous()
+    else:
+        x = torch.randn(batch, seq_len, channels, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(channels, kernel, generator=gen) * 0.7).to(wdtype).requires_grad_()
+    left = None
+    if with_left:
+        left = torch.randn(batch, (kernel - 1) * dil, channels, generator=gen).to(dtype)
+        left.requires_grad_()
+    dy = torch.randn(batch, seq_len, channels, generator=gen, dtype=torch.float64)
+    leaves = [t for t in (x, w, left) if t is not None]
+    function.BACKWARD_ROWS = rows
+    try:
+        y = causal_conv_silu_triton(x, w, left, dil)
+        grads = torch.autograd.grad(y, leaves, dy.to(dtype))
+    finally:
+        function.BACKWARD_ROWS = 256
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref_left = ref_leaves[2] if with_left else None
+    y_ref = causal_conv_silu(ref_leaves[0], ref_leaves[1], ref_left, dil)
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy)
+    errors = {"y": rel_l2(y.double(), y_ref)}
+    for label, g, r in zip(("dx", "dweight", "d_left"), grads, ref_grads):
+        errors[label] = rel_l2(g.double(), r)
+    dtypes_ok = y.dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == wdtype
+    return {"errors": errors, "tolerance": tol, "dtypes_ok": dtypes_ok}
+
+
+def run_layer() -> dict:
+    """A GatedDeltaNet layer with conv_backend="triton" against the same layer with "torch"."""
+    out = {}
+    for backend in ("torch", "triton"):
+        torch.manual_seed(0)
+        layer = GatedDeltaNet(32, 2, 4, 8, 8, conv_backend=backend)
+        x = torch.randn(2, 70, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y = layer(x)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        out[backend] = (y.detach(), x.grad, layer.conv1d.weight.grad, layer.in_proj_qkv.weight.grad)
+    errors = {name: rel_l2(a, b) for name, a, b in
+              zip(("out", "dx", "conv1d.weight", "in_proj_qkv.weight"), out["triton"], out["torch"])}
+    return {"errors": errors, "tolerance": 1e-5, "dtypes_ok": True}
+
+
+if __name__ == "__main__":
+    results = {name: run_case(name) for name in CASES}
+    results["gated_deltanet_layer"] = run_layer()
+    print("RESULT " + json.dumps(results))
