@@ -6,7 +6,8 @@ Two parts (``trainer.numerics``; docs/training.md, "bf16 numerics"):
   and one batch, every parameter's gradient in bf16 on one device, on one device with the
   neutral changes (rows in 2 groups; GDN chunk 32), and under each CP layout, each against an fp32 one-device
   reference (rel-L2 per tensor). Prints the worst tensors and the ratio CP error / one-device
-  error.
+  error; the GDN decay parameters (A_log, dt_bias) also in units of their summed per-token
+  magnitude (``gate_scaled_errors``: their sums cancel, so rel-L2 reads the conditioning).
 * ``trajectories``: ``train.steps`` steps of one device (the baseline), of the noise floors (one
   device with the batch rows in two groups whose bf16 gradients are summed in fp32, and one
   device with ``model.gdn_chunk_size`` 32) and of each CP layout (spawned gloo ranks);
@@ -16,7 +17,7 @@ Two parts (``trainer.numerics``; docs/training.md, "bf16 numerics"):
 
     python benchmarks/bf16_numerics.py configs/cpu_bf16_numerics.yaml \
         [--part all|grads|trajectories] [--steps 100] [--out out/bf16_numerics.json] \
-        [--plot docs/bf16_numerics.png]
+        [--plot docs/bf16_numerics.png] [--seq-len 256 --grad-step 3]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from overlap_runtime.launch import spawn
 from overlap_runtime.trainer.config import TrainConfig, load_config
 from overlap_runtime.trainer.loop import spawn_training, train_single
 from overlap_runtime.trainer.numerics import (distributed_gradients, floor_config,
+                                              gate_gradient_scales, gate_scaled_errors,
                                               gradient_errors, initial_weights,
                                               single_gradients, step_differences,
                                               trained_weights)
@@ -78,8 +80,12 @@ def gradient_study(config: TrainConfig, trained_steps: int, step: int) -> dict[s
             c = layout_config(config, cp, gdn, attn)
             grads[label(cp, gdn)] = spawn(_grads_rank, cp, args=(c.model_dump(), weights, step),
                                           device="cpu", timeout_s=600)[0]
+        scales = gate_gradient_scales(config, weights, step)
         rows = {run: {"vs_fp32": gradient_errors(g, ref),
-                      "vs_single_bf16": gradient_errors(g, single)} for run, g in grads.items()}
+                      "vs_single_bf16": gradient_errors(g, single),
+                      "gate_vs_fp32": gate_scaled_errors(g, ref, scales),
+                      "gate_vs_single_bf16": gate_scaled_errors(g, single, scales)}
+                for run, g in grads.items()}
         result[tag] = rows
         base = rows["single bf16"]["vs_fp32"]
         floor = rows["floor (rows in 2 groups)"]["vs_single_bf16"]
@@ -93,6 +99,17 @@ def gradient_study(config: TrainConfig, trained_steps: int, step: int) -> dict[s
             print(f"{run:<22} {statistics.median(e.values()):15.2e} {max(e.values()):8.2e} "
                   f"{max(ratios.values()):9.2f}   {statistics.median(d.values()):26.2e} "
                   f"{max(d.values()):8.2e}  {worst}")
+        kappa = {n: float((scales[n] / ref[n].abs().clamp_min(1e-30)).max()) for n in scales}
+        gate_base = rows["single bf16"]["gate_vs_fp32"]
+        print(f"A_log / dt_bias (cancellation sum|terms| / |sum| up to {max(kappa.values()):.0f}): "
+              f"in units of sum|terms|, worst over the {len(scales)} tensors")
+        print(f"{'run':<22} {'rel-L2 vs fp32 / one device':>27} {'vs bf16 one device / one-device error':>38}"
+              f" {'vs fp32 / one device':>21}")
+        for run, r in rows.items():
+            rel = max(r["vs_fp32"][n] / max(base[n], 1e-12) for n in scales)
+            dist = max(r["gate_vs_single_bf16"][n] / gate_base[n] for n in scales)
+            err = max(r["gate_vs_fp32"][n] / gate_base[n] for n in scales)
+            print(f"{run:<22} {rel:27.2f} {dist:38.3f} {err:21.3f}")
     return result
 
 
@@ -170,6 +187,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--trained-steps", type=int, default=50)
     p.add_argument("--grad-step", type=int, default=200, help="data step of the batch")
+    p.add_argument("--seq-len", type=int, default=None, help="data.seq_len (the test: 256)")
     p.add_argument("--out", default="out/bf16_numerics.json")
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -177,6 +195,10 @@ def main() -> None:
     config = load_config(args.config)
     if args.steps:
         config = config.with_overrides(steps=args.steps)
+    if args.seq_len:
+        data = config.model_dump()
+        data["data"]["seq_len"] = args.seq_len
+        config = TrainConfig.model_validate(data)
     out: dict[str, Any] = {"config": config.model_dump(mode="json")}
     if args.part in ("all", "grads"):
         out["gradients"] = gradient_study(config, args.trained_steps, args.grad_step)

@@ -21,6 +21,11 @@ Two measurements, both against the single-device baseline of the trainer
   whose bf16 CP error against fp32 is well above the bf16 single-device error points at a
   systematic difference (a cast in another place, a missing fp32 accumulation); the floor's own
   bf16 error (chunk size changed) says how far two equally valid bf16 computations lie apart.
+* **The GDN decay parameters** (``A_log``, ``dt_bias``) get one gradient term per token and
+  head, and the sum cancels (by up to 8000x at 256-512 tokens): rel-L2 of such a gradient
+  measures its conditioning, not the computation. :func:`gate_gradient_scales` gives each
+  head's ``sum |terms|`` (fp32, one device) and :func:`gate_scaled_errors` the distance in
+  those units.
 
 Only ``pp == 1`` and ``ep == 1`` layouts are handled (the CP x FSDP study); others raise.
 """
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,6 +52,8 @@ __all__ = [
     "StepDifference",
     "distributed_gradients",
     "floor_config",
+    "gate_gradient_scales",
+    "gate_scaled_errors",
     "gradient_errors",
     "initial_weights",
     "single_gradients",
@@ -216,6 +223,66 @@ def gradient_errors(grads: Weights, reference: Weights) -> dict[str, float]:
     if missing:
         raise KeyError(f"gradients lack {missing[:4]} ({len(missing)} in all)")
     return {name: rel_l2(grads[name], ref) for name, ref in reference.items()}
+
+
+def gate_gradient_scales(config: TrainConfig, weights: Weights | None, step: int,
+                         signed: bool = False) -> Weights:
+    """The scale of each GDN decay parameter's gradient before its sum over tokens cancels.
+
+    ``A_log`` / ``dt_bias`` ``[hv]`` get one gradient term per token and head,
+    ``dL/dg * dg/dtheta`` (``dg/dA_log = g``, ``dg/ddt_bias = -exp(A_log) sigmoid(a + dt_bias)``),
+    and their sum cancels: a head's gradient can be thousands of times smaller than
+    ``sum |terms|``, so a bf16-level change of the per-token terms moves it by O(1) relative and
+    its rel-L2 says nothing. This returns ``sum |terms|`` per head, on one device in fp32, the
+    scale :func:`gate_scaled_errors` divides by. ``signed=True`` sums the terms without the
+    absolute value: that is the fp32 gradient itself (a check of the terms).
+
+    Returns:
+        ``{"<layer>.A_log": [hv], "<layer>.dt_bias": [hv]}`` fp32, one entry per GDN layer.
+    """
+    from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
+
+    _check_layout(config)
+    model = build_model(config)
+    if weights is not None:
+        model.load_state_dict(weights, strict=True)
+    scales: Weights = {}
+
+    def recorder(prefix: str, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+                 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+            g, beta = fn(a, b, a_log, dt_bias)
+            with torch.no_grad():
+                d_dt = -a_log.exp() * torch.sigmoid(a + dt_bias)  # [B, T, hv]
+                g_val = g.detach()
+
+            def hook(dg: torch.Tensor) -> None:
+                for name, d in (("A_log", g_val), ("dt_bias", d_dt)):
+                    term = dg * d
+                    s = (term if signed else term.abs()).sum(dim=(0, 1))
+                    key = f"{prefix}.{name}"
+                    scales[key] = s if key not in scales else scales[key] + s
+
+            g.register_hook(hook)
+            return g, beta
+        return gates
+
+    for prefix, m in model.named_modules():
+        if isinstance(m, GatedDeltaNet):
+            m.gates_fn = recorder(prefix, m.gates_fn)
+    batch = build_dataset(config.data, config.dp, config.train.seed).full_batch(step)
+    logits = model(batch.input_ids, batch.position_ids, **batch.model_kwargs())
+    (ce_sum(logits, batch.labels) / batch.global_tokens).backward()
+    return scales
+
+
+def gate_scaled_errors(grads: Weights, reference: Weights, scales: Weights) -> dict[str, float]:
+    """``{name: max over heads |grads - reference| / scale}`` for the GDN decay parameters of
+    ``scales`` (:func:`gate_gradient_scales`): the distance in units of the summed per-token
+    magnitude, meaningful however much the sum cancels."""
+    return {name: float(((grads[name] - reference[name]).abs() / s.clamp_min(1e-30)).max())
+            for name, s in scales.items()}
 
 
 def initial_weights(config: TrainConfig) -> Weights:
