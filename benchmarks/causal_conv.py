@@ -74,7 +74,8 @@ def main() -> None:
     for tokens in args.tokens:
         gen = torch.Generator(device=dev).manual_seed(tokens)
         x = torch.randn(1, tokens, args.channels, device=dev, dtype=dtype, generator=gen)
-        w = (torch.randn(args.channels, args.kernel, device=dev, generator=gen) * 0.5)
+        # the weight in the activations' dtype, as FSDP2's bf16 parameter copy hands it over
+        w = (torch.randn(args.channels, args.kernel, device=dev, generator=gen) * 0.5).to(dtype)
         dy = torch.randn(1, tokens, args.channels, device=dev, dtype=dtype, generator=gen)
         xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
         yd = causal_conv_silu(xd, wd, None, args.dilation)
