@@ -46,6 +46,11 @@ CP2_CONFIGS = {
     "cp2_p2p_ckpt_on": _checked(tiny_config(10, cp=2, linear_attention_cp_mode="p2p",
                                             activation_checkpoint=True)),
 }
+# train.compile (layers.compile: the conv as compiled shifted products, gates, RMSNorms) under
+# FSDP2 + CP2 Ulysses, against the compiled single-device run (issue #29 item 4)
+_compiled = tiny_config(10, cp=2, linear_attention_cp_mode="ulysses")
+_compiled["train"]["compile"] = True
+CP2_CONFIGS["cp2_ulysses_compiled"] = _checked(_compiled)
 
 
 def _spawn(configs: dict[str, dict[str, Any]], world: int) -> dict[str, TrainResult]:
@@ -70,7 +75,8 @@ def _baseline(cfg: dict[str, Any]) -> TrainResult:
     """Single-device run of ``cfg``; the CP layout does not change it, so it is cached by model,
     data, optimizer, data-parallel rows and steps."""
     config = config_from_dict(cfg)
-    key = repr((cfg["model"], cfg["data"], cfg["optimizer"], config.dp, config.train.steps))
+    key = repr((cfg["model"], cfg["data"], cfg["optimizer"], config.dp, config.train.steps,
+                config.train.compile))
     if key not in _BASELINES:
         _BASELINES[key] = train_single(config)
     return _BASELINES[key]
@@ -104,6 +110,12 @@ def test_cp2_all_gather_matches_single_device(cp2_runs: dict[str, TrainResult]) 
     run = cp2_runs["cp2_all_gather"]
     assert (run.world_size, run.cp, len(run.steps)) == (2, 2, 20)
     _assert_aligned(run, _baseline(CP2_CONFIGS["cp2_all_gather"]), "cp2_all_gather")
+
+
+def test_compiled_cp2_matches_compiled_single_device(cp2_runs: dict[str, TrainResult]) -> None:
+    run = cp2_runs["cp2_ulysses_compiled"]
+    assert (run.world_size, run.cp, len(run.steps)) == (2, 2, 10)
+    _assert_aligned(run, _baseline(CP2_CONFIGS["cp2_ulysses_compiled"]), "cp2_ulysses_compiled")
 
 
 def test_activation_checkpoint_gives_identical_losses(cp2_runs: dict[str, TrainResult]) -> None:
