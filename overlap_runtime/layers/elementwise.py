@@ -25,7 +25,9 @@ compiled regions; it is what ``train.compile: true`` applies.
   halo conv (``context_parallel.gdn.common``) runs the same kernels with the previous rank's
   halo as ``left``: single-device and CP share the arithmetic. The packed-document CP conv
   (``context_parallel.gdn.varlen``) stays in torch either way. Benchmark:
-  ``benchmarks/causal_conv.py``.
+  ``benchmarks/causal_conv.py``. Packed documents: all three take ``doc_positions`` ``[B, T]``
+  (each token's position in its document) and drop the taps that reach before a document start
+  (``F.conv1d`` cannot, so :func:`causal_conv_silu` hands them to the shifted sum).
 - :func:`gdn_gates`: ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
 - ``RMSNorm`` / ``RMSNormGated`` modules: compiled in place (``nn.Module.compile``).
 """
