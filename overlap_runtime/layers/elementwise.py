@@ -25,7 +25,9 @@ compiled regions; it is what ``train.compile: true`` applies.
   halo conv (``context_parallel.gdn.common``) runs the same kernels with the previous rank's
   halo as ``left``: single-device and CP share the arithmetic. The packed-document CP conv
   (``context_parallel.gdn.varlen``) stays in torch either way. Benchmark:
-  ``benchmarks/causal_conv.py``.
+  ``benchmarks/causal_conv.py``. Packed documents: all three take ``doc_positions`` ``[B, T]``
+  (each token's position in its document) and drop the taps that reach before a document start
+  (``F.conv1d`` cannot, so :func:`causal_conv_silu` hands them to the shifted sum).
 - :func:`gdn_gates`: ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
 - ``RMSNorm`` / ``RMSNormGated`` modules: compiled in place (``nn.Module.compile``).
 """
@@ -39,7 +41,8 @@ __all__ = ["causal_conv_silu", "causal_conv_silu_shifted", "gdn_gates"]
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
-                     dilation: int = 1) -> torch.Tensor:
+                     dilation: int = 1, doc_positions: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """``SiLU(causal depthwise conv)`` over the sequence, with ``F.conv1d`` (the eager form: the
     same arithmetic as the context-parallel halo conv of ``context_parallel.gdn.common``).
 
@@ -49,10 +52,15 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor |
         left: ``[B, (K - 1) * dilation, C]`` the positions just before ``x`` (a CP halo), or
             None for causal zero padding.
         dilation: the conv's dilation.
+        doc_positions: ``[B, T]`` int position of each token in its packed document, or None:
+            the conv restarts at every document start (:func:`causal_conv_silu_shifted`, which
+            runs it: ``F.conv1d`` cannot drop taps per token).
 
     Returns:
         ``[B, T, C]`` in x's dtype.
     """
+    if doc_positions is not None:
+        return causal_conv_silu_shifted(x, weight, left, dilation, doc_positions)
     halo = (weight.shape[-1] - 1) * dilation
     xt = x.transpose(1, 2)  # [B, C, T]
     if left is None:
@@ -64,21 +72,32 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor |
 
 
 def causal_conv_silu_shifted(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
-                             dilation: int = 1) -> torch.Tensor:
+                             dilation: int = 1, doc_positions: torch.Tensor | None = None
+                             ) -> torch.Tensor:
     """:func:`causal_conv_silu` as a sum of ``K`` shifted products in the ``[B, T, C]`` layout
     (no transposes), accumulated in fp32 (float64 stays float64) and rounded once: the form
     ``torch.compile`` fuses into one kernel forward and one backward (the compiled
     ``train.compile`` path). Same arguments and result; equal to fp32 rounding in fp32, and
-    more exact than the bf16 ``F.conv1d`` in bf16 (one rounding instead of one per op)."""
+    more exact than the bf16 ``F.conv1d`` in bf16 (one rounding instead of one per op).
+
+    Packed documents: with ``doc_positions`` ``[B, T]`` (int, each token's position in its
+    document, ``layers.segments.document_positions``) tap ``j``, which reaches
+    ``lag = (K - 1 - j) * dilation`` positions back, is kept only where ``lag <= position``
+    (a select, so a NaN before the document start stays out): the conv restarts at every
+    document start exactly as the conv of the document alone with zero padding does."""
     k, t = weight.shape[-1], x.shape[1]
     halo = (k - 1) * dilation
     xp = F.pad(x, (0, 0, halo, 0)) if left is None else torch.cat([left.to(x.dtype), x], 1)
     compute = torch.promote_types(x.dtype, torch.float32)
     w = weight.to(compute)
-    acc = xp[:, 0:t].to(compute) * w[:, 0]
-    for j in range(1, k):
+    pos = None if doc_positions is None else doc_positions.to(x.device).unsqueeze(-1)
+    acc = None
+    for j in range(k):
         s = j * dilation
-        acc = acc + xp[:, s:s + t].to(compute) * w[:, j]
+        tap = xp[:, s:s + t].to(compute)
+        if pos is not None and halo - s > 0:  # the tap reaches halo - s positions back
+            tap = torch.where(pos >= halo - s, tap, 0.0)
+        acc = tap * w[:, j] if acc is None else acc + tap * w[:, j]
     return F.silu(acc).to(x.dtype)
 
 

@@ -186,6 +186,7 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv: torch.Tensor,
         left_context: torch.Tensor | None = None,
         channels: torch.Tensor | None = None,
+        doc_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal depthwise conv + SiLU over the sequence.
 
@@ -195,6 +196,12 @@ class GatedDeltaNet(nn.Module):
                 halo), or None for the zeros of causal padding.
             channels: int64 indices of the conv channels ``mixed_qkv`` holds (a head slice),
                 or None for all channels.
+            doc_positions: packed documents: ``[B, T]`` int position of each token in its
+                document (``layers.segments.document_positions``); the taps reaching before a
+                token's document start are dropped, so the conv restarts at every document
+                start as the conv of the document alone does. None: one sequence per row.
+                Either conv backend (torch: the shifted sum, eager or compiled; triton: the
+                kernels' masked taps).
 
         Returns:
             ``[B, T, C]`` in mixed_qkv's dtype.
@@ -202,7 +209,10 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]  # [conv_dim, kernel]
         if channels is not None:
             weight = weight.index_select(0, channels.to(weight.device))
-        return self.conv_fn(mixed_qkv, weight, left_context, self.conv1d.dilation[0])
+        if doc_positions is None:
+            return self.conv_fn(mixed_qkv, weight, left_context, self.conv1d.dilation[0])
+        return self.conv_fn(mixed_qkv, weight, left_context, self.conv1d.dilation[0],
+                            doc_positions.to(mixed_qkv.device))
 
     def split_qkv(
         self, conv_out: torch.Tensor, num_key_heads: int | None = None,
@@ -258,13 +268,30 @@ class GatedDeltaNet(nn.Module):
         beta: torch.Tensor,
         initial_state: torch.Tensor | None = None,
         backend: str | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The GDN recurrence with l2-normalised q, k: ``o [B, T, hv, V]`` in v's dtype."""
+        """The GDN recurrence with l2-normalised q, k: ``o [B, T, hv, V]`` in v's dtype.
+
+        ``cu_seqlens``: packed documents (``layers.segments``: offsets over the ``B * T``
+        tokens of the rows flattened, every row start among them, already checked by the
+        caller): the rows are flattened to ``[1, B * T, ...]`` and run as ONE varlen op call
+        (``ops.gdn.chunk_gated_delta_rule(cu_seqlens=...)``, either backend), the state
+        restarting from zero (or ``initial_state[n]``, ``[N, hv, K, V]``) at each document.
+        """
+        backend = self.backend if backend is None else backend
+        if cu_seqlens is None:
+            o, _ = chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True,
+                chunk_size=self.chunk_size, backend=backend,
+            )
+            return o
+        batch, seq_len = v.shape[:2]
+        flat = [x.reshape(1, batch * seq_len, *x.shape[2:]) for x in (q, k, v, g, beta)]
         o, _ = chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True,
-            chunk_size=self.chunk_size, backend=self.backend if backend is None else backend,
+            *flat, initial_state=initial_state, use_qk_l2norm=True, chunk_size=self.chunk_size,
+            backend=backend, cu_seqlens=cu_seqlens.to(v.device),
         )
-        return o
+        return o.reshape(batch, seq_len, *o.shape[2:])
 
     def finish(
         self, o: torch.Tensor, z: torch.Tensor, mask: torch.Tensor | None = None
@@ -300,10 +327,11 @@ class GatedDeltaNet(nn.Module):
                 this rank's contiguous shard (a tensor, or a DTensor the CP mixer accepts).
             attention_mask: ``[B, T]`` 1 = real token, 0 = padding (see the module docstring).
             cu_seqlens: packed documents (``layers.segments``): the conv and the recurrence
-                run on each document alone (zero conv context and a zero state at its start),
-                exactly as if each were its own sequence. Global: over the ``B * T`` tokens of
-                the whole rows, also under context parallelism (the mixer's
-                ``forward_packed``; CP: ``context_parallel/gdn/varlen.py``).
+                restart at each document (zero conv context and a zero state at its start),
+                exactly as if each were its own sequence; single device: one masked conv and
+                one varlen GDN call (``LocalGDNMixer.forward_packed``). Global: over the
+                ``B * T`` tokens of the whole rows, also under context parallelism (the
+                mixer's ``forward_packed``; CP: ``context_parallel/gdn/varlen.py``).
         """
         mixer = self.sequence_mixer
         hidden, mask, restore = mixer.prepare_inputs(self, hidden_states, attention_mask)

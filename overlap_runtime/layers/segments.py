@@ -8,10 +8,16 @@ the starts, so no segment crosses a row::
     rows  [ d0 d0 d0 d1 d1 | d1 d2 d2 d2 d2 ]     B = 2, T = 5
     cu_seqlens = [0, 3, 5, 6, 10]                 (d1 is cut by the row start at 5)
 
-:func:`apply_per_segment` is the simple exact way to make a sequence mixer reset at document
-boundaries: run it on each segment on its own (``[1, len, ...]``) and put the outputs back in
-place. It costs one call per segment (a Python loop, no varlen kernel): the eager path for
-cp == 1 (the context-parallel version is issue #23).
+Because every row start is a segment start, ``cu_seqlens`` is also the varlen offsets of the
+rows flattened to one row ``[1, B * T, ...]``: the single-device GDN mixer
+(``layers.sequence_mixer.LocalGDNMixer.forward_packed``) runs ONE causal conv over the rows with
+the taps before each token's document start dropped (:func:`document_positions`) and ONE GDN op
+call with ``cu_seqlens`` (``ops.gdn``, either backend).
+
+:func:`apply_per_segment` is the simple exact way to make any other sequence mixer reset at
+document boundaries: run it on each segment on its own (``[1, len, ...]``) and put the outputs
+back in place, one call per segment (a Python loop). Attention uses it, and it is the default
+``GDNSequenceMixer.forward_packed`` of a mixer that has no varlen path.
 """
 
 from __future__ import annotations
@@ -48,11 +54,14 @@ def segments_of(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> list[tupl
 
 
 def document_positions(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
-    """``[B, T]`` int64 position of each token in its segment (RoPE restarting per document)."""
-    pos = torch.empty(batch * seq_len, dtype=torch.int64, device=cu_seqlens.device)
-    for a, b in segments_of(cu_seqlens, batch, seq_len):
-        pos[a:b] = torch.arange(b - a, device=pos.device)
-    return pos.view(batch, seq_len)
+    """``[B, T]`` int64 position of each token in its segment, on ``cu_seqlens``' device (RoPE
+    restarting per document; the conv's document mask). Checks ``cu_seqlens``
+    (:func:`segments_of`)."""
+    segments_of(cu_seqlens, batch, seq_len)
+    cu = cu_seqlens.to(torch.int64)
+    tokens = torch.arange(batch * seq_len, dtype=torch.int64, device=cu.device)
+    start = cu[torch.searchsorted(cu, tokens, right=True) - 1]
+    return (tokens - start).view(batch, seq_len)
 
 
 def apply_per_segment(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor | None],

@@ -36,9 +36,11 @@ The protocol (:class:`GDNSequenceMixer`)
 ``forward_packed(layer, proj, mask, cu_seqlens) -> o``
     The same for a packed batch (``layers.segments``): conv and recurrence restart at every
     document start. ``cu_seqlens`` is global (over the ``B * T_global`` tokens of the whole
-    rows, the same on every CP rank). Default: ``forward`` on each document alone
-    (``apply_per_segment``, single device); the CP mixers override it (issue #23,
-    ``context_parallel/gdn/varlen.py``).
+    rows, the same on every CP rank). :class:`LocalGDNMixer`: one conv over the rows with the
+    taps before each document start dropped, the gates once, and one varlen GDN call over the
+    rows flattened (either backend, issue #22); the CP mixers override it (issue #23,
+    ``context_parallel/gdn/varlen.py``). The base class's default runs ``forward`` on each
+    document alone (``apply_per_segment``), for a mixer without a varlen path.
 
 A mixer holds configuration only (immutable after construction). Everything one call needs
 travels as arguments and return values, so two microbatches may be in flight through one layer
@@ -153,3 +155,19 @@ class LocalGDNMixer(GDNSequenceMixer):
         q, k, v = layer.split_qkv(layer.causal_conv(proj.mixed_qkv))
         g, beta = layer.gates(proj.a, proj.b, mask=mask)
         return layer.core(q, k, v, g, beta)
+
+    def forward_packed(self, layer: "GatedDeltaNet", proj: "GDNProjections",
+                       mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``o [B, T, HV, V]`` of a packed batch in one pass: the conv over the whole rows with
+        the taps before each token's document start dropped (``doc_positions``), the gates,
+        and ONE varlen GDN call with ``cu_seqlens`` over the rows flattened to ``B = 1``
+        (``layer.core``; the eager or Triton backend, conv torch or triton). Equal to
+        ``forward`` on each document alone. Raises ``ValueError`` for an invalid
+        ``cu_seqlens`` (``layers.segments.segments_of``)."""
+        from overlap_runtime.layers.segments import document_positions
+
+        batch, seq_len = proj.mixed_qkv.shape[:2]
+        positions = document_positions(cu_seqlens, batch, seq_len)  # checks cu_seqlens
+        q, k, v = layer.split_qkv(layer.causal_conv(proj.mixed_qkv, doc_positions=positions))
+        g, beta = layer.gates(proj.a, proj.b, mask=mask)
+        return layer.core(q, k, v, g, beta, cu_seqlens=cu_seqlens)

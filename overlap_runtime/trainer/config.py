@@ -233,10 +233,11 @@ def _data_source_problems(data: DataConfig) -> list[str]:
 
 def _data_problems(config: "TrainConfig") -> list[str]:
     """Rules of ``data`` against the model and the layout: the tokenizer's vocabulary fits
-    ``model.vocab_size``; ``reset_at_document_boundaries`` needs pp == 1, the eager GDN for
-    cp == 1 (``model.gdn_backend``: the model's per-document path, ``layers.segments``) and,
-    for cp > 1, ring or ulysses full attention (the GDN CP modes take ``cu_seqlens`` on either
-    backend, ``context_parallel/gdn/varlen.py``)."""
+    ``model.vocab_size``; ``reset_at_document_boundaries`` needs pp == 1 and, for cp > 1, ring
+    or ulysses full attention. The GDN takes ``cu_seqlens`` on either backend: for cp == 1 one
+    masked conv and one varlen op call per layer (``layers.sequence_mixer.LocalGDNMixer``,
+    ``model.gdn_backend`` eager or triton, issue #22), for cp > 1 the CP modes
+    (``context_parallel/gdn/varlen.py``)."""
     from overlap_runtime.trainer.documents import load_tokenizer
 
     data, acc, m = config.data, config.train.accelerator, config.model
@@ -249,11 +250,8 @@ def _data_problems(config: "TrainConfig") -> list[str]:
     if data.packing == "reset_at_document_boundaries":
         rule = "data.packing='reset_at_document_boundaries'"
         if acc.pp > 1:
-            out.append(f"{rule} is implemented for pp == 1 (the eager per-document path); got "
-                       f"train.accelerator.pp={acc.pp}")
-        if m.gdn_backend != "eager":
-            out.append(f"{rule} runs the GDN per document with the eager backend; got "
-                       f"model.gdn_backend={m.gdn_backend!r}")
+            out.append(f"{rule} is implemented for pp == 1 (the pipeline stages do not carry "
+                       f"cu_seqlens); got train.accelerator.pp={acc.pp}")
         if acc.cp > 1:  # issue #23: every GDN mode and backend, attention ring / ulysses
             attn = modes_of_kind(acc, "full_attention")
             if attn - {"ring", "ulysses"}:

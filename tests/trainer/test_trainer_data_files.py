@@ -167,8 +167,12 @@ def test_data_config_errors_name_the_field(files: dict[str, Path], tmp_path: Pat
     assert "data.tokenizer=" in _error({"tokenizer": str(files["tokenizer"])})
     small = _error(base, model={"vocab_size": 8})
     assert f"model.vocab_size=8 is smaller than data.tokenizer={str(files['tokenizer'])!r}" in small
-    # reset needs pp == 1; under cp > 1 ring/ulysses attention, either GDN backend (issue #23)
+    # reset needs pp == 1; under cp > 1 ring/ulysses attention, either GDN backend (issue #23);
+    # on cp == 1 either GDN backend too (one varlen call per layer, issue #22)
     reset = {**base, "packing": "reset_at_document_boundaries"}
+    for backend in ("eager", "triton"):
+        cfg = config_from_dict({"data": reset, "model": {"gdn_backend": backend}})
+        assert cfg.model.gdn_backend == backend and cfg.data.packing == reset["packing"]
     assert "full_attention_cp_mode 'ring' or 'ulysses'" in _error(
         reset, train={"accelerator": {"cp": 2, "full_attention_cp_mode": "all_gather_kv"}})
     for mode in ("p2p", "all_gather", "ulysses"):

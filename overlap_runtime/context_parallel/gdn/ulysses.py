@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
-from overlap_runtime.layers.segments import apply_per_segment
+from overlap_runtime.layers.segments import document_positions
 from overlap_runtime.ops import comm
 
 from .common import ContextParallelGDNMixer
@@ -86,8 +86,9 @@ class UlyssesGDNMixer(ContextParallelGDNMixer):
 
     def forward_packed(self, layer: GatedDeltaNet, proj: GDNProjections,
                        mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Packed batch: after the all-to-all each rank holds whole rows, so the documents of
-        the global ``cu_seqlens`` run alone (``apply_per_segment``) -> ``o [B, S/P, HV, V]``."""
+        """Packed batch: after the all-to-all each rank holds whole rows, so its heads run the
+        single-device packed path on them with the global ``cu_seqlens`` (one conv with the
+        taps before each document start dropped, one varlen GDN call) -> ``o [B, S/P, HV, V]``."""
         from .varlen import check_packed_call
 
         check_packed_call(layer, self.plan, cu_seqlens, *proj.mixed_qkv.shape[:2])
@@ -133,16 +134,14 @@ class UlyssesGDNMixer(ContextParallelGDNMixer):
 
         channels = layer.conv_channels(layout.key_heads[rank], layout.value_heads[rank])
 
-        def mix(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                m: torch.Tensor | None) -> torch.Tensor:
-            q, k, v = layer.split_qkv(layer.causal_conv(mixed, channels=channels), h, hv)
-            g, beta = layer.gates(a, b, layout.value_heads[rank], m)
-            return layer.core(q, k, v, g, beta, backend=plan.backend)  # [B, S, hv, V]
-
-        if cu_seqlens is None:
-            o = mix(mixed, a, b, full_mask)
-        else:  # whole rows here: each document alone, as on one device
-            o = apply_per_segment(mix, (mixed, a, b, full_mask), cu_seqlens)
+        # whole rows here: packed documents as on one device (LocalGDNMixer.forward_packed)
+        positions = (None if cu_seqlens is None
+                     else document_positions(cu_seqlens, batch, p * local_len))
+        conv = layer.causal_conv(mixed, channels=channels, doc_positions=positions)
+        q, k, v = layer.split_qkv(conv, h, hv)
+        g, beta = layer.gates(a, b, layout.value_heads[rank], full_mask)
+        o = layer.core(q, k, v, g, beta, backend=plan.backend,
+                       cu_seqlens=cu_seqlens)  # [B, S, hv, V]
 
         # Inverse: tokens of rank i go back to rank i; we receive every rank's heads of our
         # tokens.

@@ -24,19 +24,18 @@ and the depthwise conv is computed tap by tap with each tap kept only where the 
 in the output token's document (:func:`document_causal_conv`), so no window crosses a document
 start, inside a shard or across the rank boundary.
 
-**Ulysses** gathers whole rows per head group, so it runs the single-device per-document path
-(``apply_per_segment``) on the full rows with the global ``cu_seqlens``.
+**Ulysses** gathers whole rows per head group, so it runs the single-device packed path (one
+conv with ``doc_positions``, one varlen op call) on the full rows with the global ``cu_seqlens``.
 
-**Backends.** The pieces run one call each of the plan's local op (a Python loop over pieces,
-like the single-device per-document path): ``backend="eager"`` or ``"triton"``. With Triton each
-piece is one launch sequence of the fused op (a piece shorter than a chunk or not a multiple of
-64 is a partial chunk, which the kernels mask), the continuing first piece takes ``H_in`` as its
-``initial_state`` and its backward returns ``dH_in_local`` as the op's ``dh0``. The tail maps
-``(M', S')`` are always computed by the eager :func:`state_summary` (plain PyTorch, fp32,
-differentiable), with either backend: exact, but one extra prepare of the last piece per row
-(the unpacked Triton p2p chain reuses the op's own segment summaries instead). The cost is one
-op call per piece and row, so many short documents mean many small launches; a fused varlen
-kernel (one launch over ``cu_seqlens``) is issue #22's.
+**Backends.** The pieces of all rows run as ONE varlen call of the plan's local op
+(``cu_seqlens`` over the rows flattened, :func:`packed_local_outputs`; issue #22):
+``backend="eager"`` or ``"triton"`` (a piece shorter than a chunk or not a multiple of 64 is a
+partial chunk, which the kernels mask). The continuing first pieces take ``H_in`` as their rows
+of the call's per-sequence ``initial_state`` (zeros for the other pieces) and its backward
+returns ``dH_in_local`` as those rows of the op's ``dh0``. The tail maps ``(M', S')`` are always
+computed by the eager :func:`state_summary` (plain PyTorch, fp32, differentiable), with either
+backend: exact, but one extra prepare of the last piece per row (the unpacked Triton p2p chain
+reuses the op's own segment summaries instead), one call per row.
 """
 
 from __future__ import annotations
@@ -195,19 +194,27 @@ def packed_local_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          beta: torch.Tensor, h_in: torch.Tensor | None, pieces: ShardPieces,
                          scale: float, chunk_size: int, backend: str) -> torch.Tensor:
     """``o [B, L, HV, V]``: every piece from a zero state, except a first piece that continues
-    a document, which starts from ``h_in[b]`` (``[B, HV, K, V]`` fp32, or None on rank 0)."""
-    rows = []
+    a document, which starts from ``h_in[b]`` (``[B, HV, K, V]`` fp32, or None on rank 0).
+
+    ONE varlen op call (``cu_seqlens``) over the rows flattened to ``[1, B * L, ...]``, the
+    pieces as its N sequences; ``initial_state`` ``[N, HV, K, V]`` holds ``h_in[b]`` at each
+    continuing row's first piece and zeros elsewhere (None when no piece continues), so its
+    backward hands ``dH_in_local`` to ``h_in`` through the same call."""
+    batch, length = q.shape[:2]
+    offsets, firsts = [0], []
     for b, row in enumerate(pieces.rows):
-        outs = []
-        for i, (s, e) in enumerate(row):
-            init = h_in[b:b + 1] if (i == 0 and pieces.cont_in[b] and h_in is not None) else None
-            o, _ = chunk_gated_delta_rule(
-                q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e], g[b:b + 1, s:e],
-                beta[b:b + 1, s:e], scale=scale, initial_state=init, use_qk_l2norm=True,
-                chunk_size=chunk_size, backend=backend)
-            outs.append(o)
-        rows.append(torch.cat(outs, dim=1))
-    return torch.cat(rows, dim=0)
+        firsts.append(len(offsets) - 1)  # the index of row b's first piece
+        offsets.extend(b * length + e for _, e in row)
+    cu = torch.tensor(offsets, dtype=torch.int64, device=q.device)
+    init = None
+    cont = [b for b in range(batch) if pieces.cont_in[b]]
+    if h_in is not None and cont:
+        idx = torch.tensor([firsts[b] for b in cont], dtype=torch.int64, device=q.device)
+        init = h_in.new_zeros(len(offsets) - 1, *h_in.shape[1:]).index_copy(0, idx, h_in[cont])
+    flat = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o, _ = chunk_gated_delta_rule(*flat, scale=scale, initial_state=init, use_qk_l2norm=True,
+                                  chunk_size=chunk_size, backend=backend, cu_seqlens=cu)
+    return o.reshape(batch, length, *o.shape[2:])
 
 
 def packed_tail_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -7,6 +7,7 @@ Rules (a failure raises naming the value and the rule; there is no fallback to a
 * weight ``[C, K]`` with ``1 <= K <= 8`` (``MAX_KERNEL_SIZE``), dtype bf16 / fp16 / fp32;
 * ``dilation`` an int >= 1;
 * left None or ``[B, (K - 1) * dilation, C]`` contiguous, in x's dtype;
+* doc_positions None or ``[B, T]`` int32 / int64 (packed documents' positions);
 * every tensor on one device: ``cuda``, or ``cpu`` only under ``TRITON_INTERPRET=1`` (set before
   triton is first imported);
 * the ``triton`` package importable.
@@ -31,7 +32,7 @@ def _unsupported(message: str) -> None:
 
 
 def check_causal_conv_inputs(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
-                             dilation: int) -> None:
+                             dilation: int, doc_positions: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` (shapes, layout) or ``NotImplementedError`` (dtype, device, kernel
     size, triton missing) unless the Triton kernels can run these inputs (module docstring)."""
     where = "causal_conv_silu (conv_backend='triton')"
@@ -65,9 +66,14 @@ def check_causal_conv_inputs(x: torch.Tensor, weight: torch.Tensor, left: torch.
             raise ValueError(f"{where}: left dtype {left.dtype} differs from x dtype {x.dtype}")
         if not left.is_contiguous():
             raise ValueError(f"{where}: left of strides {left.stride()} is not contiguous")
-    devices = {t.device for t in (x, weight, left) if t is not None}
+    if doc_positions is not None:
+        if (tuple(doc_positions.shape) != (batch, seq_len)
+                or doc_positions.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"{where}: doc_positions must be [B, T] = {[batch, seq_len]} int32 "
+                             f"or int64, got {doc_positions.dtype} {list(doc_positions.shape)}")
+    devices = {t.device for t in (x, weight, left, doc_positions) if t is not None}
     if len(devices) != 1:
-        raise ValueError(f"{where}: x, weight and left are on different devices "
+        raise ValueError(f"{where}: x, weight, left and doc_positions are on different devices "
                          f"{sorted(str(d) for d in devices)}")
     device = x.device.type
     if device == "cpu":

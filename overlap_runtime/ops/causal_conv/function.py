@@ -35,13 +35,24 @@ def _blocks(channels: int) -> int:
     return min(BLOCK_C, max(16, _next_pow2(channels)))
 
 
+def _positions(doc_positions: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels' ``[B, T]`` int32 contiguous copy of ``doc_positions`` (None stays None)."""
+    if doc_positions is None:
+        return None
+    return doc_positions.to(torch.int32).contiguous()
+
+
 def causal_conv_silu_forward(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
-                             dilation: int) -> torch.Tensor:
+                             dilation: int, doc_positions: torch.Tensor | None = None
+                             ) -> torch.Tensor:
     """``SiLU(causal depthwise conv)`` without autograd: x ``[B, T, C]``, weight ``[C, K]``,
-    left ``[B, (K-1)*dilation, C]`` or None -> y ``[B, T, C]`` in x's dtype. Checks the inputs."""
+    left ``[B, (K-1)*dilation, C]`` or None, doc_positions ``[B, T]`` int or None (packed
+    documents: the taps reaching before a token's document start are dropped) -> y
+    ``[B, T, C]`` in x's dtype. Checks the inputs."""
     from .triton.kernels import causal_conv_silu_fwd_kernel
 
-    check_causal_conv_inputs(x, weight, left, dilation)
+    check_causal_conv_inputs(x, weight, left, dilation, doc_positions)
+    pos = _positions(doc_positions)
     batch, seq_len, channels = x.shape
     kernel = weight.shape[1]
     weight = weight.contiguous()
@@ -49,14 +60,16 @@ def causal_conv_silu_forward(x: torch.Tensor, weight: torch.Tensor, left: torch.
     bc = _blocks(channels)
     grid = (-(-seq_len // BLOCK_T), -(-channels // bc), batch)
     causal_conv_silu_fwd_kernel[grid](
-        x, x if left is None else left, weight, y, seq_len, channels, x.stride(0), x.stride(1),
-        (kernel - 1) * dilation, dilation, K=kernel, HAS_LEFT=left is not None, BT=BLOCK_T, BC=bc, num_warps=4)
+        x, x if left is None else left, weight, x if pos is None else pos, y, seq_len, channels,
+        x.stride(0), x.stride(1), (kernel - 1) * dilation, dilation, K=kernel,
+        HAS_LEFT=left is not None, HAS_POS=pos is not None, BT=BLOCK_T, BC=bc, num_warps=4)
     return y
 
 
 def causal_conv_silu_backward(
     grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
     dilation: int, need_x: bool = True, need_weight: bool = True, need_left: bool = True,
+    doc_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`causal_conv_silu_forward` without autograd.
 
@@ -64,6 +77,7 @@ def causal_conv_silu_backward(
         grad_y: ``[B, T, C]`` gradient of y (any strides; made contiguous).
         x, weight, left, dilation: the forward's inputs.
         need_x, need_weight, need_left: which gradients to compute.
+        doc_positions: the forward's ``[B, T]`` positions in the documents, or None.
 
     Returns:
         ``(dx [B, T, C] in x's dtype, dweight [C, K] in weight's dtype, d_left
@@ -72,7 +86,8 @@ def causal_conv_silu_backward(
     """
     from .triton.kernels import causal_conv_silu_bwd_kernel, causal_conv_silu_bwd_left_kernel
 
-    check_causal_conv_inputs(x, weight, left, dilation)
+    check_causal_conv_inputs(x, weight, left, dilation, doc_positions)
+    pos = _positions(doc_positions)
     if tuple(grad_y.shape) != tuple(x.shape):
         raise ValueError(f"causal_conv_silu backward: grad_y shape {tuple(grad_y.shape)} differs "
                          f"from x shape {tuple(x.shape)}")
@@ -94,10 +109,11 @@ def causal_conv_silu_backward(
     if need_x or need_weight:
         grid = (programs_t, -(-channels // bc), batch)
         causal_conv_silu_bwd_kernel[grid](
-            x, x if left is None else left, weight, dy, x if dx is None else dx,
-            x if partial is None else partial, seq_len, channels, x.stride(0), x.stride(1), halo,
-            dilation, rows,
-            K=kernel, KP=_next_pow2(kernel), HAS_LEFT=left is not None, NEED_DX=need_x,
+            x, x if left is None else left, weight, x if pos is None else pos, dy,
+            x if dx is None else dx, x if partial is None else partial, seq_len, channels,
+            x.stride(0), x.stride(1), halo, dilation, rows,
+            K=kernel, KP=_next_pow2(kernel), HAS_LEFT=left is not None,
+            HAS_POS=pos is not None, NEED_DX=need_x,
             NEED_DW=need_weight, BT=BLOCK_T, BC=bc, num_warps=4)
     if partial is not None:
         dweight = partial.sum(0).t().to(weight.dtype)  # [C, K], one fp32 reduction
@@ -105,38 +121,39 @@ def causal_conv_silu_backward(
         assert left is not None
         d_left = torch.empty_like(left)
         causal_conv_silu_bwd_left_kernel[(-(-channels // bc), batch)](
-            x, left, weight, dy, d_left, seq_len, channels, x.stride(0), x.stride(1), halo,
-            dilation,
-            K=kernel, BH=_next_pow2(halo), BC=bc, num_warps=4)
+            x, left, weight, x if pos is None else pos, dy, d_left, seq_len, channels,
+            x.stride(0), x.stride(1), halo, dilation,
+            K=kernel, HAS_POS=pos is not None, BH=_next_pow2(halo), BC=bc, num_warps=4)
     elif left is not None and halo == 0 and left.requires_grad:
         d_left = torch.zeros_like(left)
     return dx, dweight, d_left
 
 
 class CausalConvSiluFunction(torch.autograd.Function):
-    """Autograd of :func:`causal_conv_silu_forward`: saves x, weight and left (the inputs) and
-    recomputes the pre-activation in backward."""
+    """Autograd of :func:`causal_conv_silu_forward`: saves x, weight, left and doc_positions
+    (the inputs) and recomputes the pre-activation in backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
-                dilation: int) -> torch.Tensor:
-        y = causal_conv_silu_forward(x, weight, left, dilation)
-        ctx.save_for_backward(x, weight, left)
+                dilation: int, doc_positions: torch.Tensor | None = None) -> torch.Tensor:
+        y = causal_conv_silu_forward(x, weight, left, dilation, doc_positions)
+        ctx.save_for_backward(x, weight, left, doc_positions)
         ctx.dilation = dilation
         return y
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, left = ctx.saved_tensors
+        x, weight, left, doc_positions = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx, dweight, d_left = causal_conv_silu_backward(
             grad_y, x, weight, left, ctx.dilation, need_x=need[0], need_weight=need[1],
-            need_left=need[2])
-        return dx, dweight, d_left, None
+            need_left=need[2], doc_positions=doc_positions)
+        return dx, dweight, d_left, None, None
 
 
 def causal_conv_silu_triton(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
-                            dilation: int = 1) -> torch.Tensor:
+                            dilation: int = 1, doc_positions: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """``SiLU(causal depthwise conv)`` of x with the Triton kernels (``conv_backend="triton"``).
 
     Args:
@@ -146,11 +163,16 @@ def causal_conv_silu_triton(x: torch.Tensor, weight: torch.Tensor, left: torch.T
         left: ``[B, (K - 1) * dilation, C]`` in x's dtype, the positions just before x (a CP
             halo), or None for causal zero padding.
         dilation: the conv's dilation (>= 1).
+        doc_positions: ``[B, T]`` int32/int64 position of each token in its packed document
+            (``layers.segments.document_positions``), or None: tap ``i`` (reaching
+            ``(K-1-i) * dilation`` back) is dropped where that exceeds the position, so the
+            conv restarts at every document start as with zero padding (``left`` reaches
+            only a document continuing from before x).
 
     Returns:
         ``[B, T, C]`` contiguous in x's dtype, accumulated in fp32 and rounded once. Differentiable in x,
         weight and left. Raises ``ValueError`` / ``NotImplementedError`` naming the value and
         the rule for inputs the kernels do not run (``capability.py``).
     """
-    check_causal_conv_inputs(x, weight, left, dilation)
-    return CausalConvSiluFunction.apply(x, weight, left, dilation)
+    check_causal_conv_inputs(x, weight, left, dilation, doc_positions)
+    return CausalConvSiluFunction.apply(x, weight, left, dilation, doc_positions)

@@ -17,6 +17,15 @@ saved): each program recomputes ``ds`` at the K shifts its rows need (K * K cach
 the weight gradient is a per-program fp32 partial sum over its rows, written to
 ``partial [NP, K, C]`` and reduced once afterwards (deterministic, no atomics). A second small
 kernel computes ``d_left`` (H rows per batch and channel block).
+
+Packed documents (``HAS_POS``): ``pos [B, T]`` int32 is each token's position in its document
+(``layers.segments.document_positions``). Tap ``i`` reaches ``lag = H - i*D`` positions back
+and is kept at output ``t`` only when ``lag <= pos[t]``, so no window crosses a document start
+(the conv restarts there exactly as with zero left padding)::
+
+    a[t]  = sum_i [H - i*D <= pos[t]] * w[i] * xf[t - H + i*D]
+    dxf[s] = sum_m [m*D <= pos[s + m*D]] * w[K-1-m] * ds[s + m*D]
+    dw[c, i] = sum_{b, t} [H - i*D <= pos[t]] * ds[b, t, c] * xf[b, t - H + i*D, c]
 """
 
 from __future__ import annotations
@@ -48,24 +57,39 @@ def _load_xf(x_ptr, left_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HALO,
 
 
 @triton.jit
-def _preact(x_ptr, left_ptr, w_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HALO, DIL,
-            K: tl.constexpr, HAS_LEFT: tl.constexpr):
-    """``a[b, pos, cols]`` fp32 ``[BT, BC]`` (module docstring)."""
+def _doc_pos(pos_ptr, b, pos, T):
+    """``pos_in_doc[b, pos]`` int32 ``[BT]`` (contiguous ``[B, T]``), 0 outside ``[0, T)``
+    (where nothing reads it: dy is 0 there)."""
+    in_x = (pos >= 0) & (pos < T)
+    p = tl.where(in_x, pos, 0).to(tl.int64)
+    return tl.load(pos_ptr + b * T + p, mask=in_x, other=0)
+
+
+@triton.jit
+def _preact(x_ptr, left_ptr, w_ptr, pos_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HALO, DIL,
+            K: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_POS: tl.constexpr):
+    """``a[b, pos, cols]`` fp32 ``[BT, BC]`` (module docstring; with ``HAS_POS`` the taps that
+    reach before the output token's document start are dropped)."""
     acc = tl.zeros((pos.shape[0], cols.shape[0]), dtype=tl.float32)
+    if HAS_POS:
+        dp = _doc_pos(pos_ptr, b, pos, T)
     for i in tl.static_range(K):
         w_i = tl.load(w_ptr + cols * K + i, mask=col_ok, other=0.0).to(tl.float32)
-        acc += w_i[None, :] * _load_xf(x_ptr, left_ptr, b, pos + (i * DIL - HALO), cols, col_ok,
-                                       T, C, SXB, SXT, HALO, HAS_LEFT)
+        xv = _load_xf(x_ptr, left_ptr, b, pos + (i * DIL - HALO), cols, col_ok, T, C, SXB, SXT,
+                      HALO, HAS_LEFT)
+        if HAS_POS:
+            xv = tl.where((dp >= HALO - i * DIL)[:, None], xv, 0.0)
+        acc += w_i[None, :] * xv
     return acc
 
 
 @triton.jit
-def _ds(x_ptr, left_ptr, w_ptr, dy_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HALO, DIL,
-        K: tl.constexpr, HAS_LEFT: tl.constexpr):
+def _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HALO,
+        DIL, K: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_POS: tl.constexpr):
     """``ds[b, pos, cols]`` fp32 ``[BT, BC]``, 0 outside ``[0, T)``, recomputed from x (dy
     contiguous)."""
-    a = _preact(x_ptr, left_ptr, w_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HALO, DIL, K,
-                HAS_LEFT)
+    a = _preact(x_ptr, left_ptr, w_ptr, pos_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HALO,
+                DIL, K, HAS_LEFT, HAS_POS)
     in_x = (pos >= 0) & (pos < T)
     pd = tl.where(in_x, pos, 0).to(tl.int64)
     dy = tl.load(dy_ptr + (b * T + pd)[:, None] * C + cols[None, :],
@@ -75,17 +99,17 @@ def _ds(x_ptr, left_ptr, w_ptr, dy_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HA
 
 
 @triton.jit
-def causal_conv_silu_fwd_kernel(x_ptr, left_ptr, w_ptr, y_ptr, T, C, SXB, SXT, HALO, DIL,
-                                K: tl.constexpr, HAS_LEFT: tl.constexpr,
-                                BT: tl.constexpr, BC: tl.constexpr):
+def causal_conv_silu_fwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, y_ptr, T, C, SXB, SXT, HALO,
+                                DIL, K: tl.constexpr, HAS_LEFT: tl.constexpr,
+                                HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Grid ``(cdiv(T, BT), cdiv(C, BC), B)``: ``y = SiLU(a)`` of one tile, in y's dtype
     (y contiguous)."""
     pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = pid_t * BT + tl.arange(0, BT)
     cols = pid_c * BC + tl.arange(0, BC)
     col_ok = cols < C
-    a = _preact(x_ptr, left_ptr, w_ptr, b, rows, cols, col_ok, T, C, SXB, SXT, HALO, DIL, K,
-                HAS_LEFT)
+    a = _preact(x_ptr, left_ptr, w_ptr, pos_ptr, b, rows, cols, col_ok, T, C, SXB, SXT, HALO,
+                DIL, K, HAS_LEFT, HAS_POS)
     y = a / (1.0 + tl.exp(-a))
     offs = (b * T + rows.to(tl.int64))[:, None] * C + cols[None, :]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty),
@@ -93,10 +117,10 @@ def causal_conv_silu_fwd_kernel(x_ptr, left_ptr, w_ptr, y_ptr, T, C, SXB, SXT, H
 
 
 @triton.jit
-def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, dy_ptr, dx_ptr, partial_ptr,
+def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, partial_ptr,
                                 T, C, SXB, SXT, HALO, DIL, ROWS_PER_PROG,
                                 K: tl.constexpr, KP: tl.constexpr, HAS_LEFT: tl.constexpr,
-                                NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
+                                HAS_POS: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
                                 BT: tl.constexpr, BC: tl.constexpr):
     """Grid ``(NTP, cdiv(C, BC), B)``, each program ``ROWS_PER_PROG`` rows (a multiple of BT):
     ``dx`` of its rows, and its fp32 partial weight gradient ``partial[b * NTP + pid_t, :, c]``
@@ -112,17 +136,24 @@ def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, dy_ptr, dx_ptr, partial_
         dx = tl.zeros((BT, BC), dtype=tl.float32)
         for m in tl.static_range(K):
             if m == 0 or NEED_DX:
-                ds = _ds(x_ptr, left_ptr, w_ptr, dy_ptr, b, rows + m * DIL, cols, col_ok, T, C,
-                         SXB, SXT, HALO, DIL, K, HAS_LEFT)
-                if NEED_DX:
-                    w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok,
-                                  other=0.0).to(tl.float32)
-                    dx += w_j[None, :] * ds
+                ds = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, rows + m * DIL, cols, col_ok,
+                         T, C, SXB, SXT, HALO, DIL, K, HAS_LEFT, HAS_POS)
                 if m == 0 and NEED_DW:
+                    if HAS_POS:
+                        dp = _doc_pos(pos_ptr, b, rows, T)
                     for i in tl.static_range(K):
                         xv = _load_xf(x_ptr, left_ptr, b, rows + (i * DIL - HALO), cols, col_ok,
                                       T, C, SXB, SXT, HALO, HAS_LEFT)
+                        if HAS_POS:
+                            xv = tl.where((dp >= HALO - i * DIL)[:, None], xv, 0.0)
                         dw += tl.where(taps[:, None] == i, tl.sum(ds * xv, axis=0)[None, :], 0.0)
+                if NEED_DX:
+                    if HAS_POS:  # tap K-1-m of output rows + m*D reaches back m*D
+                        keep = _doc_pos(pos_ptr, b, rows + m * DIL, T) >= m * DIL
+                        ds = tl.where(keep[:, None], ds, 0.0)
+                    w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok,
+                                  other=0.0).to(tl.float32)
+                    dx += w_j[None, :] * ds
         if NEED_DX:
             offs = (b * T + rows.to(tl.int64))[:, None] * C + cols[None, :]
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty),
@@ -134,9 +165,9 @@ def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, dy_ptr, dx_ptr, partial_
 
 
 @triton.jit
-def causal_conv_silu_bwd_left_kernel(x_ptr, left_ptr, w_ptr, dy_ptr, dleft_ptr,
-                                     T, C, SXB, SXT, HALO, DIL,
-                                     K: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr):
+def causal_conv_silu_bwd_left_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dleft_ptr,
+                                     T, C, SXB, SXT, HALO, DIL, K: tl.constexpr,
+                                     HAS_POS: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr):
     """Grid ``(cdiv(C, BC), B)``: ``d_left[b, s + HALO, cols]`` for ``s in [-HALO, 0)``
     (BH = next power of two of HALO), in d_left's dtype."""
     pid_c, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -145,8 +176,11 @@ def causal_conv_silu_bwd_left_kernel(x_ptr, left_ptr, w_ptr, dy_ptr, dleft_ptr,
     rows = tl.arange(0, BH) - HALO  # s, negative where it is a halo position
     acc = tl.zeros((BH, BC), dtype=tl.float32)
     for m in tl.static_range(K):
-        ds = _ds(x_ptr, left_ptr, w_ptr, dy_ptr, b, rows + m * DIL, cols, col_ok, T, C, SXB, SXT,
-                 HALO, DIL, K, True)
+        ds = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, rows + m * DIL, cols, col_ok, T, C,
+                 SXB, SXT, HALO, DIL, K, True, HAS_POS)
+        if HAS_POS:  # tap K-1-m of output rows + m*D reaches back m*D
+            keep = _doc_pos(pos_ptr, b, rows + m * DIL, T) >= m * DIL
+            ds = tl.where(keep[:, None], ds, 0.0)
         w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok, other=0.0).to(tl.float32)
         acc += w_j[None, :] * ds
     ok = rows < 0
