@@ -21,6 +21,8 @@ NAMES = ("q", "k", "v", "g", "beta")
     ({"num_segments": -2}, ValueError, r"GDNKernelOptions.num_segments=-2 must be >= 1"),
     ({"block_chunks": True}, TypeError, r"block_chunks=True must be an int or None, got bool"),
     ({"num_segments": 2.0}, TypeError, r"num_segments=2.0 must be an int or None, got float"),
+    ({"recompute_w": 1}, TypeError, r"recompute_w=1 must be a bool or None, got int"),
+    ({"recompute_w": "yes"}, TypeError, r"recompute_w='yes' must be a bool or None, got str"),
 ])
 def test_invalid_values_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -37,6 +39,9 @@ def test_options_are_frozen():
      r"backend='eager': num_segments=4 applies to backend='triton' only"),
     ("triton", GDNKernelOptions(block_chunks=2),
      r"backend='triton': block_chunks=2 applies to backend='eager' only"),
+    # an explicit False is a set option too: refused on eager, never ignored
+    ("eager", GDNKernelOptions(recompute_w=False),
+     r"backend='eager': recompute_w=False applies to backend='triton' only"),
 ])
 def test_an_option_of_another_backend_is_refused(backend, options, match):
     x = make_inputs(1, 10, 1, 2, 8, 8, dtype=torch.float32, requires_grad=False)
@@ -54,6 +59,11 @@ def test_options_must_be_the_dataclass():
 def test_options_configure_the_backend():
     assert EagerBackend().with_options(GDNKernelOptions(block_chunks=3)).block_chunks == 3
     assert TritonBackend().with_options(GDNKernelOptions(num_segments=5)).num_segments == 5
+    both = TritonBackend().with_options(GDNKernelOptions(num_segments=3, recompute_w=True))
+    assert (both.num_segments, both.recompute_w) == (3, True)
+    assert TritonBackend().recompute_w is False  # the default saves w
+    kept = TritonBackend(num_segments=2).with_options(GDNKernelOptions(recompute_w=True))
+    assert (kept.num_segments, kept.recompute_w) == (2, True)
     default = EagerBackend()
     assert default.with_options(GDNKernelOptions()) is default
 

@@ -141,15 +141,19 @@ class TritonBackend(GDNBackend):
     q/k/v/beta, fp32 g and state; K, V in {64, 128}; chunk 64) and raises
     ``NotImplementedError`` naming the rule; ``forward`` runs the kernels' autograd Function.
     ``num_segments`` fixes how many segments the state scan splits each sequence into
-    (None: chosen from the machine).
+    (None: chosen from the machine); ``recompute_w`` leaves the WY factor w out of the saved
+    tensors and forms it again in the backward (less memory, one more launch).
     """
 
     name = "triton"
 
-    def __init__(self, num_segments: int | None = None) -> None:
+    def __init__(self, num_segments: int | None = None, recompute_w: bool = False) -> None:
         if num_segments is not None and num_segments < 1:
             raise ValueError(f"num_segments={num_segments} must be >= 1 or None")
+        if not isinstance(recompute_w, bool):
+            raise TypeError(f"recompute_w={recompute_w!r} must be a bool")
         self.num_segments = num_segments
+        self.recompute_w = recompute_w
 
     def check(self, q, k, v, g, beta, *, initial_state, chunk_size,  # noqa: D102
               cu_seqlens=None) -> None:
@@ -159,9 +163,11 @@ class TritonBackend(GDNBackend):
 
     def with_options(self, options: GDNKernelOptions) -> "TritonBackend":  # noqa: D102
         options.check_backend(self.name)
-        if options.num_segments is None:
+        if options.num_segments is None and options.recompute_w is None:
             return self
-        return TritonBackend(options.num_segments)
+        return TritonBackend(
+            self.num_segments if options.num_segments is None else options.num_segments,
+            self.recompute_w if options.recompute_w is None else options.recompute_w)
 
     def forward(self, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm, chunk_size,
                 cu_seqlens=None):
@@ -169,11 +175,13 @@ class TritonBackend(GDNBackend):
                    cu_seqlens=cu_seqlens)
         from .triton.function import chunk_gated_delta_rule_triton
 
-        # cu_seqlens is the kernels' keyword (issue #22, ops/gdn/triton); passed only when set,
-        # so a kernel version without varlen still runs every unpacked call
-        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        # cu_seqlens and recompute_w are the kernels' keywords (issue #22, ops/gdn/triton);
+        # passed only when set, so a kernel version without them still runs every plain call
+        extra: dict = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        if self.recompute_w:
+            extra["recompute_w"] = True
         return chunk_gated_delta_rule_triton(
-            q, k, v, g, beta, scale, initial_state, use_qk_l2norm, self.num_segments, **packed
+            q, k, v, g, beta, scale, initial_state, use_qk_l2norm, self.num_segments, **extra
         )
 
 
@@ -349,7 +357,8 @@ def chunk_gated_delta_rule(
             (B == 1): the state restarts at each, ``initial_state`` and the final state are
             ``[N, HV, K, V]``; empty sequences allowed. None: each batch row is one sequence.
         options: :class:`GDNKernelOptions` tuning knobs of the chosen backend (``block_chunks``
-            for eager, ``num_segments`` for triton); one that does not apply raises.
+            for eager, ``num_segments`` and ``recompute_w`` for triton); one that does not
+            apply raises.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [B or N, HV, K, V] fp32 or None)``; with

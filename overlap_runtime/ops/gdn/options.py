@@ -16,7 +16,9 @@ from dataclasses import dataclass, fields
 __all__ = ["GDNKernelOptions"]
 
 # option name -> the backend it applies to
-_APPLIES_TO = {"block_chunks": "eager", "num_segments": "triton"}
+_APPLIES_TO = {"block_chunks": "eager", "num_segments": "triton", "recompute_w": "triton"}
+# option name -> the type of its values (bool options take exactly True/False)
+_BOOL_OPTIONS = frozenset({"recompute_w"})
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,26 @@ class GDNKernelOptions:
         num_segments: triton only. Segments the state scan splits each sequence into (default:
             chosen from the machine, about two programs per SM); a positive int, 1 is the plain
             sequential walk.
+        recompute_w: triton only. True: the forward does not save the WY factor w
+            (``[B, T, HV, K]`` in the input dtype, 268 MB per layer at T = 32K, HV = 32,
+            K = 128, bf16) and the backward forms it again from the saved inverse (one more
+            w-only ``wy_fwd`` launch, about 2-3% of forward+backward at 8K; results bit for bit
+            the same). Default False: w is saved (docs/gdn.md, "Triton backend"). A bool.
     """
 
     block_chunks: int | None = None
     num_segments: int | None = None
+    recompute_w: bool | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
+                continue
+            if f.name in _BOOL_OPTIONS:
+                if not isinstance(value, bool):
+                    raise TypeError(f"GDNKernelOptions.{f.name}={value!r} must be a bool or "
+                                    f"None, got {type(value).__name__}")
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(
@@ -48,7 +61,7 @@ class GDNKernelOptions:
                 raise ValueError(f"GDNKernelOptions.{f.name}={value} must be >= 1 (or None "
                                  "for the backend's default)")
 
-    def set_options(self) -> dict[str, int]:
+    def set_options(self) -> dict[str, int | bool]:
         """The options that are set (not None), by name."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if getattr(self, f.name) is not None}

@@ -11,14 +11,32 @@ Forward (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS`` segments):
                           from its true entering state, in parallel   grid (blocks, NS, B*HV)
     output                o                                               grid (V/BV, NT, B*HV)
 
-Saved for backward: q, k (and their normalised copies and 1/norm), v, g (for dg = 0 where it
-was floored), beta, gamma, Ainv, w, u, the state entering each segment, the segment transitions
-M_s, and the per-chunk states and residuals of the forward scan (``[B, NT, HV, K, V]`` and
-``[B, T, HV, V]`` in the input dtype: at T = 32K, H = 32, K = V = 128, bf16 that is 0.8 GB,
-and it spares the backward a whole sequential walk - about 4% of forward+backward on an H200).
+Saved for backward (per layer at T = 32K, B = 1, H = 16, HV = 32, K = V = 128, bf16, NS = 4;
+1.90 GB, 1.63 GB with ``recompute_w``, against 2.45 GB measured before issue #22's memory pass)::
+
+    q, k                  the raw inputs [B, T, H, K]                     2 x 134 MB
+    q_rstd, k_rstd        fp32 1/norm [B, T, H] (with the norm)           2 x 2.1 MB
+    v, g, beta            inputs (g fp32: dg = 0 where it was floored)    268 + 4.2 + 2.1 MB
+    gamma, Ainv           fp32 [B, T, HV], [B, T, HV, 64]                 4.2 + 268 MB
+    w                     [B, T, HV, K] (not with recompute_w)            268 MB
+    M_s                   fp32 segment transitions (NS > 1 only)          8.4 MB
+    states, v_new         per-chunk states [B, NT, HV, K, V] and residuals
+                          [B, T, HV, V] of the forward scan               537 + 268 MB
+
+Not saved: the normalised q, k (the backward forms them again from q, k and 1/norm with the
+forward's norm kernel, ``l2norm_apply``: two launches, bitwise the forward's copies; -268 MB),
+u (no backward kernel reads it: the state gradients go through v_new; -268 MB), the states
+entering the segments (dead after the scan). w with ``recompute_w`` (``GDNKernelOptions``):
+one w-only ``wy_fwd`` launch in the backward (bitwise the forward's w; it reads Ainv and k and
+writes w where the forward's also reads v and writes u: an estimated 0.05-0.065 ms of wy_fwd's
+measured 0.097 ms, ~3% of 1.94 ms forward+backward at 8K on an H200, not measured; -268 MB);
+off by default. The per-chunk states stay saved: they spare the backward a whole sequential walk
+(about 4% of forward+backward on an H200; flash-linear-attention recomputes them and w, u).
 
 Backward::
 
+    recompute             normalised q, k from q, k and 1/norm (with the norm); w from Ainv
+                          (with recompute_w)                              rows / BR; (NT, B*HV)
     dv_local              scale (Q K^T * Gamma)^T dO                      grid (NT, B*HV)
     reverse scan          NS > 1: segment-local state gradients c_s from zero, the chain
                           dH_(s) = M_s^T dH_(s+1) + c_s, then every segment's reverse walk
@@ -61,7 +79,7 @@ from .common import CHUNK, choose_segments
 from .fwd_output import output_kernel
 from .fwd_prepare import kkt_solve, wy_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
-from .l2norm import l2norm_forward, l2norm_group_backward
+from .l2norm import l2norm_apply, l2norm_forward, l2norm_group_backward
 from .varlen import VarlenLayout, varlen_layout
 
 __all__ = [
@@ -282,14 +300,16 @@ def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.
 
 @dataclass(frozen=True)
 class ScanMeta:
-    """What one forward decided and its backward reuses: the query scale and the segment
+    """What one forward decided and its backward reuses: the query scale, the segment
     layout (``num_segments`` segments of ``per_segment`` chunks, the last possibly shorter;
-    with ``varlen``, the tables of varlen.py instead and ``per_segment`` unused)."""
+    with ``varlen``, the tables of varlen.py instead and ``per_segment`` unused) and whether w
+    was left out of the saved tensors (``recompute_w``: the backward forms it again)."""
 
     scale: float
     num_segments: int
     per_segment: int
     varlen: VarlenLayout | None = None
+    recompute_w: bool = False
 
     @property
     def chained(self) -> bool:
@@ -322,7 +342,7 @@ def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
 def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, h0: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
                 num_segments: int | None, link: StateLink | None = None,
-                cu_seqlens: torch.Tensor | None = None
+                cu_seqlens: torch.Tensor | None = None, recompute_w: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...],
                            "ScanMeta"]:
     """The forward kernels (module docstring) without autograd.
@@ -333,10 +353,13 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         ``link``, the link's entering state is used instead).
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of packed sequences (B = 1; no ``link``);
             h0 and the final state are then ``[N, HV, K, V]``.
+        recompute_w: leave w out of ``saved``; :func:`gdn_backward` forms it again from the
+            saved Ainv (one w-only ``wy_fwd`` launch, bitwise the same w).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final [B, HV, K, V] fp32, saved tensors, meta)``:
-        what :func:`gdn_backward` needs (``saved`` may hold None).
+        what :func:`gdn_backward` needs (``saved`` may hold None; the normalised q, k and u are
+        never in it, module docstring).
     """
     layout = None
     if cu_seqlens is not None:
@@ -351,7 +374,7 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         ns, per_segment = _layout(kn, u, num_segments, link.min_segments if link else 1)
     else:
         num_chunks, ns, per_segment = layout.num_chunks, layout.num_segments, 0
-    meta = ScanMeta(scale, ns, per_segment, layout)
+    meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps
     if meta.chained or wants_maps:
@@ -383,9 +406,25 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         seq_len, num_chunks, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
         BV=bv, VARLEN=layout is not None,
     )
-    saved = (q, k, v, g, beta, prep["qn"], kn, prep["q_rstd"], prep["k_rstd"], gamma,
-             prep["ainv"], w, u, seg_init, m_seg, states, v_new)
+    # not the normalised q, k (recomputed from q, k and 1/norm), nor u (the backward reads
+    # none), nor seg_init (dead once the scan ran); w only without recompute_w
+    saved = (q, k, v, g, beta, prep["q_rstd"], prep["k_rstd"], gamma, prep["ainv"],
+             None if recompute_w else w, m_seg, states, v_new)
     return o, final, saved, meta
+
+
+def _recompute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+               q_rstd: torch.Tensor | None, k_rstd: torch.Tensor | None, gamma: torch.Tensor,
+               ainv: torch.Tensor, w: torch.Tensor | None, chunks: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the backward needs and the forward did not save: the normalised ``(qn, kn)``
+    (``x * rstd`` by the forward's norm kernel, bitwise its result; q, k themselves without the
+    norm) and w when it was not saved (the forward's WY kernel on the same inputs, bitwise)."""
+    qn = q if q_rstd is None else l2norm_apply(q, q_rstd)
+    kn = k if k_rstd is None else l2norm_apply(k, k_rstd)
+    if w is None:
+        w, _ = wy_forward(kn, v, beta, gamma, ainv, chunks, w_only=True)
+    return qn, kn, w
 
 
 def _varlen(q: torch.Tensor, v: torch.Tensor, num_segments: int | None,
@@ -417,10 +456,13 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
         ``(dq, dk, dv, dg fp32, dbeta, dh0 [B, HV, K, V] fp32)``; dh0 is the gradient of the
         entering state (zeros-start included; ``[N, HV, K, V]`` after a varlen forward).
     """
-    (q, k, v, g, beta, qn, kn, q_rstd, k_rstd, gamma, ainv, w, u, seg_init, m_seg, states,
-     v_new) = saved
+    q, k, v, g, beta, q_rstd, k_rstd, gamma, ainv, w, m_seg, states, v_new = saved
     scale, ns, per_segment, layout = meta.scale, meta.num_segments, meta.per_segment, meta.varlen
     chunks = None if layout is None else layout.chunks
+    if (w is None) != meta.recompute_w:
+        raise RuntimeError(f"gdn_backward: saved w is {'missing' if w is None else 'present'} "
+                           f"but the forward ran with recompute_w={meta.recompute_w}")
+    qn, kn, w = _recompute(q, k, v, beta, q_rstd, k_rstd, gamma, ainv, w, chunks)
     do = do.contiguous()
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
@@ -467,7 +509,7 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
         HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
         VARLEN=chunks is not None,
     )
-    del states, dhs, v_new
+    del states, dhs, v_new, qn, w
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg = torch.empty(batch, seq_len, num_value_heads, **f32)
@@ -493,18 +535,20 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
 
 class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """``apply(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, num_segments,
-    cu_seqlens)`` returns ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``
-    (``[N, HV, K, V]`` with ``cu_seqlens``)."""
+    cu_seqlens, recompute_w)`` returns ``(o [B, T, HV, V] in v's dtype, final_state
+    [B, HV, K, V] fp32)`` (``[N, HV, K, V]`` with ``cu_seqlens``)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
                 use_qk_l2norm: bool, num_segments: int | None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: torch.Tensor | None = None, recompute_w: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
         o, final, saved, meta = gdn_forward(q, k, v, g, beta, h0, scale, use_qk_l2norm,
-                                            num_segments, cu_seqlens=cu_seqlens)
+                                            num_segments, cu_seqlens=cu_seqlens,
+                                            recompute_w=recompute_w)
         ctx.save_for_backward(*saved)
         ctx.meta = meta
         ctx.has_initial_state = initial_state is not None
@@ -517,14 +561,15 @@ class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
                  ) -> tuple[torch.Tensor | None, ...]:
         dq, dk, dv, dg, dbeta, dh0 = gdn_backward(ctx.saved_tensors, ctx.meta, do, dht)
         dh0 = dh0.to(ctx.state_dtype) if ctx.has_initial_state else None
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
 
 
 def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   g: torch.Tensor, beta: torch.Tensor, scale: float,
                                   initial_state: torch.Tensor | None = None,
                                   use_qk_l2norm: bool = True, num_segments: int | None = None,
-                                  cu_seqlens: torch.Tensor | None = None
+                                  cu_seqlens: torch.Tensor | None = None,
+                                  recompute_w: bool = False
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton chunked gated delta rule (inputs are not validated here: use
     ``chunk_gated_delta_rule(..., backend="triton")``).
@@ -537,10 +582,13 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of N sequences packed in ``B = 1``
             (0 first, T last, never decreasing; empty sequences allowed): the state restarts
             at every offset, initial_state and the final state are ``[N, HV, K, V]``.
+        recompute_w: do not save w ``[B, T, HV, K]`` for the backward, form it again there
+            (one more ``wy_fwd`` launch, w only; same results bit for bit).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``, differentiable
         (final_state ``[N, HV, K, V]`` with ``cu_seqlens``).
     """
     return TritonChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, scale,
-                                                   use_qk_l2norm, num_segments, cu_seqlens)
+                                                   use_qk_l2norm, num_segments, cu_seqlens,
+                                                   recompute_w)

@@ -15,7 +15,9 @@ blocks, inverts the four diagonal blocks by forward substitution (row by row, in
 and the six blocks below them by block forward substitution
 ``Ainv_ij = -Ainv_ii sum_{j <= m < i} A_im Ainv_mj``, all in fp32 (block products in 3xTF32 on
 NVIDIA: ``ieee`` fp32 products run on the CUDA cores, not the tensor cores).
-``wy_fwd_kernel`` (grid ``(NT, B * HV)``) forms u and w from Ainv with tensor-core products.
+``wy_fwd_kernel`` (grid ``(NT, B * HV)``) forms u and w from Ainv with tensor-core products;
+with ``W_ONLY`` it forms w alone, the same operations in the same order (bitwise the forward's
+w): the backward's recomputation of w (``recompute_w``, function.py).
 With ``VARLEN`` chunk ``i_n`` is the chunk table's (common.chunk_span): it starts anywhere and
 its rows end at its sequence's end.
 """
@@ -150,11 +152,11 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl
     _store_block(ainv, t33, i_b, i_hv, t0 + 48, 48, T, eos, HV, BT)
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "W_ONLY"])
 @triton.jit
 def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, chunks, T, H: tl.constexpr, HV: tl.constexpr,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, VARLEN: tl.constexpr):
+                  BV: tl.constexpr, VARLEN: tl.constexpr, W_ONLY: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -165,12 +167,13 @@ def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, chunks, T, H: tl.constexpr, HV:
                   mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        off = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_v = tl.load(v + off, mask=m_t[:, None], other=0.0)
-        b_u = mm(b_a, (b_v * b_beta[:, None]).to(b_v.dtype))
-        tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m_t[:, None])
+    if not W_ONLY:
+        for i_v in range(V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            off = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+            b_v = tl.load(v + off, mask=m_t[:, None], other=0.0)
+            b_u = mm(b_a, (b_v * b_beta[:, None]).to(b_v.dtype))
+            tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m_t[:, None])
     b_kscale = b_beta * tl.exp(b_gam)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -208,18 +211,18 @@ def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_he
 
 
 def wy_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor,
-               ainv: torch.Tensor, chunks: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               ainv: torch.Tensor, chunks: torch.Tensor | None = None, w_only: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """WY factors ``(w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's dtype)``; ``chunks``
-    as :func:`kkt_solve`."""
+    as :func:`kkt_solve`; ``w_only``: u is not formed (None), w is bitwise the same."""
     batch, seq_len, heads, key_dim = k.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     w = torch.empty(batch, seq_len, num_value_heads, key_dim, device=k.device, dtype=k.dtype)
-    u = torch.empty_like(v)
+    u = None if w_only else torch.empty_like(v)
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     wy_fwd_kernel[(num_chunks, batch * num_value_heads)](
-        k, v, beta, gamma, ainv, w, u, chunks if chunks is not None else gamma, seq_len,
-        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=min(64, key_dim),
-        BV=min(64, value_dim), VARLEN=chunks is not None,
+        k, v, beta, gamma, ainv, w, w if u is None else u, chunks if chunks is not None else gamma,
+        seq_len, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
+        BK=min(64, key_dim), BV=min(64, value_dim), VARLEN=chunks is not None, W_ONLY=w_only,
     )
     return w, u
