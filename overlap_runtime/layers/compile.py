@@ -9,7 +9,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from overlap_runtime.layers.elementwise import causal_conv_silu_shifted, gdn_gates
+from overlap_runtime.layers.elementwise import (causal_conv_silu_shifted,
+                                                causal_conv_silu_shifted_parts, gdn_gates)
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.norm import RMSNorm, RMSNormGated
 
@@ -31,7 +32,9 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
 
     Every ``RMSNorm`` / ``RMSNormGated`` is compiled (``nn.Module.compile``); every
     ``GatedDeltaNet`` calls the compiled ``gdn_gates`` and, with ``conv_backend="torch"``, the
-    compiled ``causal_conv_silu_shifted`` (``conv_backend="triton"`` keeps its Triton conv).
+    compiled ``causal_conv_silu_shifted`` (``conv_backend="triton"`` keeps its Triton conv),
+    and the compiled ``causal_conv_silu_shifted_parts`` for q, k, v written contiguous
+    (``GatedDeltaNet.causal_conv_qkv``).
     Call it before FSDP2 wraps the model (as torchtitan does); the cores and collectives stay
     eager.
     """
@@ -41,5 +44,6 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
         elif isinstance(module, GatedDeltaNet):
             if module.conv_backend == "torch":
                 module.conv_fn = compiled(causal_conv_silu_shifted)
+                module.conv_parts_fn = compiled(causal_conv_silu_shifted_parts)
             module.gates_fn = compiled(gdn_gates)
     return model

@@ -34,10 +34,13 @@ compiled regions; it is what ``train.compile: true`` applies.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv_silu", "causal_conv_silu_shifted", "gdn_gates"]
+__all__ = ["causal_conv_silu", "causal_conv_silu_parts", "causal_conv_silu_shifted",
+           "causal_conv_silu_shifted_parts", "gdn_gates"]
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
@@ -99,6 +102,47 @@ def causal_conv_silu_shifted(x: torch.Tensor, weight: torch.Tensor, left: torch.
             tap = torch.where(pos >= halo - s, tap, 0.0)
         acc = tap * w[:, j] if acc is None else acc + tap * w[:, j]
     return F.silu(acc).to(x.dtype)
+
+
+def causal_conv_silu_parts(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...],
+                           left: torch.Tensor | None = None, dilation: int = 1,
+                           doc_positions: torch.Tensor | None = None, *,
+                           conv: Callable[..., torch.Tensor] = causal_conv_silu_shifted
+                           ) -> tuple[torch.Tensor, ...]:
+    """``conv`` (a conv of this module's signature) on each channel group of ``x``: the GDN
+    layer's q, k, v as separate contiguous ``[B, T, size]`` tensors, in x's dtype.
+
+    The conv is depthwise, so each group's output is that of the whole conv's channels (the same
+    per-channel arithmetic). Why: the GDN op needs q, k, v contiguous; slicing them out of one
+    ``[B, T, C]`` conv output gives strided views that the op copies (``B*T*C`` elements), and
+    ``split``'s backward concatenates their gradients (another ``B*T*C``). Here each group's conv
+    writes its own contiguous output (the Triton conv reads its channel slice of x in place; the
+    compiled shifted sum, :func:`causal_conv_silu_shifted_parts`, fuses the slicing and, in
+    backward, the concatenation of the groups' dx into its kernels). Measured by
+    ``benchmarks/layer_copies.py``.
+
+    Args:
+        x: ``[B, T, C]``, ``C = sum(sizes)``; weight ``[C, K]``; left ``[B, halo, C]`` or None;
+            dilation, doc_positions: as :func:`causal_conv_silu`.
+        sizes: channels of each group (q, k, v: ``(h*K, h*K, hv*V)``).
+        conv: the conv run on each group.
+    """
+    xs = x.split(sizes, -1)
+    ws = weight.split(sizes, 0)
+    ls = (None,) * len(sizes) if left is None else left.split(sizes, -1)
+    extra = () if doc_positions is None else (doc_positions,)
+    return tuple(conv(xi, wi, li, dilation, *extra) for xi, wi, li in zip(xs, ws, ls))
+
+
+def causal_conv_silu_shifted_parts(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...],
+                                   left: torch.Tensor | None = None, dilation: int = 1,
+                                   doc_positions: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, ...]:
+    """:func:`causal_conv_silu_parts` of :func:`causal_conv_silu_shifted`: the function
+    ``layers.compile.compile_elementwise`` compiles (one graph for all groups, so the
+    concatenation of the groups' dx in backward is fused too)."""
+    return causal_conv_silu_parts(x, weight, sizes, left, dilation, doc_positions,
+                                  conv=causal_conv_silu_shifted)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor

@@ -44,12 +44,14 @@ zeros in the padded slots.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
-from overlap_runtime.layers.elementwise import causal_conv_silu, gdn_gates
+from overlap_runtime.layers.elementwise import (causal_conv_silu, causal_conv_silu_parts,
+                                                gdn_gates)
 from overlap_runtime.layers.norm import RMSNormGated
 from overlap_runtime.layers.sequence_mixer import GDNProjections, GDNSequenceMixer, LocalGDNMixer
 from overlap_runtime.ops.causal_conv.capability import MAX_KERNEL_SIZE
@@ -149,6 +151,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_fn: Callable[..., torch.Tensor] = (
             causal_conv_silu if conv_backend == "torch" else causal_conv_silu_triton)
         self.gates_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gates
+        # the conv writing q, k, v as separate contiguous tensors (causal_conv_qkv), or None:
+        # one conv then split views (the eager F.conv1d, whose [B, C, T] output is transposed
+        # anyway: the op's copy of the views is that transpose)
+        self.conv_parts_fn: Callable[..., tuple[torch.Tensor, ...]] | None = (
+            None if conv_backend == "torch"
+            else partial(causal_conv_silu_parts, conv=causal_conv_silu_triton))
 
     # -- geometry --------------------------------------------------------------------------
     @property
@@ -213,6 +221,43 @@ class GatedDeltaNet(nn.Module):
             return self.conv_fn(mixed_qkv, weight, left_context, self.conv1d.dilation[0])
         return self.conv_fn(mixed_qkv, weight, left_context, self.conv1d.dilation[0],
                             doc_positions.to(mixed_qkv.device))
+
+    def causal_conv_qkv(
+        self,
+        mixed_qkv: torch.Tensor,
+        channels: torch.Tensor | None = None,
+        doc_positions: torch.Tensor | None = None,
+        num_key_heads: int | None = None,
+        num_value_heads: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`causal_conv` then :meth:`split_qkv`, with q, k, v written contiguous.
+
+        Args: as :meth:`causal_conv` (no halo: the single-device and Ulysses convs) and
+        :meth:`split_qkv` (``num_key_heads``/``num_value_heads``: a head slice's counts).
+
+        Returns:
+            ``q [B, T, h, K], k [B, T, h, K], v [B, T, hv, V]`` in mixed_qkv's dtype; with
+            ``conv_parts_fn`` (the Triton conv, the compiled shifted sum) each one contiguous,
+            so the GDN op copies nothing and no gradient concatenation runs outside the conv
+            (``layers.elementwise.causal_conv_silu_parts``); the eager ``F.conv1d`` gives views
+            of its one output. The same values either way (a depthwise conv per channel).
+        """
+        if self.conv_parts_fn is None:
+            return self.split_qkv(self.causal_conv(mixed_qkv, None, channels, doc_positions),
+                                  num_key_heads, num_value_heads)
+        h = self.num_key_heads if num_key_heads is None else num_key_heads
+        hv = self.num_value_heads if num_value_heads is None else num_value_heads
+        weight = self.conv1d.weight[:, 0, :]  # [conv_dim, kernel]
+        if channels is not None:
+            weight = weight.index_select(0, channels.to(weight.device))
+        sizes = (h * self.head_k_dim, h * self.head_k_dim, hv * self.head_v_dim)
+        positions = None if doc_positions is None else doc_positions.to(mixed_qkv.device)
+        q, k, v = self.conv_parts_fn(mixed_qkv, weight, sizes, None, self.conv1d.dilation[0],
+                                     positions)
+        batch, seq_len, _ = mixed_qkv.shape
+        return (q.view(batch, seq_len, h, self.head_k_dim),
+                k.view(batch, seq_len, h, self.head_k_dim),
+                v.view(batch, seq_len, hv, self.head_v_dim))
 
     def split_qkv(
         self, conv_out: torch.Tensor, num_key_heads: int | None = None,

@@ -30,7 +30,7 @@ The protocol (:class:`GDNSequenceMixer`)
     ``prepare_inputs``. Returns ``o`` ``[B, T, HV, V]`` in ``proj.mixed_qkv``'s dtype: the
     causal conv + SiLU, the gates (``g`` fp32, padded positions identity steps) and the GDN
     recurrence with l2-normalised q, k. The mixer reads the layer's parameters through its
-    pieces - ``causal_conv``, ``split_qkv``, ``gates``, ``core``, ``conv_channels``,
+    pieces - ``causal_conv``, ``split_qkv``, ``causal_conv_qkv``, ``gates``, ``core``, ``conv_channels``,
     ``conv_halo`` - and never copies them, so their gradients land on the layer.
 
 ``forward_packed(layer, proj, mask, cu_seqlens) -> o``
@@ -152,7 +152,7 @@ class LocalGDNMixer(GDNSequenceMixer):
 
     def forward(self, layer: "GatedDeltaNet", proj: "GDNProjections",
                 mask: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = layer.split_qkv(layer.causal_conv(proj.mixed_qkv))
+        q, k, v = layer.causal_conv_qkv(proj.mixed_qkv)
         g, beta = layer.gates(proj.a, proj.b, mask=mask)
         return layer.core(q, k, v, g, beta)
 
@@ -168,6 +168,6 @@ class LocalGDNMixer(GDNSequenceMixer):
 
         batch, seq_len = proj.mixed_qkv.shape[:2]
         positions = document_positions(cu_seqlens, batch, seq_len)  # checks cu_seqlens
-        q, k, v = layer.split_qkv(layer.causal_conv(proj.mixed_qkv, doc_positions=positions))
+        q, k, v = layer.causal_conv_qkv(proj.mixed_qkv, doc_positions=positions)
         g, beta = layer.gates(proj.a, proj.b, mask=mask)
         return layer.core(q, k, v, g, beta, cu_seqlens=cu_seqlens)

@@ -137,8 +137,8 @@ class UlyssesGDNMixer(ContextParallelGDNMixer):
         # whole rows here: packed documents as on one device (LocalGDNMixer.forward_packed)
         positions = (None if cu_seqlens is None
                      else document_positions(cu_seqlens, batch, p * local_len))
-        conv = layer.causal_conv(mixed, channels=channels, doc_positions=positions)
-        q, k, v = layer.split_qkv(conv, h, hv)
+        q, k, v = layer.causal_conv_qkv(mixed, channels=channels, doc_positions=positions,
+                                        num_key_heads=h, num_value_heads=hv)
         g, beta = layer.gates(a, b, layout.value_heads[rank], full_mask)
         o = layer.core(q, k, v, g, beta, backend=plan.backend,
                        cu_seqlens=cu_seqlens)  # [B, S, hv, V]
