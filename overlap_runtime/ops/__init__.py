@@ -8,6 +8,8 @@
                    the communication a context-parallel call issued
 ``gdn``            package: Gated DeltaNet math (recurrent reference, chunked eager form, affine
                    state summaries) and its backends (eager, Triton kernels in ``gdn/triton``)
+``causal_conv``    package: the GDN layer's causal depthwise conv + SiLU as Triton kernels
+                   (forward, dx / dweight / halo gradients, document starts masked)
 ``attention``      local attention blocks returning ``(out, lse)``; the online-softmax merge
 =================  ===========================================================================
 

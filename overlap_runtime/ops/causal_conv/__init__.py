@@ -10,6 +10,9 @@ kernels without autograd, for an autograd Function that exchanges the halo itsel
 Importing this package imports no triton: the names load their module on first use, and the
 kernels (``triton/kernels.py``) only at the first launch, so ``TRITON_INTERPRET`` can be set
 before.
+
+May import: torch, ``overlap_runtime._lazy`` and (in ``triton/``, lazily) triton; nothing else
+of ``overlap_runtime``: no communication, no layers.
 """
 
 from __future__ import annotations
