@@ -286,16 +286,32 @@ def _child_main(
     os._exit(0 if status[0] == "ok" else 1)
 
 
+# What a rank's collective raises when a peer's process went away (gloo, NCCL, HCCL): the error
+# of a rank that was waiting on the failing one, not a cause of its own.
+_PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer",
+                      "gloo/transport/tcp", "communicator was aborted", "Broken pipe")
+
+
+def _is_peer_loss(f: RankFailure) -> bool:
+    """``f`` is a rank's collective failing because a peer's connection closed."""
+    return not f.died and any(m in f.message for m in _PEER_LOSS_MARKERS)
+
+
 def _rank_failed(failures: dict[int, RankFailure], results: dict[int, Any], world_size: int,
                  grace_s: float) -> RankFailedError:
     """The job's RankFailedError: the first failure's message and traceback, then (with a grace
     period) one line per other rank: how it ended and when.
 
-    The head is the first failure, except that a rank that died without a result within
-    ``_SETTLE_S`` of it comes first: a death makes its peers fail within milliseconds (their
-    connections to it close), and the parent may read their errors before it sees the death."""
-    head = min(failures.values(),
-               key=lambda f: (not (f.died and f.after_s <= _SETTLE_S), f.after_s, f.rank))
+    The head is the first failure, except that within ``_SETTLE_S`` of it a rank that died
+    without a result comes first, and a rank whose error is its own comes before one whose error
+    only says a peer went away (:func:`_is_peer_loss`): a rank that raises or dies makes its
+    peers' collectives fail within milliseconds (their connections to it close), and the parent
+    may read their errors first (even in the same wakeup)."""
+    def key(f: RankFailure) -> tuple[bool, bool, float, int]:
+        settling = f.after_s <= _SETTLE_S
+        return (not (f.died and settling), settling and _is_peer_loss(f), f.after_s, f.rank)
+
+    head = min(failures.values(), key=key)
     if head.died:
         message = head.message
     else:

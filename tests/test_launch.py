@@ -344,3 +344,25 @@ def test_a_rank_with_another_package_than_the_parent_fails_naming_both(monkeypat
     assert msg.startswith("rank 0 of 1 raised ImportError: rank 0 imported overlap_runtime from "
                           f"{real}, but the process that spawned it imported overlap_runtime "
                           "from /elsewhere/overlap_runtime"), msg
+
+
+def test_a_peer_loss_read_first_does_not_hide_the_rank_that_raised() -> None:
+    """Rank 2 raises; rank 0's barrier fails on the closed connection and the parent may read
+    rank 0's error first, even in the same wakeup (after_s equal): rank 2 is still the head."""
+    from overlap_runtime.launch import RankFailure, _rank_failed
+
+    gloo = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+            "peer [127.0.0.1]:1234")
+    failures = {0: RankFailure(0, "RuntimeError", gloo, "tb0", after_s=0.0),
+                2: RankFailure(2, "ValueError", "boom on purpose", "tb2", after_s=0.0),
+                1: RankFailure(1, "RuntimeError", gloo, "tb1", after_s=0.01)}
+    err = _rank_failed(failures, {}, 4, 0.0)
+    assert err.rank == 2 and "rank 2 of 4 raised ValueError: boom on purpose" in str(err)
+    # a peer loss long after the first failure does not jump ahead of it
+    late = {0: RankFailure(0, "TrainStepError", "step 3 failed", "tb0", after_s=0.0),
+            1: RankFailure(1, "RuntimeError", gloo, "tb1", after_s=0.2)}
+    assert _rank_failed(late, {}, 4, 0.0).rank == 0
+    # only peer losses: the first one is the head
+    only = {3: RankFailure(3, "RuntimeError", gloo, after_s=0.0),
+            1: RankFailure(1, "RuntimeError", gloo, after_s=0.1)}
+    assert _rank_failed(only, {}, 4, 0.0).rank == 3
