@@ -104,7 +104,8 @@ def summaries(case: str) -> dict:
 
 
 # Extreme gates (issue #28 item 1): (name, gate, positions); T = 200 (chunks start at 0, 64,
-# 128, 192), two of the four value heads reset, against the float64 recurrence.
+# 128, 192), one of the two value heads reset (the other one not), against the float64
+# recurrence. One key head and two value heads: the interpreter's time is per program.
 GATE_CASES = [(f"{gname}@{where}", gate, pos)
               for gname, gate in (("-inf", float("-inf")), ("-1e38", -1e38), ("-1e4", -1e4))
               for where, pos in (("start", (64,)), ("middle", (100,)), ("end", (127,)),
@@ -134,10 +135,10 @@ def gates(case: str) -> dict:
     cases = [c for c in GATE_CASES if not c[0].startswith("-1e38")] if case == "gates_fp32" \
         else [c for c in GATE_CASES if c[0].startswith(("-inf", "-12"))]
     for i, (name, gate, positions) in enumerate(cases):
-        x = make_inputs(1, 200, 2, 4, 32, 32, dtype=dtype, seed=7, decay_shift=3.0)
+        x = make_inputs(1, 200, 1, 2, 32, 32, dtype=dtype, seed=7, decay_shift=3.0)
         g = x["g"].detach().clone()
         for p in positions:
-            g[:, p, :2] = gate
+            g[:, p, :1] = gate
         x["g"] = g.requires_grad_()
         ref = upcast(x)
         o_ref, h_ref = recurrent_gated_delta_rule(*(ref[n] for n in NAMES),
@@ -158,7 +159,7 @@ def gates(case: str) -> dict:
         finite = finite and all(torch.isfinite(t).all().item() for t in tensors)
         if gate == float("-inf"):  # the reference's gate gradient there is exactly 0
             zero_dg = zero_dg and all(
-                (x["g"].grad[0, p, :2] == 0).all().item() for p in positions)
+                (x["g"].grad[0, p, :1] == 0).all().item() for p in positions)
     return {"errors": errors, "tolerance": GATE_TOL[case.split("_")[1]], "finite": finite,
             "zero_dg_at_resets": zero_dg}
 
@@ -172,15 +173,15 @@ def nan_containment(case: str) -> dict:
     report = {}
     for i, (name, where) in enumerate([(n, w) for n in ("v", "v_one", "k", "beta", "g", "q")
                                        for w in (100, 130)]):
-        x = make_inputs(1, 200, 2, 4, 32, 32, dtype=torch.float32, seed=13, requires_grad=False)
+        x = make_inputs(1, 200, 1, 2, 32, 32, dtype=torch.float32, seed=13, requires_grad=False)
         target = "v" if name == "v_one" else name
         t = x[target].clone()
         if name in ("q", "k"):
-            t[:, where, 1, 3] = float("nan")
+            t[:, where, 0, 3] = float("nan")
         elif name == "v_one":
-            t[:, where, 2, 5] = float("nan")
+            t[:, where, 1, 5] = float("nan")
         else:
-            t[:, where, 2] = float("nan")
+            t[:, where, 1] = float("nan")
         x[target] = t
         o_ref, _ = recurrent_gated_delta_rule(*(x[n].double() for n in NAMES),
                                               initial_state=x["initial_state"].double())
