@@ -235,6 +235,46 @@ def check_backend_before_comm(layer: GatedDeltaNet, hidden: torch.Tensor, plan: 
     check_triton_inputs(qk, qk, v, gb, beta, state, layer.chunk_size)
 
 
+def _post_halo(x: torch.Tensor, halo: int, plan: GDNCPPlan
+               ) -> tuple[torch.Tensor | None, Any, Any]:
+    """Post the halo exchange of a shard ``x [B, T, C]``: receive the previous rank's last
+    ``halo`` rows into a new ``[B, halo, C]`` buffer (None on rank 0) and send ours to the next
+    rank. Returns ``(buffer, recv, send)``; wait on ``recv`` before reading the buffer."""
+    recv = buf = send = None
+    if plan.rank > 0:
+        buf = x.new_empty(x.shape[0], halo, x.shape[2])
+        recv = post_recv(buf, plan.rank - 1, plan, "gdn halo conv forward (halo)")
+    if plan.rank < plan.cp_size - 1:
+        send = post_send(x[:, x.shape[1] - halo:].contiguous(), plan.rank + 1, plan,
+                         "gdn halo conv forward (halo)")
+    return buf, recv, send
+
+
+def _post_halo_grad(grad_left: torch.Tensor | None, like: torch.Tensor, halo: int,
+                    plan: GDNCPPlan) -> tuple[torch.Tensor | None, Any, Any]:
+    """Post the backward halo exchange: send ``grad_left [B, halo, C]`` (the gradient of the
+    rows received in forward) to the previous rank and receive the next rank's into a new
+    ``[B, halo, C]`` buffer shaped after ``like [B, *, C]``. Returns ``(tail, recv, send)``."""
+    send = recv = tail = None
+    if plan.rank > 0:
+        send = post_send(grad_left, plan.rank - 1, plan, "gdn halo conv backward (halo grad)")
+    if plan.rank < plan.cp_size - 1:
+        tail = like.new_empty(like.shape[0], halo, like.shape[-1])
+        recv = post_recv(tail, plan.rank + 1, plan, "gdn halo conv backward (halo grad)")
+    return tail, recv, send
+
+
+def _finish_halo_grad(grad_x: torch.Tensor, tail: torch.Tensor | None, recv: Any, send: Any,
+                      halo: int) -> None:
+    """Add the next rank's halo gradient to the last ``halo`` rows of ``grad_x [B, T, C]`` in
+    place, and wait for our own halo gradient to leave."""
+    if recv is not None:
+        recv.wait()
+        grad_x[:, grad_x.shape[1] - halo:] += tail
+    if send is not None:
+        send.wait()
+
+
 class _HaloCausalConv(torch.autograd.Function):
     """Depthwise causal conv (pre-activation) of a shard whose left context is the previous
     rank's last ``halo`` positions, exchanged point to point inside the op.
@@ -251,15 +291,8 @@ class _HaloCausalConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dilation: int, halo: int,
                 plan: GDNCPPlan) -> torch.Tensor:
-        rank, world = plan.rank, plan.cp_size
-        batch, seq_len, channels = x.shape
-        recv = buf = send = None
-        if rank > 0:
-            buf = x.new_empty(batch, halo, channels)
-            recv = post_recv(buf, rank - 1, plan, "gdn halo conv forward (halo)")
-        if rank < world - 1:
-            send = post_send(x[:, seq_len - halo:], rank + 1, plan,
-                             "gdn halo conv forward (halo)")
+        channels = x.shape[2]
+        buf, recv, send = _post_halo(x, halo, plan)
         xp = F.pad(x.transpose(1, 2), (halo, 0))  # [B, C, halo + T]
         if recv is not None:
             recv.wait()
@@ -276,26 +309,17 @@ class _HaloCausalConv(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xp, weight = ctx.saved_tensors
         plan: GDNCPPlan = ctx.plan
-        rank, world, halo = plan.rank, plan.cp_size, ctx.halo
+        halo = ctx.halo
         grad_xp, grad_w, _ = torch.ops.aten.convolution_backward(
             grad_out.contiguous(), xp, weight, None, [1], [0], [ctx.dilation], False, [0],
             weight.shape[0], [True, ctx.needs_input_grad[1], False])
-        send = recv = tail = None
-        if rank > 0:
-            send = post_send(grad_xp[:, :, :halo].transpose(1, 2), rank - 1, plan,
-                             "gdn halo conv backward (halo grad)")
-        if rank < world - 1:
-            tail = grad_xp.new_empty(grad_xp.shape[0], halo, grad_xp.shape[1])
-            recv = post_recv(tail, rank + 1, plan, "gdn halo conv backward (halo grad)")
+        tail, recv, send = _post_halo_grad(grad_xp[:, :, :halo].transpose(1, 2),
+                                           grad_xp.transpose(1, 2), halo, plan)
         # [B, T, C] contiguous: the view starts ``halo`` elements in, and a misaligned strided
         # gradient sends the projection's backward GEMMs to align-1 kernels (2x slower on an
         # H200); the single-device conv's backward makes the same copy.
         grad_x = grad_xp[:, :, halo:].transpose(1, 2).contiguous()
-        if recv is not None:
-            recv.wait()
-            grad_x[:, grad_x.shape[1] - halo:] += tail
-        if send is not None:
-            send.wait()
+        _finish_halo_grad(grad_x, tail, recv, send, halo)
         return grad_x, grad_w, None, None, None
 
 
@@ -314,14 +338,7 @@ class _HaloTritonConv(torch.autograd.Function):
         # the kernels' rules before any message: the same shapes on every rank, so every rank
         # raises here alike and no peer is left waiting
         check_causal_conv_inputs(x, weight, None, dilation)
-        rank, world = plan.rank, plan.cp_size
-        recv = left = send = None
-        if rank > 0:
-            left = x.new_empty(x.shape[0], halo, x.shape[2])
-            recv = post_recv(left, rank - 1, plan, "gdn halo conv forward (halo)")
-        if rank < world - 1:
-            send = post_send(x[:, x.shape[1] - halo:].contiguous(), rank + 1, plan,
-                             "gdn halo conv forward (halo)")
+        left, recv, send = _post_halo(x, halo, plan)
         if recv is not None:
             recv.wait()
         out = causal_conv_silu_forward(x, weight, left, dilation)
@@ -337,22 +354,11 @@ class _HaloTritonConv(torch.autograd.Function):
         from overlap_runtime.ops.causal_conv import causal_conv_silu_backward
 
         x, weight, left = ctx.saved_tensors
-        plan: GDNCPPlan = ctx.plan
-        rank, world, halo = plan.rank, plan.cp_size, ctx.halo
         grad_x, grad_w, grad_left = causal_conv_silu_backward(
             grad_out, x, weight, left, ctx.dilation, need_weight=ctx.needs_input_grad[1],
             need_left=left is not None)
-        send = recv = tail = None
-        if rank > 0:
-            send = post_send(grad_left, rank - 1, plan, "gdn halo conv backward (halo grad)")
-        if rank < world - 1:
-            tail = grad_x.new_empty(grad_x.shape[0], halo, grad_x.shape[2])
-            recv = post_recv(tail, rank + 1, plan, "gdn halo conv backward (halo grad)")
-        if recv is not None:
-            recv.wait()
-            grad_x[:, grad_x.shape[1] - halo:] += tail
-        if send is not None:
-            send.wait()
+        _finish_halo_grad(grad_x, *_post_halo_grad(grad_left, grad_x, ctx.halo, ctx.plan),
+                          ctx.halo)
         return grad_x, grad_w, None, None, None
 
 
