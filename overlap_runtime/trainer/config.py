@@ -281,10 +281,8 @@ class OptimizerConfig(_Strict):
     weight_decay: float = Field(0.01, ge=0)
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip threshold; None: no clip")
-    implementation: Literal["for_loop", "foreach", "fused"] = Field(
-        "fused", description="torch.optim.AdamW's update kernels: for_loop (one parameter at "
-        "a time, foreach=False), foreach (foreach=True) or fused (fused=True); the same on "
-        "the single-device baseline and every rank")
+    # AdamW's kernels: for_loop (foreach=False), foreach or fused; baseline and ranks alike
+    implementation: Literal["for_loop", "foreach", "fused"] = "fused"
 
     @field_validator("betas")
     @classmethod
