@@ -15,7 +15,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from overlap_runtime.context_parallel import LinearAttentionContextParallel
 from overlap_runtime.context_parallel.packed import PackedLayout
@@ -40,10 +40,61 @@ def _worst(worst: dict[str, float], name: str, err: float) -> None:
     worst[name] = max(worst.get(name, 0.0), err)
 
 
-def _gather(x: torch.Tensor, world: int) -> list[torch.Tensor]:
+def _gather(x: torch.Tensor, world: int, group=None) -> list[torch.Tensor]:
     parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=group)
     return parts
+
+
+def _per_document_reference(ref: torch.nn.Module, x: torch.Tensor, w: torch.Tensor,
+                            lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                         dict[str, torch.Tensor]]:
+    """The single-process module on every document alone: ``(y [B, T, hidden], dx, {param:
+    grad})`` of ``sum(y * w)`` (float64, no ``cu_seqlens`` involved)."""
+    batch, seq = x.shape[:2]
+    ref.zero_grad(set_to_none=True)
+    xr = x.clone().requires_grad_(True)
+    flat, wf = xr.reshape(1, -1, HIDDEN), w.reshape(1, -1, HIDDEN)
+    ys, start = [], 0
+    for n in lengths:
+        ys.append(ref(flat[:, start:start + n]))
+        start += n
+    y_ref = torch.cat(ys, 1)
+    (y_ref * wf).sum().backward()
+    g_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    return y_ref.reshape(batch, seq, HIDDEN).detach(), xr.grad, g_ref
+
+
+def _packed_cp_run(cp: torch.nn.Module, x: torch.Tensor, w: torch.Tensor, lengths: list[int],
+                   rank: int, world: int, dtype: torch.dtype, group=None
+                   ) -> dict[str, torch.Tensor]:
+    """The CP layer on this rank's shard with the global ``cu_seqlens``: ``{"out", "dx",
+    "param:<name>"}`` gathered over the CP group (parameter gradients summed over it)."""
+    local_len = x.shape[1] // world
+    cp.zero_grad(set_to_none=True)
+    sl = slice(rank * local_len, (rank + 1) * local_len)
+    xl = x[:, sl].to(dtype, copy=True).requires_grad_(True)
+    y = cp(xl, cu_seqlens=cu_of(lengths))
+    (y * w[:, sl].to(dtype)).sum().backward()
+    out = {"out": torch.cat(_gather(y.detach(), world, group), 1),
+           "dx": torch.cat(_gather(xl.grad, world, group), 1)}
+    for n, p in cp.named_parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        out[f"param:{n}"] = g
+    return out
+
+
+def _reference_figures(got: dict[str, torch.Tensor], y_ref: torch.Tensor, dx_ref: torch.Tensor,
+                       g_ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    want = {"out": y_ref, "dx": dx_ref, **{f"param:{n}": g for n, g in g_ref.items()}}
+    return {k: rel_l2(got[k], want[k]) for k in want}
+
+
+def _check_interpreted(rank: int, backend: str) -> None:
+    if backend == "triton" and not ("triton" in sys.modules
+                                    and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError(f"rank {rank}: backend='triton' did not run the interpreted kernels")
 
 
 def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case],
@@ -66,34 +117,49 @@ def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case],
             gen = torch.Generator().manual_seed(1000 + i)
             x = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
             w = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
-            # reference: every document alone
-            ref.zero_grad(set_to_none=True)
-            xr = x.clone().requires_grad_(True)
-            flat, wf = xr.reshape(1, -1, HIDDEN), w.reshape(1, -1, HIDDEN)
-            ys, start = [], 0
-            for n in lengths:
-                ys.append(ref(flat[:, start:start + n]))
-                start += n
-            y_ref = torch.cat(ys, 1)
-            (y_ref * wf).sum().backward()
-            y_ref = y_ref.reshape(batch, seq, HIDDEN).detach()
-            g_ref = {n: p.grad.clone() for n, p in ref.named_parameters()}
-            # CP
-            cp.zero_grad(set_to_none=True)
-            sl = slice(rank * local_len, (rank + 1) * local_len)
-            xl = x[:, sl].to(dtype, copy=True).requires_grad_(True)
-            y = cp(xl, cu_seqlens=cu_of(lengths))
-            (y * w[:, sl].to(dtype)).sum().backward()
-            _worst(worst, f"{mode}:out", rel_l2(torch.cat(_gather(y.detach(), world), 1), y_ref))
-            _worst(worst, f"{mode}:dx",
-                   rel_l2(torch.cat(_gather(xl.grad, world), 1), xr.grad))
-            for n, p in cp.named_parameters():
-                g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                dist.all_reduce(g)
-                _worst(worst, f"{mode}:param:{n}", rel_l2(g, g_ref[n]))
-    if backend == "triton" and not ("triton" in sys.modules
-                                    and os.environ.get("TRITON_INTERPRET") == "1"):
-        raise RuntimeError(f"rank {rank}: backend='triton' did not run the interpreted kernels")
+            y_ref, dx_ref, g_ref = _per_document_reference(ref, x, w, lengths)
+            got = _packed_cp_run(cp, x, w, lengths, rank, world, dtype)
+            for k, err in _reference_figures(got, y_ref, dx_ref, g_ref).items():
+                _worst(worst, f"{mode}:{k}", err)
+    _check_interpreted(rank, backend)
+    return worst
+
+
+def scan_chain_worker(rank: int, world: int, cases: list[tuple[int, Case]],
+                      backend: str = "eager", head_dim: int = HEAD_DIM) -> dict[str, float]:
+    """``mode="prefix_scan"`` and the packed p2p chain, fp32, on CP sub-groups of one spawn.
+
+    Each ``(cp, case)`` runs on the ranks ``[0, cp)`` (every rank creates every group, in the
+    same order, as ``new_group`` requires): both modes against the per-document float64
+    reference and against each other. Returns, on ranks in some group, ``{"cp<cp>:scan:<t>",
+    "cp<cp>:chain:<t>", "cp<cp>:scan_vs_chain:<t>": worst}`` for t in out, dx, param:<name>.
+    """
+    groups = {cp: dist.new_group(list(range(cp))) for cp in sorted({c for c, _ in cases})}
+    ref = make_module(head_dim=head_dim).double()
+    worst: dict[str, float] = {}
+    layers: dict[tuple[int, str], torch.nn.Module] = {}
+    for i, (cp_size, (batch, local_len, lengths)) in enumerate(cases):
+        if rank >= cp_size:
+            continue
+        group = groups[cp_size]
+        for mode in ("prefix_scan", "p2p"):
+            if (cp_size, mode) not in layers:
+                mesh = DeviceMesh.from_group(group, "cpu")
+                layers[cp_size, mode] = LinearAttentionContextParallel(
+                    mode=mode, backend=backend).apply(copy.deepcopy(ref).float(), mesh)
+        gen = torch.Generator().manual_seed(3000 + i)
+        x = torch.randn(batch, cp_size * local_len, HIDDEN, generator=gen, dtype=torch.float64)
+        w = torch.randn(batch, cp_size * local_len, HIDDEN, generator=gen, dtype=torch.float64)
+        y_ref, dx_ref, g_ref = _per_document_reference(ref, x, w, lengths)
+        runs = {name: _packed_cp_run(layers[cp_size, mode], x, w, lengths, rank, cp_size,
+                                     torch.float32, group)
+                for name, mode in (("scan", "prefix_scan"), ("chain", "p2p"))}
+        for name, got in runs.items():
+            for k, err in _reference_figures(got, y_ref, dx_ref, g_ref).items():
+                _worst(worst, f"cp{cp_size}:{name}:{k}", err)
+        for k, scan in runs["scan"].items():
+            _worst(worst, f"cp{cp_size}:scan_vs_chain:{k}", rel_l2(scan, runs["chain"][k]))
+    _check_interpreted(rank, backend)
     return worst
 
 

@@ -38,7 +38,25 @@ where the op asks for its entering state (or the leaving state's gradient), and 
 leaving state (or the entering state's gradient): nobody waits for them. No summary is computed
 outside the op and no forward is recomputed in the backward.
 
-Packed batches (``cu_seqlens``) are refused with a named error: use ``p2p`` or ``all_gather``.
+Packed batches (``cu_seqlens``, :class:`PackedPrefixScan`): the same rounds over the packed
+chain's maps (``gdn/varlen.py``). Each rank's summary is its shard's tail map ``(M', S')``,
+that of its LAST document piece (``M' = 0`` where that document starts inside the shard, so the
+prefix composed past it forgets everything before; a shard that is the middle of one long
+document passes its whole summary on). The exclusive prefix is then exactly the state the packed
+chain would hand the rank, and it enters only a first piece that continues a document::
+
+    forward of rank r (packed)
+      post the scan's receives                          before any local work
+      (M', S') = packed_tail_maps(...)                  last piece per row (r < P - 1)
+      H_in     = exclusive prefix of the (M', S')       ceil(log2 P) rounds, as unpacked
+      o        = packed_local_outputs(..., H_in)        one varlen call over all pieces
+    backward: post the reverse scan's receives; packed_local_output_grads -> input grads and
+      L_r = dH_in_local (zeros where no row continues); dH_out by the reverse scan over
+      (M'^T, L); add_packed_tail_grads with dM' = dH_out H_in^T, dS' = dH_out    (r < P - 1)
+
+Both backends: the pieces run as one varlen call of the plan's op (eager or Triton) and the
+tail maps are the eager ``state_summary`` (as the packed chain: no ``StateLink``); the local
+output and the tail maps are recomputed in the backward, as the packed chain does.
 """
 
 from __future__ import annotations
@@ -62,11 +80,16 @@ from .common import (ContextParallelGDNMixer, GDNCPPlan, check_state_passing_cal
                      local_core_inputs)
 from .p2p import add_summary_grads, local_output_grads
 from .scan_rounds import AffinePrefixRounds
+from .varlen import (ShardPieces, add_packed_tail_grads, packed_local_output_grads,
+                     packed_local_outputs, packed_shard_inputs, packed_tail_maps)
 
-__all__ = ["GDNPrefixScan", "TritonPrefixScan", "gdn_prefix_scan", "PrefixScanGDNMixer"]
+__all__ = ["GDNPrefixScan", "TritonPrefixScan", "PackedPrefixScan", "gdn_prefix_scan",
+           "PrefixScanGDNMixer"]
 
 _FWD = "gdn prefix_scan forward (M, S)"
 _BWD = "gdn prefix_scan backward (M^T, dH)"
+_PACKED_FWD = "gdn packed prefix_scan forward (M', S')"
+_PACKED_BWD = "gdn packed prefix_scan backward (M'^T, dH)"
 
 
 def _state_shape(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
@@ -214,6 +237,63 @@ class TritonPrefixScan(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, None, None
 
 
+class PackedPrefixScan(torch.autograd.Function):
+    """``apply(q, k, v, g, beta, pieces, plan, scale, chunk_size) -> o [B, L, HV, V]`` (v's
+    dtype) on a packed shard (module docstring, "Packed batches").
+
+    q, k ``[B, L, H, K]``, v ``[B, L, HV, V]``, g ``[B, L, HV]`` fp32, beta ``[B, L, HV]``: this
+    rank's contiguous shard; ``pieces`` its document pieces (``varlen.shard_pieces``). States and
+    maps are fp32 (float64 for float64 inputs); either backend (``plan.backend``) for the
+    pieces' one varlen call.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, pieces: ShardPieces, plan: GDNCPPlan, scale: float,
+                chunk_size: int) -> torch.Tensor:
+        rank, world = plan.rank, plan.cp_size
+        state_dtype = torch.promote_types(q.dtype, torch.float32)
+        scan = AffinePrefixRounds(plan, False, _state_shape(k, v), state_dtype, q.device,
+                                  _PACKED_FWD)
+        m = s = None
+        if rank < world - 1:  # the last rank's map is never sent
+            with profile_range("gdn.prefix_scan packed fwd tail maps"):
+                m, s = packed_tail_maps(q, k, v, g, beta, pieces, chunk_size)
+        with profile_range("gdn.prefix_scan packed fwd scan"):
+            h_in = scan.run(m, s)
+        with profile_range("gdn.prefix_scan packed fwd local output"):
+            o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, scale, chunk_size,
+                                     plan.backend)
+        scan.finish()
+        # M' is kept where the backward's scan sends pairs (0 < r < P - 1); H_in where r > 0.
+        ctx.save_for_backward(q, k, v, g, beta, h_in, m if 0 < rank < world - 1 else None)
+        ctx.pieces, ctx.plan, ctx.scale, ctx.chunk_size = pieces, plan, scale, chunk_size
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, g, beta, h_in, m = ctx.saved_tensors
+        plan: GDNCPPlan = ctx.plan
+        rank, world = plan.rank, plan.cp_size
+        state_dtype = torch.promote_types(q.dtype, torch.float32)
+        scan = AffinePrefixRounds(plan, True, _state_shape(k, v), state_dtype, q.device,
+                                  _PACKED_BWD)
+        with profile_range("gdn.prefix_scan packed bwd local output"):
+            grads, dh_local, leaves = packed_local_output_grads(
+                (q, k, v, g, beta), h_in, do, ctx.pieces, ctx.scale, ctx.chunk_size,
+                plan.backend)
+        with profile_range("gdn.prefix_scan packed bwd scan"):
+            m_t = None if m is None else m.transpose(-1, -2)
+            dh_out = scan.run(m_t, dh_local)  # None on the last rank: nothing after it
+        if dh_out is not None and rank < world - 1:
+            with profile_range("gdn.prefix_scan packed bwd tail maps"):
+                grads = add_packed_tail_grads(grads, leaves, ctx.pieces, h_in, dh_out,
+                                              ctx.chunk_size)
+        scan.finish()
+        grads = [gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
+        return (*grads, None, None, None, None)
+
+
 def gdn_prefix_scan(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     plan: GDNCPPlan, chunk_size: int = 64,
@@ -244,7 +324,9 @@ class PrefixScanGDNMixer(ContextParallelGDNMixer):
 
     def forward_packed(self, layer: GatedDeltaNet, proj: GDNProjections,
                        mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Refused on every rank alike, before any message of the layer."""
-        raise NotImplementedError(
-            "packed batches (cu_seqlens) are not supported by linear-attention CP "
-            "mode='prefix_scan': use mode 'p2p' or 'all_gather' for packed documents")
+        """Packed batch (global ``cu_seqlens``): the scan over the shards' tail maps
+        (:class:`PackedPrefixScan`) -> ``o [B, T_local, HV, V]``."""
+        pieces, (q, k, v, g, beta) = packed_shard_inputs(layer, self.plan, proj, mask,
+                                                         cu_seqlens)
+        return PackedPrefixScan.apply(q, k, v, g, beta, pieces, self.plan, q.shape[-1] ** -0.5,
+                                      layer.chunk_size)

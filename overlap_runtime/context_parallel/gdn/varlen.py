@@ -15,9 +15,11 @@ the next::
 piece, from the last document's start inside the shard: when the shard is one piece that
 continues a document, ``(M', S')`` is the whole shard's summary; otherwise ``M' = 0`` and ``S'``
 is the last piece's final state from zero (earlier documents are ignored). ``H_in`` enters only
-the first piece, and only when it continues a document. The p2p chain (:class:`PackedStateChain`)
-and the summary all-gather then run exactly as in the unpacked modes with these maps; a
-document spanning several ranks passes through the one-piece ranks' ``M'``.
+the first piece, and only when it continues a document. The p2p chain (:class:`PackedStateChain`),
+the summary all-gather and the prefix scan (``prefix_scan.PackedPrefixScan``) then run exactly
+as in the unpacked modes with these maps; a document spanning several ranks passes through the
+one-piece ranks' ``M'``. The chain and the scan share the pieces' backward
+(:func:`packed_local_output_grads`) and the tail maps' (:func:`add_packed_tail_grads`).
 
 **Conv halo.** The previous rank's last ``halo`` positions still travel (:class:`HaloExchange`),
 and the depthwise conv is computed tap by tap with each tap kept only where the tap's token is
@@ -58,7 +60,8 @@ from overlap_runtime.ops.gdn import (
 from .common import GDNCPPlan, check_halo, post_recv, post_send
 
 __all__ = ["ShardPieces", "shard_pieces", "HaloExchange", "document_causal_conv",
-           "packed_local_outputs", "packed_tail_maps", "PackedStateChain",
+           "packed_local_outputs", "packed_tail_maps", "packed_local_output_grads",
+           "add_packed_tail_grads", "PackedStateChain",
            "packed_core_inputs", "packed_shard_inputs", "check_packed_call"]
 
 
@@ -234,6 +237,54 @@ def packed_tail_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return torch.cat(ms, 0), torch.cat(ss, 0)
 
 
+def packed_local_output_grads(
+    inputs: tuple[torch.Tensor, ...], h_in: torch.Tensor | None, do: torch.Tensor,
+    pieces: ShardPieces, scale: float, chunk_size: int, backend: str,
+) -> tuple[list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]:
+    """Backward of a shard's pieces alone (:func:`packed_local_outputs`, recomputed).
+
+    Args:
+        inputs: ``(q, k, v, g, beta)`` as saved by the forward.
+        h_in: ``[B, HV, K, V]`` the state that entered the shard (None on the first rank).
+        do: ``[B, L, HV, V]`` gradient of the pieces' outputs.
+
+    Returns:
+        ``(grads, dH_in_local, leaves)``: the five input gradients (zeros where an input does
+        not reach the output), ``dH_in_local [B, HV, K, V]`` (zeros where no row continues a
+        document; None when ``h_in`` is None) and the detached leaves for
+        :func:`add_packed_tail_grads`.
+    """
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    with torch.enable_grad():
+        h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
+        o = packed_local_outputs(*leaves, h_leaf, pieces, scale, chunk_size, backend)
+        wanted = leaves + ([h_leaf] if h_leaf is not None else [])
+        local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
+    dh_local = local.pop() if h_leaf is not None else None
+    if dh_local is None and h_leaf is not None:  # no row continues a document
+        dh_local = torch.zeros_like(h_leaf)
+    grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(local, leaves)]
+    return grads, dh_local, leaves
+
+
+def add_packed_tail_grads(
+    grads: list[torch.Tensor], leaves: list[torch.Tensor], pieces: ShardPieces,
+    h_in: torch.Tensor | None, dh_out: torch.Tensor, chunk_size: int,
+) -> list[torch.Tensor]:
+    """``grads`` plus the gradient through the shard's tail maps ``H_out = M' H_in + S'``
+    (:func:`packed_tail_maps`, recomputed on ``leaves``) given ``dH_out [B, HV, K, V]``:
+    ``dM' = dH_out H_in^T`` (skipped when ``h_in`` is None or every row's ``M'`` is 0),
+    ``dS' = dH_out``."""
+    with torch.enable_grad():
+        m2, s2 = packed_tail_maps(*leaves, pieces, chunk_size)
+        outs, gouts = [s2], [dh_out.to(s2.dtype)]
+        if h_in is not None and m2.requires_grad:
+            outs.append(m2)
+            gouts.append(dh_out.to(m2.dtype) @ h_in.to(m2.dtype).transpose(-1, -2))
+        extra = torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
+    return [gr if e is None else gr + e for gr, e in zip(grads, extra)]
+
+
 class PackedStateChain(torch.autograd.Function):
     """``apply(q, k, v, g, beta, pieces, plan, scale, chunk_size) -> o [B, L, HV, V]``.
 
@@ -283,32 +334,18 @@ class PackedStateChain(torch.autograd.Function):
         if rank < world - 1:
             dh_out = torch.empty(shape, dtype=state_dtype, device=q.device)
             recv = post_recv(dh_out, rank + 1, plan, "gdn packed p2p backward dH_out")
-        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
-        with torch.enable_grad():
-            h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
-            o = packed_local_outputs(*leaves, h_leaf, ctx.pieces, ctx.scale, ctx.chunk_size,
-                                     plan.backend)
-            wanted = leaves + ([h_leaf] if h_leaf is not None else [])
-            local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
-        dh_local = local.pop() if h_leaf is not None else None
-        if dh_local is None and h_leaf is not None:  # no row continues a document
-            dh_local = torch.zeros_like(h_leaf)
-        grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(local, leaves)]
+        grads, dh_local, leaves = packed_local_output_grads(
+            (q, k, v, g, beta), h_in, do, ctx.pieces, ctx.scale, ctx.chunk_size, plan.backend)
         if recv is not None:
             recv.wait()
         send = None
         if rank > 0:
+            assert dh_local is not None  # rank > 0 received H_in
             dh_in = dh_local if dh_out is None else apply_summary_backward(m, dh_out, dh_local)
             send = post_send(dh_in.contiguous(), rank - 1, plan, "gdn packed p2p backward dH_in")
         if dh_out is not None:
-            with torch.enable_grad():
-                m2, s2 = packed_tail_maps(*leaves, ctx.pieces, ctx.chunk_size)
-                outs, gouts = [s2], [dh_out.to(s2.dtype)]
-                if h_in is not None and m2.requires_grad:
-                    outs.append(m2)
-                    gouts.append(dh_out.to(m2.dtype) @ h_in.to(m2.dtype).transpose(-1, -2))
-                extra = torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
-            grads = [gr if e is None else gr + e for gr, e in zip(grads, extra)]
+            grads = add_packed_tail_grads(grads, leaves, ctx.pieces, h_in, dh_out,
+                                          ctx.chunk_size)
         if send is not None:
             send.wait()
         grads = [gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
