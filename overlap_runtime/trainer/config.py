@@ -236,8 +236,8 @@ def _data_problems(config: "TrainConfig") -> list[str]:
     ``model.vocab_size``; ``reset_at_document_boundaries`` needs pp == 1 and, for cp > 1, ring
     or ulysses full attention. The GDN takes ``cu_seqlens`` on either backend: for cp == 1 one
     masked conv and one varlen op call per layer (``layers.sequence_mixer.LocalGDNMixer``,
-    ``model.gdn_backend`` eager or triton, issue #22), for cp > 1 the CP modes
-    (``context_parallel/gdn/varlen.py``)."""
+    ``model.gdn_backend`` eager or triton, issue #22), for cp > 1 every GDN CP mode, the
+    default prefix_scan included (``context_parallel/gdn/varlen.py``)."""
     from overlap_runtime.trainer.documents import load_tokenizer
 
     data, acc, m = config.data, config.train.accelerator, config.model
@@ -264,10 +264,6 @@ def _data_problems(config: "TrainConfig") -> list[str]:
                            f"does not describe the packed CP messages yet (per-document halos, "
                            f"the cu_seqlens agreement); set train.validate_step_graph: false "
                            f"and train.check_conformance: false")
-            if "prefix_scan" in modes_of_kind(acc, "linear_attention"):
-                out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
-                           f"linear_attention_cp_mode 'p2p', 'all_gather' or 'ulysses' in every "
-                           f"GDN layer (packed batches are not implemented for 'prefix_scan')")
     return out
 
 

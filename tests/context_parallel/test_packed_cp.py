@@ -6,7 +6,8 @@ each test checks all of them in one spawn, so every spawn covers many mixes. Fix
 cover a document longer than the whole shard (it spans several ranks,
 the middle ones passing the state through), documents shorter than a chunk and than the conv
 halo, a document starting exactly at a shard start, and a row made of one-token documents.
-float64, tolerance 1e-6 (measured ~1e-15).
+float64, tolerance 1e-6 (measured ~1e-15). The GDN modes: p2p, all_gather, ulysses and
+prefix_scan (its fp32 comparison with the p2p chain and CP5: ``test_packed_cp_prefix_scan.py``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def fixed_cases(world: int, local_len: int = 8) -> list[Case]:
     ]
 
 
-GDN_MODES = ["p2p", "all_gather", "ulysses"]
+GDN_MODES = ["p2p", "all_gather", "ulysses", "prefix_scan"]
 
 
 def _check(worst: dict[str, float], what: str) -> None:
@@ -83,7 +84,7 @@ def draw_cases(world: int, n: int) -> list[Case]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_gdn_packed_three_modes(world: int) -> None:
+def test_gdn_packed_four_modes(world: int) -> None:
     cases = fixed_cases(world) + draw_cases(world, 6)
     worst = run_ranks(gdn_worker, world, args=(GDN_MODES, cases), timeout_s=150)[0]
     _check(worst, f"GDN packed CP{world}, {len(cases)} mixes {cases}")

@@ -175,7 +175,7 @@ def test_data_config_errors_name_the_field(files: dict[str, Path], tmp_path: Pat
         assert cfg.model.gdn_backend == backend and cfg.data.packing == reset["packing"]
     assert "full_attention_cp_mode 'ring' or 'ulysses'" in _error(
         reset, train={"accelerator": {"cp": 2, "full_attention_cp_mode": "all_gather_kv"}})
-    for mode in ("p2p", "all_gather", "ulysses"):
+    for mode in ("p2p", "all_gather", "ulysses", "prefix_scan"):  # prefix_scan: the default
         triton_cp = {"cp": 2, "full_attention_cp_mode": "ring", "linear_attention_cp_mode": mode,
                      "linear_attention_gdn_backend": "triton"}
         no_graph = {"validate_step_graph": False, "check_conformance": False}

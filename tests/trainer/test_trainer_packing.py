@@ -96,9 +96,16 @@ def test_the_trainer_trains_on_packed_documents(jsonl_data: dict[str, Any]) -> N
         "cp2_concat": _config(jsonl_data, "concat", cp=2, linear_attention_cp_mode="p2p"),
         "cp2_reset": _config(jsonl_data, "reset_at_document_boundaries", cp=2,
                              linear_attention_cp_mode="p2p", full_attention_cp_mode="ring"),
+        # the default GDN CP mode (prefix_scan) on packed batches: the config and the path end
+        # to end. Dropping the entering state stays within this run's tolerances (default fast
+        # decay, short documents): tests/context_parallel/test_packed_cp_prefix_scan.py checks it
+        "cp2_reset_scan": _config(jsonl_data, "reset_at_document_boundaries", cp=2,
+                                  full_attention_cp_mode="ring"),
     }
     out = run_ranks(train_worker, 2, timeout_s=300, args=(list(configs.values()),))[0]
     runs = {name: TrainResult.from_dict(r) for name, r in zip(configs, out)}
+    scan_acc = config_from_dict(configs["cp2_reset_scan"]).train.accelerator
+    assert scan_acc.linear_attention_cp_mode == "prefix_scan"
     singles = {name: train_single(config_from_dict(cfg)) for name, cfg in configs.items()}
     for name, run in runs.items():
         diff = compare_runs(run, singles[name])
