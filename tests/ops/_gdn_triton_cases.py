@@ -132,8 +132,11 @@ def gates(case: str) -> dict:
     # every gate below -20 is floored to -20 by the kernel: fp32 checks -inf and the finite
     # -1e4 (-1e38 takes the same path as -1e4), bf16 the -inf positions and the partial chunk
     # (the interpreter costs about 4 s per case: the suite's budget)
-    cases = [c for c in GATE_CASES if not c[0].startswith("-1e38")] if case == "gates_fp32" \
-        else [c for c in GATE_CASES if c[0].startswith(("-inf", "-12"))]
+    # -1e4 takes the floored path of -inf in the kernel: two of its positions suffice
+    cases = [c for c in GATE_CASES if not c[0].startswith("-1e38")
+             and c[0] not in ("-1e4@end", "-1e4@two_in_a_chunk", "-1e4@first", "-1e4@last")] \
+        if case == "gates_fp32" else [c for c in GATE_CASES if c[0] in (
+            "-inf@start", "-inf@last", "-inf@8_in_a_chunk", "-12@partial_chunk")]
     for i, (name, gate, positions) in enumerate(cases):
         x = make_inputs(1, 200, 1, 2, 32, 32, dtype=dtype, seed=7, decay_shift=3.0)
         g = x["g"].detach().clone()

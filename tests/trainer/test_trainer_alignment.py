@@ -1,4 +1,4 @@
-"""FSDP2 + CP training against one device: loss and grad norm per step, 20 steps, fp32, gloo.
+"""FSDP2 + CP training against one device: loss and grad norm per step, 10 steps, fp32, gloo.
 
 Each spawn trains several configurations in turn on the same ranks (one process start-up for
 all of them); the single-device baselines run in this process. Tolerances (issue #11):
@@ -28,8 +28,8 @@ def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 CP4_CONFIGS = {
-    "cp4_ulysses": _checked(tiny_config(20, cp=4, linear_attention_cp_mode="ulysses")),
-    "cp4_p2p": _checked(tiny_config(20, cp=4, linear_attention_cp_mode="p2p")),
+    "cp4_ulysses": _checked(tiny_config(10, cp=4, linear_attention_cp_mode="ulysses")),
+    "cp4_p2p": _checked(tiny_config(10, cp=4, linear_attention_cp_mode="p2p")),
     # the GDN prefix scan (peers r +- 1, r +- 2; pairs and states): checked against the step
     # graph too (stepgraph.layer_program), so a drift of the runtime's messages fails
     "cp4_prefix_scan": _checked(tiny_config(10, cp=4, linear_attention_cp_mode="prefix_scan")),
@@ -41,7 +41,7 @@ CP4_CONFIGS = {
                                              model={"tie_word_embeddings": True})),
 }
 CP2_CONFIGS = {
-    "cp2_all_gather": _checked(tiny_config(20, cp=2, linear_attention_cp_mode="all_gather")),
+    "cp2_all_gather": _checked(tiny_config(10, cp=2, linear_attention_cp_mode="all_gather")),
     "cp2_p2p_ckpt_off": _checked(tiny_config(10, cp=2, linear_attention_cp_mode="p2p")),
     "cp2_p2p_ckpt_on": _checked(tiny_config(10, cp=2, linear_attention_cp_mode="p2p",
                                             activation_checkpoint=True)),
@@ -108,7 +108,7 @@ def test_fsdp_cp_matches_single_device(cp4_runs: dict[str, TrainResult], name: s
 
 def test_cp2_all_gather_matches_single_device(cp2_runs: dict[str, TrainResult]) -> None:
     run = cp2_runs["cp2_all_gather"]
-    assert (run.world_size, run.cp, len(run.steps)) == (2, 2, 20)
+    assert (run.world_size, run.cp, len(run.steps)) == (2, 2, 10)
     _assert_aligned(run, _baseline(CP2_CONFIGS["cp2_all_gather"]), "cp2_all_gather")
 
 
