@@ -32,8 +32,6 @@ STATE = "initial_state"
 # 1e-5 bound of the other fp32 interpreter cases); lengths: packed sequences (cu_seqlens).
 CONFIGS = {
     "gqa_norm_chained": (130, 1, 2, 32, 16, 2, True, None),
-    # H == HV with the norm: dk's norm backward inside the WY/KKT kernel reads k and 1/norm
-    "norm_in_kernel": (150, 2, 2, 32, 16, 1, True, None),
     "varlen_gqa_norm": (200, 1, 2, 32, 16, 2, True, (1, 63, 65, 71)),
 }
 TOLERANCE = 1e-5
