@@ -1,11 +1,35 @@
-"""Shared helpers of the GDN tests: relative L2 error and random inputs."""
+"""Shared helpers of the GDN tests: relative L2 error, random inputs, and the Triton
+interpreter's child process."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from overlap_runtime.testing import rel_l2  # noqa: F401  (re-exported for the GDN tests)
+
+_HERE = Path(__file__).resolve().parent
+
+
+def run_interpreted(script: str, *args: str, timeout_s: float = 300) -> dict:
+    """Run ``tests/ops/<script> *args`` in a child process with ``TRITON_INTERPRET=1`` (triton
+    reads it when the kernels are first imported, so it must be set before) and return the dict
+    of its last ``RESULT <json>`` line; a failing child fails the test with its output."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(_HERE), str(_HERE.parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(_HERE / script), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout_s, cwd=str(_HERE))
+    assert proc.returncode == 0, (f"{script} {' '.join(args)} failed:\n{proc.stdout}\n"
+                                  f"{proc.stderr[-4000:]}")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
 
 
 def make_inputs(

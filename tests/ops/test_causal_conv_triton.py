@@ -15,15 +15,12 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from _gdn_util import run_interpreted
 from overlap_runtime.layers import GatedDeltaNet
 from overlap_runtime.layers.compile import compile_elementwise
 from overlap_runtime.layers.elementwise import causal_conv_silu
@@ -31,8 +28,6 @@ from overlap_runtime.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 from overlap_runtime.ops.causal_conv import causal_conv_silu_triton
 from overlap_runtime.testing import rel_l2
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed")
 CASE_NAMES = ("k4_d1_left", "k4_d1_left_rows64", "k4_d1", "k4_d1_left_channel_slice", "k2_d2_left", "k3_d2", "k3_d1_left",
@@ -42,13 +37,7 @@ CASE_NAMES = ("k4_d1_left", "k4_d1_left_rows64", "k4_d1", "k4_d1_left_channel_sl
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "_causal_conv_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=str(HERE))
-    assert proc.returncode == 0, f"cases failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_interpreted("_causal_conv_cases.py")
 
 
 @pytest.mark.triton

@@ -10,18 +10,11 @@ cu_seqlens), each with and without ``recompute_w``, and the float64 eager backen
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytestmark = pytest.mark.triton
+from _gdn_util import run_interpreted
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+pytestmark = pytest.mark.triton
 
 needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
@@ -29,13 +22,7 @@ needs_triton = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "_gdn_triton_memory_cases.py"), "all"],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=str(HERE))
-    assert proc.returncode == 0, f"memory cases failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_interpreted("_gdn_triton_memory_cases.py", "all")
 
 
 @needs_triton

@@ -10,21 +10,14 @@ CUDA machine a full-size bf16 check runs against the fp32 eager backend per sequ
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from _gdn_util import make_inputs, rel_l2
+from _gdn_util import make_inputs, rel_l2, run_interpreted
 
 pytestmark = pytest.mark.triton
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 NAMES = ("q", "k", "v", "g", "beta")
 
 needs_triton = pytest.mark.skipif(
@@ -32,13 +25,7 @@ needs_triton = pytest.mark.skipif(
 
 
 def _run_case(case: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "_gdn_triton_varlen_cases.py"), case],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=str(HERE))
-    assert proc.returncode == 0, f"case {case} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return run_interpreted("_gdn_triton_varlen_cases.py", case)
 
 
 @needs_triton
