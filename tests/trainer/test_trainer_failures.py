@@ -145,7 +145,10 @@ def _assert_names_step_stage_action(f: RankFailure) -> None:
     head = _head(f)
     assert f.exc_type == "TrainStepError", f
     assert head.startswith(f"rank {f.rank}, training step 2, pipeline stage "), head
-    assert re.search(r"action \d+[FBIW]\d+", head) and "schedule step " in head, head
+    # a compute action (3F1, 2B0, 0W1) or the send / receive a rank was in when its peer died
+    # (0SEND_F2, 2RECV_B0): which one depends on where the failure found it
+    assert re.search(r"action \d+(?:[FBIW]|SEND_[FB]|RECV_[FB])\d+", head) \
+        and "schedule step " in head, head
 
 
 def _names_peer(f: RankFailure, *peers: int) -> bool:
