@@ -207,3 +207,63 @@ def test_default_backend_is_triton_and_never_falls_back(x):
     # K = 8 is not a Triton head dim: the default names the rule instead of running eager
     with pytest.raises(NotImplementedError, match="backend='triton'.*no automatic fallback"):
         chunk_gated_delta_rule(*(x[n].detach() for n in NAMES))
+
+
+def _fla_or_skip():
+    """fla-core 0.6.0's ``chunk_gated_delta_rule`` with its Hopper guard lifted (its backward
+    is refused on triton < 3.7.1 for a miscompile, gpu/README.md: this test compares against
+    it, so a wrong fla gradient shows up as a failure here, never as a pass)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+    except Exception as error:  # noqa: BLE001 - say why
+        pytest.skip(f"fla-core not importable: {type(error).__name__}: {error}")
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return fla_gdn
+
+
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("lengths", [None, (1, 63, 64, 65, 700, 1157)],
+                         ids=["dense_B2_T2048", "packed_6_docs"])
+def test_gpu_same_call_same_results_as_fla(lengths, l2):
+    """The same call (bf16 q, k, v, beta; fp32 g; fp32 initial states; H=16 key heads, HV=32
+    value heads, K=V=128) through the drop-in and through fla 0.6.0: o, the final state and
+    every gradient within rel-L2 1e-2 of fla's, and within 1e-2 of the fp32 eager backend on
+    the same bf16-valued inputs (the independent reference)."""
+    fla_gdn = _fla_or_skip()
+    dev = torch.device("cuda")
+    batch, t = (2, 2048) if lengths is None else (1, sum(lengths))
+    states = batch if lengths is None else len(lengths)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=dev)
+
+    x = {"q": randn(batch, t, 16, 128).bfloat16(), "k": randn(batch, t, 16, 128).bfloat16(),
+         "v": randn(batch, t, 32, 128).bfloat16(),
+         "g": F.logsigmoid(randn(batch, t, 32) + 2.0),
+         "beta": torch.sigmoid(randn(batch, t, 32)).bfloat16(),
+         "initial_state": randn(states, 32, 128, 128) * 0.1}
+    cu = None if lengths is None else torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+    do = randn(batch, t, 32, 128).bfloat16()
+    dh = randn(states, 32, 128, 128)
+
+    def run(fn, inputs, **extra):
+        leaves = {n: v.detach().clone().requires_grad_() for n, v in inputs.items()}
+        o, h = fn(*(leaves[n] for n in NAMES), initial_state=leaves["initial_state"],
+                  output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, **extra)
+        torch.autograd.backward((o, h), (do.to(o.dtype), dh.to(h.dtype)))
+        out = {"o": o.detach().float(), "state": h.detach().float()}
+        out.update({"d" + n: v.grad.float() for n, v in leaves.items()})
+        return out
+
+    ours = run(chunk_gated_delta_rule, x)
+    theirs = run(fla_gdn, x)
+    ref = run(chunk_gated_delta_rule, {n: v.float() for n, v in x.items()}, backend="eager")
+    errors = {n: (rel_l2(ours[n], theirs[n]), rel_l2(ours[n], ref[n]), rel_l2(theirs[n], ref[n]))
+              for n in ours}
+    assert all(bool(torch.isfinite(v).all()) for v in ours.values())
+    assert all(a <= 1e-2 and b <= 1e-2 for a, b, _ in errors.values()), errors
