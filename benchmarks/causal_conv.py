@@ -5,6 +5,8 @@ Triton kernels (``conv_backend="triton"``, ``ops.causal_conv``) against cuDNN's 
 ``conv_backend="torch"``).
 
     python benchmarks/causal_conv.py --tokens 8192 16384 32768 --channels 8192
+    python benchmarks/causal_conv.py --tokens 32768 --channels 2048 --impls triton \
+        --bwd-tiles 32x64x4 32x128x8 16x128x4      # the backward's tile sweep (rows x channels x warps)
 
 For each size: median ms of the forward and of forward + backward (``triton.testing.do_bench``),
 the memory floor (x read and y written once forward; x, dy read and dx written once more
@@ -24,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.layers.elementwise import causal_conv_silu, causal_conv_silu_shifted  # noqa: E402
-from overlap_runtime.ops.causal_conv import causal_conv_silu_triton  # noqa: E402
+from overlap_runtime.ops.causal_conv import causal_conv_silu_triton, function  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -64,11 +66,16 @@ def main() -> None:
     parser.add_argument("--dilation", type=int, default=1)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the floor")
+    parser.add_argument("--impls", nargs="+", default=["triton", "cudnn", "compiled"],
+                        choices=["triton", "cudnn", "compiled"])
+    parser.add_argument("--bwd-tiles", nargs="+", default=[],
+                        help="Triton backward tiles to sweep, ROWSxCHANNELSxWARPS (e.g. 32x64x4); "
+                             "default: the module's")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/causal_conv.py needs a CUDA device")
     dtype, dev = DTYPES[args.dtype], torch.device("cuda")
-    compiled_shifted = torch.compile(causal_conv_silu_shifted)
+    compiled_shifted = torch.compile(causal_conv_silu_shifted) if "compiled" in args.impls else None
     print(f"| tokens | C | impl | fwd ms | fwd+bwd ms | floor fwd / fwd+bwd ms | rel-L2 y | dx | dw |")
     print("|---|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
@@ -84,8 +91,21 @@ def main() -> None:
         elem = x.numel() * x.element_size()
         floor_fwd = 2 * elem / (args.hbm_tbps * 1e12) * 1e3
         floor_all = 5 * elem / (args.hbm_tbps * 1e12) * 1e3
-        for name, fn in (("triton", causal_conv_silu_triton), ("F.conv1d (cuDNN)", causal_conv_silu),
-                         ("compiled shifted", compiled_shifted)):
+        runs = []
+        if "triton" in args.impls:
+            default = (function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
+                       function.BACKWARD_WARPS)
+            for tile in args.bwd_tiles or ["x".join(map(str, default))]:
+                runs.append((f"triton bwd {tile}", causal_conv_silu_triton,
+                             tuple(int(v) for v in tile.split("x"))))
+        if "cudnn" in args.impls:
+            runs.append(("F.conv1d (cuDNN)", causal_conv_silu, None))
+        if "compiled" in args.impls:
+            runs.append(("compiled shifted", compiled_shifted, None))
+        for name, fn, tile in runs:
+            if tile is not None:
+                (function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
+                 function.BACKWARD_WARPS) = tile
             r = measure(name, fn, x, w, dy, ref, args.dilation)
             print(f"| {tokens} | {args.channels} | {name} | {r['fwd']:.3f} | {r['fwd_bwd']:.3f} | "
                   f"{floor_fwd:.3f} / {floor_all:.3f} | {r['y']:.2e} | {r['dx']:.2e} | "

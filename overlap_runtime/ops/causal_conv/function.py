@@ -25,6 +25,12 @@ __all__ = ["CausalConvSiluFunction", "causal_conv_silu_backward", "causal_conv_s
 BLOCK_T = 32
 BLOCK_C = 128
 BACKWARD_ROWS = 256
+# The backward's tile and warps: [32, 64] with 4 warps compiles for sm_90 without register spills
+# (ptxas -v: 255 registers, 4 bytes spilled; [32, 128] with 4 warps spilled 520 bytes a thread);
+# benchmarks/causal_conv.py --bwd-tiles sweeps them on a GPU.
+BACKWARD_BLOCK_T = 32
+BACKWARD_BLOCK_C = 64
+BACKWARD_WARPS = 4
 
 
 def _next_pow2(n: int) -> int:
@@ -97,8 +103,9 @@ def causal_conv_silu_backward(
     weight = weight.contiguous()
     dy = grad_y.to(x.dtype).contiguous()
     need_left = need_left and left is not None and halo > 0
-    bc = _blocks(channels)
-    rows = min(BACKWARD_ROWS, BLOCK_T * -(-seq_len // BLOCK_T))
+    bt = BACKWARD_BLOCK_T
+    bc = min(BACKWARD_BLOCK_C, max(16, _next_pow2(channels)))
+    rows = min(BACKWARD_ROWS, bt * -(-seq_len // bt))
     programs_t = -(-seq_len // rows)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
     partial = None
@@ -108,13 +115,19 @@ def causal_conv_silu_backward(
     dweight = d_left = None
     if need_x or need_weight:
         grid = (programs_t, -(-channels // bc), batch)
+        halo_rows = _next_pow2(max(halo, 1))
+        scratch = None  # each program's ds of one tile and the halo rows after it, fp32
+        if need_x:
+            scratch = torch.empty(grid[0] * grid[1] * grid[2] * (bt + halo_rows) * bc,
+                                  dtype=torch.float32, device=x.device)
         causal_conv_silu_bwd_kernel[grid](
             x, x if left is None else left, weight, x if pos is None else pos, dy,
-            x if dx is None else dx, x if partial is None else partial, seq_len, channels,
+            x if dx is None else dx, x if partial is None else partial,
+            x if scratch is None else scratch, seq_len, channels,
             x.stride(0), x.stride(1), halo, dilation, rows,
             K=kernel, KP=_next_pow2(kernel), HAS_LEFT=left is not None,
             HAS_POS=pos is not None, NEED_DX=need_x,
-            NEED_DW=need_weight, BT=BLOCK_T, BC=bc, num_warps=4)
+            NEED_DW=need_weight, BT=bt, BC=bc, HB=halo_rows, num_warps=BACKWARD_WARPS)
     if partial is not None:
         dweight = partial.sum(0).t().to(weight.dtype)  # [C, K], one fp32 reduction
     if need_left:

@@ -12,8 +12,9 @@ sequence ``[left | x]`` indexed from ``-H``::
 
 Forward: one program per ``[BT, BC]`` tile, K shifted loads of x (the overlap of neighbouring
 taps is served by the cache, so HBM reads x about once), fp32 accumulation, one rounding.
-Backward: ``ds`` is recomputed from x where it is needed (``a`` and the SiLU derivative are not
-saved): each program recomputes ``ds`` at the K shifts its rows need (K * K cached loads of x);
+Backward: ``ds`` is recomputed from x (``a`` and the SiLU derivative are not saved), once per
+row: each program keeps the ``ds`` of its current tile and of the ``H`` rows after it in a
+small fp32 scratch of its own and reads the K shifted windows ``dx`` needs from there;
 the weight gradient is a per-program fp32 partial sum over its rows, written to
 ``partial [NP, K, C]`` and reduced once afterwards (deterministic, no atomics). A second small
 kernel computes ``d_left`` (H rows per batch and channel block).
@@ -118,46 +119,62 @@ def causal_conv_silu_fwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, y_ptr, T, C, SX
 
 @triton.jit
 def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, partial_ptr,
-                                T, C, SXB, SXT, HALO, DIL, ROWS_PER_PROG,
+                                scratch_ptr, T, C, SXB, SXT, HALO, DIL, ROWS_PER_PROG,
                                 K: tl.constexpr, KP: tl.constexpr, HAS_LEFT: tl.constexpr,
                                 HAS_POS: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-                                BT: tl.constexpr, BC: tl.constexpr):
+                                BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr):
     """Grid ``(NTP, cdiv(C, BC), B)``, each program ``ROWS_PER_PROG`` rows (a multiple of BT):
     ``dx`` of its rows, and its fp32 partial weight gradient ``partial[b * NTP + pid_t, :, c]``
-    (``[K, BC]``, KP = next power of two of K)."""
+    (``[K, BC]``, KP = next power of two of K).
+
+    ``ds`` is computed once per row: for each ``BT``-row tile, ``ds`` of its rows and of the
+    ``HALO`` rows after it (``HB`` = next power of two of HALO, at least 1) go to this program's
+    own fp32 scratch ``[BT + HB, BC]`` (L1/L2 resident), and ``dx`` reads its K shifted row
+    windows back after a block barrier. (Recomputing ``ds`` at every shift in registers, K * K
+    loads of x per tile, spilled registers on Hopper and ran at 7x the memory floor.)"""
     pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     cols = pid_c * BC + tl.arange(0, BC)
     col_ok = cols < C
     taps = tl.arange(0, KP)
     dw = tl.zeros((KP, BC), dtype=tl.float32)
     start = pid_t * ROWS_PER_PROG
+    prog = (b * tl.num_programs(1) + pid_c) * tl.num_programs(0) + pid_t
+    scratch = scratch_ptr + prog * ((BT + HB) * BC)
+    lcols = tl.arange(0, BC)
+    srows = tl.arange(0, BT)
+    hrows = tl.arange(0, HB)
     for sub in range(0, ROWS_PER_PROG, BT):
-        rows = start + sub + tl.arange(0, BT)
-        dx = tl.zeros((BT, BC), dtype=tl.float32)
-        for m in tl.static_range(K):
-            if m == 0 or NEED_DX:
-                ds = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, rows + m * DIL, cols, col_ok,
-                         T, C, SXB, SXT, HALO, DIL, K, HAS_LEFT, HAS_POS)
-                if m == 0 and NEED_DW:
-                    if HAS_POS:
-                        dp = _doc_pos(pos_ptr, b, rows, T)
-                    for i in tl.static_range(K):
-                        xv = _load_xf(x_ptr, left_ptr, b, rows + (i * DIL - HALO), cols, col_ok,
-                                      T, C, SXB, SXT, HALO, HAS_LEFT)
-                        if HAS_POS:
-                            xv = tl.where((dp >= HALO - i * DIL)[:, None], xv, 0.0)
-                        dw += tl.where(taps[:, None] == i, tl.sum(ds * xv, axis=0)[None, :], 0.0)
-                if NEED_DX:
-                    if HAS_POS:  # tap K-1-m of output rows + m*D reaches back m*D
-                        keep = _doc_pos(pos_ptr, b, rows + m * DIL, T) >= m * DIL
-                        ds = tl.where(keep[:, None], ds, 0.0)
-                    w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok,
-                                  other=0.0).to(tl.float32)
-                    dx += w_j[None, :] * ds
+        rows = start + sub + srows
+        ds = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C, SXB, SXT,
+                 HALO, DIL, K, HAS_LEFT, HAS_POS)
+        if NEED_DW:
+            if HAS_POS:
+                dp = _doc_pos(pos_ptr, b, rows, T)
+            for i in tl.static_range(K):
+                xv = _load_xf(x_ptr, left_ptr, b, rows + (i * DIL - HALO), cols, col_ok, T, C,
+                              SXB, SXT, HALO, HAS_LEFT)
+                if HAS_POS:
+                    xv = tl.where((dp >= HALO - i * DIL)[:, None], xv, 0.0)
+                dw += tl.where(taps[:, None] == i, tl.sum(ds * xv, axis=0)[None, :], 0.0)
         if NEED_DX:
+            dsh = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, start + sub + BT + hrows, cols,
+                      col_ok, T, C, SXB, SXT, HALO, DIL, K, HAS_LEFT, HAS_POS)
+            tl.store(scratch + srows[:, None] * BC + lcols[None, :], ds)
+            tl.store(scratch + (BT + hrows)[:, None] * BC + lcols[None, :], dsh)
+            tl.debug_barrier()
+            dx = tl.zeros((BT, BC), dtype=tl.float32)
+            for m in tl.static_range(K):
+                v = tl.load(scratch + (srows + m * DIL)[:, None] * BC + lcols[None, :])
+                if HAS_POS:  # tap K-1-m of output rows + m*D reaches back m*D
+                    keep = _doc_pos(pos_ptr, b, rows + m * DIL, T) >= m * DIL
+                    v = tl.where(keep[:, None], v, 0.0)
+                w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok,
+                              other=0.0).to(tl.float32)
+                dx += w_j[None, :] * v
             offs = (b * T + rows.to(tl.int64))[:, None] * C + cols[None, :]
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty),
                      mask=(rows < T)[:, None] & col_ok[None, :])
+            tl.debug_barrier()  # every read of this tile's scratch before the next overwrites it
     if NEED_DW:
         block = b * tl.num_programs(0) + pid_t
         offs = (block * K + taps)[:, None] * C + cols[None, :]
