@@ -12,6 +12,7 @@ from torch import nn
 from overlap_runtime.layers.elementwise import (causal_conv_silu_shifted,
                                                 causal_conv_silu_shifted_parts, gdn_gates)
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
+from overlap_runtime.layers.mlp import SwiGLU, SwiGLUKernels, swiglu_act, swiglu_act_backward
 from overlap_runtime.layers.norm import RMSNorm, RMSNormGated
 
 __all__ = ["compile_elementwise", "compiled"]
@@ -34,7 +35,8 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
     ``GatedDeltaNet`` calls the compiled ``gdn_gates`` and, with ``conv_backend="torch"``, the
     compiled ``causal_conv_silu_shifted`` (``conv_backend="triton"`` keeps its Triton conv),
     and the compiled ``causal_conv_silu_shifted_parts`` for q, k, v written contiguous
-    (``GatedDeltaNet.causal_conv_qkv``).
+    (``GatedDeltaNet.causal_conv_qkv``); every ``SwiGLU`` runs its elementwise halves
+    (``silu(g) * u`` and its backward) compiled, one fused pass each.
     Call it before FSDP2 wraps the model (as torchtitan does); the cores and collectives stay
     eager.
     """
@@ -46,4 +48,6 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
                 module.conv_fn = compiled(causal_conv_silu_shifted)
                 module.conv_parts_fn = compiled(causal_conv_silu_shifted_parts)
             module.gates_fn = compiled(gdn_gates)
+        elif isinstance(module, SwiGLU):
+            module.kernels = SwiGLUKernels(compiled(swiglu_act), compiled(swiglu_act_backward))
     return model

@@ -16,13 +16,40 @@ products in the input dtype), so forward and gradients are bit-identical to it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SwiGLU", "SwiGLUDownFunction", "swiglu_down"]
+__all__ = ["EAGER_SWIGLU", "SwiGLU", "SwiGLUDownFunction", "SwiGLUKernels", "swiglu_act",
+           "swiglu_act_backward", "swiglu_down"]
+
+
+def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` (``[..., I]``, their dtype)."""
+    return F.silu(g) * u
+
+
+def swiglu_act_backward(d_h: torch.Tensor, g: torch.Tensor, u: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h, d_g, d_u)`` for ``h = silu(g) * u`` and the gradient ``d_h`` of h, all ``[..., I]``
+    in their dtype: h recomputed for the down projection's weight gradient."""
+    act = F.silu(g)
+    return act * u, torch.ops.aten.silu_backward(d_h * u, g), d_h * act
+
+
+class SwiGLUKernels(NamedTuple):
+    """The elementwise halves of :class:`SwiGLUDownFunction`: ``act(g, u) -> h`` and
+    ``act_backward(d_h, g, u) -> (h, d_g, d_u)`` (the eager functions above, or their
+    ``torch.compile`` versions)."""
+
+    act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    act_backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                           tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+EAGER_SWIGLU = SwiGLUKernels(swiglu_act, swiglu_act_backward)
 
 
 class SwiGLUDownFunction(torch.autograd.Function):
@@ -33,29 +60,29 @@ class SwiGLUDownFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
+                kernels: SwiGLUKernels = EAGER_SWIGLU) -> torch.Tensor:
         ctx.save_for_backward(g, u, weight)
-        return F.linear(F.silu(g) * u, weight)
+        ctx.kernels = kernels
+        return F.linear(kernels.act(g, u), weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         g, u, weight = ctx.saved_tensors
-        act = F.silu(g)                                    # recomputed, as the forward rounds it
         d_h = grad @ weight                                # [..., I]
+        h, d_g, d_u = ctx.kernels.act_backward(d_h, g, u)  # h recomputed as the forward rounds it
         d_weight = None
         if ctx.needs_input_grad[2]:
-            h = act * u
             d_weight = grad.reshape(-1, grad.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
-        d_u = d_h * act if ctx.needs_input_grad[1] else None
-        d_g = (torch.ops.aten.silu_backward(d_h * u, g) if ctx.needs_input_grad[0] else None)
-        return d_g, d_u, d_weight
+        return (d_g if ctx.needs_input_grad[0] else None,
+                d_u if ctx.needs_input_grad[1] else None, d_weight, None)
 
 
-def swiglu_down(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def swiglu_down(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
+                kernels: SwiGLUKernels = EAGER_SWIGLU) -> torch.Tensor:
     """``down(silu(g) * u)`` with the lean saved set of :class:`SwiGLUDownFunction`."""
-    return SwiGLUDownFunction.apply(g, u, weight)
+    return SwiGLUDownFunction.apply(g, u, weight, kernels)
 
 
 class SwiGLU(nn.Module):
@@ -73,8 +100,10 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.kernels = EAGER_SWIGLU  # the elementwise halves; train.compile swaps in compiled ones
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down_proj.bias is not None:  # never built with one; a swapped-in Linear might
             raise ValueError("SwiGLU.down_proj must have no bias (swiglu_down takes none)")
-        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
+        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight,
+                           self.kernels)
