@@ -19,7 +19,6 @@ clip identically.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -29,9 +28,20 @@ from torch.distributed.tensor import DTensor, Shard
 __all__ = ["clip_grad_norm"]
 
 
-def _local_sq(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares (fp32) of the local pieces of ``grads``, reduced over sharded mesh dims."""
-    total = torch.zeros((), dtype=torch.float32)
+def _sq_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares (fp32, 0-dim, on ``device``) of ``tensors``: one multi-tensor norm
+    kernel (``torch._foreach_norm``, fp32 accumulation) instead of two kernels per tensor."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float32)
+    return torch.stack(norms).to(device).square().sum()
+
+
+def _local_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares (fp32, on ``device``) of the local pieces of ``grads``, reduced over sharded
+    mesh dims. Stays on the device: no host round trip (the loop reads the norm once, after the
+    optimizer step has been queued)."""
+    plain: list[torch.Tensor] = []
     by_mesh: dict[tuple[int, tuple[int, ...]], tuple[object, list[torch.Tensor]]] = {}
     for g in grads:
         if isinstance(g, DTensor):
@@ -39,13 +49,13 @@ def _local_sq(grads: list[torch.Tensor]) -> torch.Tensor:
             key = (id(g.device_mesh), sharded)
             by_mesh.setdefault(key, (g.device_mesh, []))[1].append(g.to_local())
         else:
-            total = total + g.detach().float().pow(2).sum().cpu()
+            plain.append(g)
+    total = _sq_sum(plain, device)
     for (_, sharded), (mesh, locals_) in by_mesh.items():
-        dev = locals_[0].device
-        sq = torch.stack([t.detach().float().pow(2).sum() for t in locals_]).sum().to(dev)
+        sq = _sq_sum(locals_, device)
         for dim in sharded:
             dist.all_reduce(sq, group=mesh.get_group(dim))  # type: ignore[attr-defined]
-        total = total + sq.cpu()
+        total = total + sq
     return total
 
 
@@ -53,7 +63,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None,
                    expert_params: Iterable[torch.nn.Parameter] = (),
                    ep_group: dist.ProcessGroup | None = None,
                    pp_group: dist.ProcessGroup | None = None,
-                   device: torch.device | str = "cpu") -> float:
+                   device: torch.device | str = "cpu") -> torch.Tensor:
     """Global L2 norm of every gradient of the model (before clipping); clips in place.
 
     Args:
@@ -64,23 +74,27 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None,
         device: where the collectives run (the rank's device).
 
     Returns:
-        The norm (float, identical on every rank).
+        The norm, a 0-dim fp32 tensor on ``device``, identical on every rank. Nothing here waits
+        for the device: the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` (1 when the
+        norm is not finite: no clipping, the loop's finiteness check then stops the run) is a
+        device tensor, applied in one ``_foreach_mul_`` over the local gradient pieces.
     """
     params = [p for p in params if p.grad is not None]
     expert_params = [p for p in expert_params if p.grad is not None]
     dev = torch.device(device)
-    sq = _local_sq([p.grad for p in params]).to(dev)  # type: ignore[misc]
-    esq = _local_sq([p.grad for p in expert_params]).to(dev)  # type: ignore[misc]
+    sq = _local_sq([p.grad for p in params], dev)  # type: ignore[misc]
+    esq = _local_sq([p.grad for p in expert_params], dev)  # type: ignore[misc]
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(esq, group=ep_group)
     sq = sq + esq
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
-    norm = float(sq.sqrt())
-    if max_norm is not None and math.isfinite(norm):
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:  # one foreach multiply over the local pieces (no DTensor dispatch)
-            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                     for p in (*params, *expert_params)]
+    norm = sq.sqrt()
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in (*params, *expert_params)]
+        if grads:
             torch._foreach_mul_([g.detach() for g in grads], coef)  # type: ignore[union-attr]
     return norm

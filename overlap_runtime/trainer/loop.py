@@ -237,7 +237,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
             return torch.zeros((), device=device)
         return torch.stack([l.detach().float() for l in losses]).sum()
 
-    def norm_fn() -> float:
+    def norm_fn() -> torch.Tensor:
         return clip_grad_norm(pm.other_params, config.optimizer.max_grad_norm,
                               pm.expert_params, ep_group, pp_group, device)
 
@@ -348,9 +348,9 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
 
     max_norm = config.optimizer.max_grad_norm
 
-    def norm_fn() -> float:
-        return _to_float(torch.nn.utils.clip_grad_norm_(
-            model.parameters(), max_norm if max_norm is not None else math.inf, foreach=False))
+    def norm_fn() -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_norm if max_norm is not None else math.inf, foreach=False)
 
     observer = RunObserver.single(config, device, model, log,
                                   resume_step=resumed.step if resumed else 0)
@@ -379,7 +379,7 @@ def _rows(position_ids: torch.Tensor, rows: slice) -> torch.Tensor:
 def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LambdaLR, device: torch.device,
          batch_for: Callable[[int], Batch], step_fn: Callable[[Batch], torch.Tensor],
-         norm_fn: Callable[[], float], distributed: bool, log: Log | None,
+         norm_fn: Callable[[], torch.Tensor], distributed: bool, log: Log | None,
          on_step: Callable[[StepMetrics], None] | None = None,
          start_step: int = 0,
          after_step: Callable[[int, int], None] | None = None) -> list[StepMetrics]:
@@ -387,7 +387,9 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
 
     ``step_fn`` runs forward and backward and returns this rank's share of the mean loss
     (``CE sum / global tokens``; 0 on ranks without the last pipeline stage); ``norm_fn``
-    measures the global gradient norm and clips. ``on_step(m)`` runs on every rank after each
+    measures the global gradient norm and clips, returning it as a device tensor (read after the
+    optimizer step is queued, so the host does not wait for the backward before launching it).
+    ``on_step(m)`` runs on every rank after each
     step, outside its timing, before the finiteness check (trainer.observe: metrics, progress,
     profiler window; it may run collectives, at the same steps on every rank). Steps
     ``start_step + 1 .. train.steps`` run (a resumed run starts after its checkpoint's step);
@@ -405,13 +407,14 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
         optimizer.zero_grad(set_to_none=True)
         with step_context(step + 1):  # a failure names rank, step, stage, action (errors.py)
             share = step_fn(batch)
-            grad_norm = norm_fn()
+            norm = norm_fn()
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         loss = share.float().reshape(1).clone()
         if distributed:
             dist.all_reduce(loss)
+        grad_norm = _to_float(norm)
         platform.synchronize(device)
         elapsed = time.perf_counter() - t0
         if distributed:
