@@ -76,3 +76,19 @@ def test_block_chunks_reaches_the_eager_function(block_chunks):
                                   options=GDNKernelOptions(block_chunks=block_chunks))
     boundaries = o.grad_fn.saved_tensors[-1]  # [B, HV, num_blocks, K, V]
     assert boundaries.shape[2] == -(-5 // block_chunks)
+
+
+def test_autotune_env_keeps_all_or_first_and_refuses_others(monkeypatch):
+    pytest.importorskip("triton")
+    from overlap_runtime.ops.gdn.triton import common
+
+    if common.INTERPRET:
+        pytest.skip("the interpreter always runs one configuration")
+    monkeypatch.delenv(common.AUTOTUNE_ENV, raising=False)
+    assert len(common.autotune_configs()) == 5
+    monkeypatch.setenv(common.AUTOTUNE_ENV, "first")
+    (only,) = common.autotune_configs(((8, 3), (4, 1)))
+    assert (only.num_warps, only.num_stages) == (8, 3)
+    monkeypatch.setenv(common.AUTOTUNE_ENV, "auto")
+    with pytest.raises(ValueError, match="OVERLAP_RUNTIME_GDN_AUTOTUNE='auto'"):
+        common.autotune_configs()

@@ -132,12 +132,26 @@ def segment_span(segs, i_s, i_bh, i_hv, L, NT, NS, HV: tl.constexpr, VARLEN: tl.
     return n0, n1, row
 
 
+AUTOTUNE_ENV = "OVERLAP_RUNTIME_GDN_AUTOTUNE"
+
+
 def autotune_configs(pairs: tuple[tuple[int, int], ...] = ((2, 2), (4, 1), (4, 2), (8, 1), (8, 2))
                      ) -> list[triton.Config]:
     """Launch configurations ``(num_warps, num_stages)`` to try on a GPU (few: each costs a
-    compile on first use); one under the interpreter (it would run each)."""
+    compile on first use); one under the interpreter (it would run each).
+
+    ``OVERLAP_RUNTIME_GDN_AUTOTUNE`` (read when the kernels are imported): ``all`` (default)
+    tries every pair; ``first`` keeps the first pair alone (no tuning: correct and compiled once,
+    for GPU tests and short runs where minutes of first-use compiles cost more than tuning gains).
+    Any other value raises."""
     if INTERPRET:
         return [triton.Config({}, num_warps=4, num_stages=1)]
+    mode = os.environ.get(AUTOTUNE_ENV, "all")
+    if mode not in ("all", "first"):
+        raise ValueError(f"{AUTOTUNE_ENV}={mode!r}: the GDN Triton kernels take 'all' (tune "
+                         f"over every launch configuration) or 'first' (the first one alone)")
+    if mode == "first":
+        pairs = pairs[:1]
     return [triton.Config({}, num_warps=w, num_stages=s) for w, s in pairs]
 
 
