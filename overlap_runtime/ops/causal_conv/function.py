@@ -25,9 +25,10 @@ __all__ = ["CausalConvSiluFunction", "causal_conv_silu_backward", "causal_conv_s
 BLOCK_T = 32
 BLOCK_C = 128
 BACKWARD_ROWS = 256
-# The backward's tile and warps: [32, 64] with 4 warps compiles for sm_90 without register spills
-# (ptxas -v: 255 registers, 4 bytes spilled; [32, 128] with 4 warps spilled 520 bytes a thread);
-# benchmarks/causal_conv.py --bwd-tiles sweeps them on a GPU.
+# The backward's tile and warps: [32, 64] with 4 warps, the fastest of a sweep on the H200
+# (benchmarks/causal_conv.py --bwd-tiles; docs/benchmarks.md); it compiles for sm_90 with 168
+# registers and no spills (benchmarks/ptxas_report.py --workload conv; with left and
+# doc_positions both given, 8 bytes).
 BACKWARD_BLOCK_T = 32
 BACKWARD_BLOCK_C = 64
 BACKWARD_WARPS = 4

@@ -86,7 +86,7 @@ def _store_gamma(gamma, c, i_b, i_hv, row0, T, eos, HV: tl.constexpr):
     tl.store(gamma + (i_b * T + o_t) * HV + i_hv, c, mask=o_t < eos)
 
 
-@triton.autotune(configs=autotune_configs(((1, 1), (2, 1), (4, 1), (2, 2))),
+@triton.autotune(configs=autotune_configs(((4, 1), (1, 1), (2, 1), (2, 2))),
                  key=["K", "VARLEN"])
 @triton.jit
 def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl.constexpr,
