@@ -332,8 +332,9 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """The GDN recurrence with l2-normalised q, k: ``o [B, T, hv, V]`` in v's dtype.
 
-        ``backend`` / ``options``: None for the layer's own (``self.backend``,
-        ``self.kernel_options``); a context-parallel mixer passes its plan's (which
+        ``backend``: None for the layer's own, with ``self.kernel_options`` unless ``options``
+        is given; a caller that names a backend passes that backend's ``options`` too (None:
+        its defaults), as a context-parallel mixer passes its plan's (which
         ``LinearAttentionContextParallel.apply`` took from this layer and checked).
 
         ``cu_seqlens``: packed documents (``layers.segments``: offsets over the ``B * T``
@@ -342,8 +343,9 @@ class GatedDeltaNet(nn.Module):
         (``ops.gdn.chunk_gated_delta_rule(cu_seqlens=...)``, either backend), the state
         restarting from zero (or ``initial_state[n]``, ``[N, hv, K, V]``) at each document.
         """
-        backend = self.backend if backend is None else backend
-        options = self.kernel_options if options is None else options
+        if backend is None:
+            backend = self.backend
+            options = self.kernel_options if options is None else options
         if cu_seqlens is None:
             o, _ = chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True,

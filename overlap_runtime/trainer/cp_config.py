@@ -23,8 +23,8 @@ layer it is an error too (it would be silently unused).
 Every rule is checked at load (:func:`cp_mode_problems`, called by ``TrainConfig``) and the
 messages name the fields; with cp > 1 that includes ``model.gdn_kernel_options`` against each
 GDN layer's mode and ``linear_attention_gdn_backend`` (the rules
-``LinearAttentionContextParallel.apply`` checks). :func:`layer_cp_modes` is what the model build and the step graph
-read: each decoder layer's own mode.
+``LinearAttentionContextParallel.apply`` checks). :func:`layer_cp_modes` is what the model
+build and the step graph read: each decoder layer's own mode.
 """
 
 from __future__ import annotations
