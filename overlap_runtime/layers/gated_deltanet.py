@@ -56,7 +56,7 @@ from overlap_runtime.layers.norm import RMSNormGated
 from overlap_runtime.layers.sequence_mixer import GDNProjections, GDNSequenceMixer, LocalGDNMixer
 from overlap_runtime.ops.causal_conv.capability import MAX_KERNEL_SIZE
 from overlap_runtime.ops.causal_conv.function import causal_conv_silu_triton
-from overlap_runtime.ops.gdn import chunk_gated_delta_rule
+from overlap_runtime.ops.gdn import GDNKernelOptions, chunk_gated_delta_rule
 
 __all__ = ["CONV_BACKENDS", "GatedDeltaNet", "GDNProjections"]
 
@@ -86,6 +86,13 @@ class GatedDeltaNet(nn.Module):
             shifted sum under ``layers.compile.compile_elementwise``) or ``"triton"`` (the
             kernels of ``ops.causal_conv``, whatever ``train.compile`` says; the CP halo conv
             uses them too). No automatic choice.
+        kernel_options: tuning knobs of the GDN op (``ops.gdn.GDNKernelOptions``:
+            ``block_chunks`` for eager, ``num_segments`` / ``recompute_w`` for triton), passed
+            to every op call the layer makes (dense and packed) and, through
+            ``LinearAttentionContextParallel.apply``, to the context-parallel mixers, which
+            check them against their mode and backend. None: the backend's defaults. An option
+            that does not apply to ``backend`` raises ``ValueError`` naming it. Results do not
+            depend on them (speed and memory do).
 
     Attributes:
         sequence_mixer: the conv + GDN strategy (``layers.sequence_mixer``), default
@@ -104,6 +111,7 @@ class GatedDeltaNet(nn.Module):
         chunk_size: int = 64,
         backend: str = "eager",
         conv_backend: str = "torch",
+        kernel_options: GDNKernelOptions | None = None,
     ) -> None:
         super().__init__()
         if num_value_heads % num_key_heads:
@@ -120,6 +128,11 @@ class GatedDeltaNet(nn.Module):
             raise NotImplementedError(
                 f"conv_kernel_size={conv_kernel_size} with conv_backend='triton': the kernels "
                 f"take K <= {MAX_KERNEL_SIZE} (use conv_backend='torch')")
+        if kernel_options is not None:
+            if not isinstance(kernel_options, GDNKernelOptions):
+                raise TypeError(f"kernel_options must be a GDNKernelOptions or None, got "
+                                f"{type(kernel_options).__name__}")
+            kernel_options.check_backend(backend)  # names the option and the backend
         self.hidden_size = hidden_size
         self.num_key_heads = num_key_heads
         self.num_value_heads = num_value_heads
@@ -132,6 +145,7 @@ class GatedDeltaNet(nn.Module):
         self.chunk_size = chunk_size
         self.backend = backend
         self.conv_backend = conv_backend
+        self.kernel_options = kernel_options  # configuration, the same for every call
 
         self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
@@ -314,8 +328,14 @@ class GatedDeltaNet(nn.Module):
         initial_state: torch.Tensor | None = None,
         backend: str | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        options: GDNKernelOptions | None = None,
     ) -> torch.Tensor:
         """The GDN recurrence with l2-normalised q, k: ``o [B, T, hv, V]`` in v's dtype.
+
+        ``backend``: None for the layer's own, with ``self.kernel_options`` unless ``options``
+        is given; a caller that names a backend passes that backend's ``options`` too (None:
+        its defaults), as a context-parallel mixer passes its plan's (which
+        ``LinearAttentionContextParallel.apply`` took from this layer and checked).
 
         ``cu_seqlens``: packed documents (``layers.segments``: offsets over the ``B * T``
         tokens of the rows flattened, every row start among them, already checked by the
@@ -323,18 +343,20 @@ class GatedDeltaNet(nn.Module):
         (``ops.gdn.chunk_gated_delta_rule(cu_seqlens=...)``, either backend), the state
         restarting from zero (or ``initial_state[n]``, ``[N, hv, K, V]``) at each document.
         """
-        backend = self.backend if backend is None else backend
+        if backend is None:
+            backend = self.backend
+            options = self.kernel_options if options is None else options
         if cu_seqlens is None:
             o, _ = chunk_gated_delta_rule(
                 q, k, v, g, beta, initial_state=initial_state, use_qk_l2norm=True,
-                chunk_size=self.chunk_size, backend=backend,
+                chunk_size=self.chunk_size, backend=backend, options=options,
             )
             return o
         batch, seq_len = v.shape[:2]
         flat = [x.reshape(1, batch * seq_len, *x.shape[2:]) for x in (q, k, v, g, beta)]
         o, _ = chunk_gated_delta_rule(
             *flat, initial_state=initial_state, use_qk_l2norm=True, chunk_size=self.chunk_size,
-            backend=backend, cu_seqlens=cu_seqlens.to(v.device),
+            backend=backend, cu_seqlens=cu_seqlens.to(v.device), options=options,
         )
         return o.reshape(batch, seq_len, *o.shape[2:])
 

@@ -5,8 +5,9 @@ Composes ``overlap_runtime.layers`` (GatedDeltaNet, Qwen3_5Attention, RMSNorm, S
 ``context_parallel`` (:func:`parallelize_qwen3_5_cp`) and FSDP2 (:func:`apply_fsdp`). The layer
 classes are imported from ``overlap_runtime.layers``.
 
-May import ``torch``, ``overlap_runtime.layers``, ``overlap_runtime.context_parallel`` and
-(lazily, when ``mlp="moe"``) ``overlap_runtime.moe``.
+May import ``torch``, ``overlap_runtime.layers``, ``overlap_runtime.ops`` (``GDNKernelOptions``
+for ``model.gdn_kernel_options``), ``overlap_runtime.context_parallel`` and (lazily, when
+``mlp="moe"``) ``overlap_runtime.moe``.
 """
 
 from .parallelize import (
@@ -17,10 +18,19 @@ from .parallelize import (
     parallelize_qwen3_5_cp,
     parameter_count,
 )
-from .qwen3_5 import LayerType, Qwen3_5Config, Qwen3_5DecoderLayer, Qwen3_5ForCausalLM
+from .qwen3_5 import (
+    KERNEL_TUNING_FIELDS,
+    GDNKernelOptionsConfig,
+    LayerType,
+    Qwen3_5Config,
+    Qwen3_5DecoderLayer,
+    Qwen3_5ForCausalLM,
+)
 
 __all__ = [
     "FULL_ATTENTION_CP_MODES",
+    "GDNKernelOptionsConfig",
+    "KERNEL_TUNING_FIELDS",
     "LayerType",
     "Qwen3_5Config",
     "Qwen3_5DecoderLayer",

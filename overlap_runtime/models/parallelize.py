@@ -109,7 +109,9 @@ def parallelize_qwen3_5_cp(
     Raises:
         NotImplementedError: ``ulysses_degree`` not in (None, cp size).
         ValueError: an unknown mode or backend, a ``layer_modes`` of the wrong length, a
-            hierarchical layer without its mesh; head counts Ulysses cannot split.
+            hierarchical layer without its mesh; head counts Ulysses cannot split; GDN kernel
+            options (``model.gdn_kernel_options``) a layer's mode and backend cannot take
+            (``LinearAttentionContextParallel.kernel_option_problems``).
     """
     cp_size = _check_cp_mesh(cp_mesh)
     if ulysses_degree is not None and ulysses_degree != cp_size:
@@ -129,8 +131,12 @@ def parallelize_qwen3_5_cp(
     styles: list[Any] = []
     for i, (layer, mode) in enumerate(zip(model.layers, layer_modes)):
         if layer.linear_attn is not None:
-            styles.append(LinearAttentionContextParallel(
-                mode=mode, backend=linear_attention_gdn_backend, tp_size=1, timeout_s=timeout_s))
+            style = LinearAttentionContextParallel(
+                mode=mode, backend=linear_attention_gdn_backend, tp_size=1, timeout_s=timeout_s)
+            problems = style.kernel_option_problems(layer.linear_attn.kernel_options)
+            if problems:  # model.gdn_kernel_options against this layer's mode and CP backend
+                raise ValueError(f"layer {i} (linear_attention): {'; '.join(problems)}")
+            styles.append(style)
             continue
         if mode not in FULL_ATTENTION_CP_MODES:
             raise ValueError(f"layer {i} (full_attention): unknown full_attention_cp_mode "

@@ -34,20 +34,61 @@ same collectives in the same order on every CP rank, so it is safe with every CP
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from overlap_runtime.layers import GatedDeltaNet, Qwen3_5Attention, RMSNorm, rotary_dim_for
 from overlap_runtime.layers.segments import document_positions
 from overlap_runtime.models.mlp import build_mlp
+from overlap_runtime.ops.gdn import GDNKernelOptions
 
-__all__ = ["Qwen3_5Config", "Qwen3_5DecoderLayer", "Qwen3_5ForCausalLM", "LayerType"]
+__all__ = ["GDNKernelOptionsConfig", "KERNEL_TUNING_FIELDS", "Qwen3_5Config",
+           "Qwen3_5DecoderLayer", "Qwen3_5ForCausalLM", "LayerType"]
 
 LayerType = Literal["linear_attention", "full_attention"]
+
+#: Model fields that change speed and memory only, never the model or its results: left out of
+#: the model identity a checkpoint records (``trainer.loop``), so tuning them does not refuse a
+#: resume.
+KERNEL_TUNING_FIELDS: frozenset[str] = frozenset({"gdn_kernel_options"})
+
+
+class GDNKernelOptionsConfig(BaseModel):
+    """``model.gdn_kernel_options``: the GDN op's tuning knobs from YAML (all optional; unset:
+    the backend's default). The values' rules are :class:`~overlap_runtime.ops.gdn.
+    GDNKernelOptions`' own (checked here by building one); which backend each field applies to
+    is checked against ``model.gdn_backend`` by :class:`Qwen3_5Config`.
+
+    Attributes:
+        block_chunks: eager only, chunks per recompute block of the memory-lean backward.
+        num_segments: triton only, segments of the state scan (1: the plain sequential walk).
+        recompute_w: triton only, do not save the WY factor w, form it again in the backward.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    block_chunks: int | None = None
+    num_segments: int | None = None
+    recompute_w: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_values(self) -> "GDNKernelOptionsConfig":
+        self.to_options()
+        return self
+
+    def to_options(self) -> GDNKernelOptions | None:
+        """The op's :class:`GDNKernelOptions`, or None when no field is set."""
+        set_fields = {k: v for k, v in self.model_dump().items() if v is not None}
+        if not set_fields:
+            return None
+        try:
+            return GDNKernelOptions(**set_fields)
+        except TypeError as exc:  # pydantic reports ValueErrors only
+            raise ValueError(str(exc)) from None
 
 
 class Qwen3_5Config(BaseModel):
@@ -81,6 +122,11 @@ class Qwen3_5Config(BaseModel):
     conv_backend: Literal["torch", "triton"] = Field(
         "torch", description="GDN causal conv + SiLU: torch (F.conv1d, compiled shifted sum "
         "under train.compile) or triton (ops.causal_conv, also in the CP halo conv)")
+    gdn_kernel_options: GDNKernelOptionsConfig = Field(
+        default_factory=GDNKernelOptionsConfig,
+        description="GDN op tuning (GDNKernelOptions): block_chunks (eager), num_segments and "
+        "recompute_w (triton); unset: the backend's defaults; an option of the other backend "
+        "raises")
     # feed-forward
     mlp: Literal["swiglu", "moe"] = "swiglu"
     intermediate_size: int = Field(64, ge=1)
@@ -94,8 +140,20 @@ class Qwen3_5Config(BaseModel):
     tie_word_embeddings: bool = False
     initializer_range: float = Field(0.02, gt=0)
 
+    @field_validator("gdn_kernel_options", mode="before")
+    @classmethod
+    def _null_is_no_options(cls, value: object) -> object:
+        return {} if value is None else value  # YAML `gdn_kernel_options: null`
+
     @model_validator(mode="after")
     def _check(self) -> "Qwen3_5Config":
+        options = self.gdn_kernel_options.to_options()
+        if options is not None:
+            try:
+                options.check_backend(self.gdn_backend)
+            except ValueError as exc:
+                raise ValueError(f"model.gdn_kernel_options does not fit model.gdn_backend="
+                                 f"{self.gdn_backend!r}: {exc}") from None
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -113,6 +171,11 @@ class Qwen3_5Config(BaseModel):
             )
         rotary_dim_for(self.head_dim, self.partial_rotary_factor)  # raises on an odd rotary dim
         return self
+
+    def identity(self) -> dict[str, Any]:
+        """The JSON dump of the fields that define the model (all but
+        :data:`KERNEL_TUNING_FIELDS`): what a checkpoint records and a resume compares."""
+        return self.model_dump(mode="json", exclude=set(KERNEL_TUNING_FIELDS))
 
     @property
     def layer_types(self) -> list[LayerType]:
@@ -143,6 +206,7 @@ class Qwen3_5DecoderLayer(nn.Module):
                 config.linear_key_head_dim, config.linear_value_head_dim,
                 config.linear_conv_kernel_dim, config.rms_norm_eps, config.gdn_chunk_size,
                 config.gdn_backend, config.conv_backend,
+                kernel_options=config.gdn_kernel_options.to_options(),
             )
         else:
             self.self_attn = Qwen3_5Attention(

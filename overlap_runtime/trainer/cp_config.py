@@ -21,8 +21,10 @@ error (two answers for one layer). ``hierarchical_cp``: ``a2a x ring == cp``, bo
 layer it is an error too (it would be silently unused).
 
 Every rule is checked at load (:func:`cp_mode_problems`, called by ``TrainConfig``) and the
-messages name the fields. :func:`layer_cp_modes` is what the model build and the step graph
-read: each decoder layer's own mode.
+messages name the fields; with cp > 1 that includes ``model.gdn_kernel_options`` against each
+GDN layer's mode and ``linear_attention_gdn_backend`` (the rules
+``LinearAttentionContextParallel.apply`` checks). :func:`layer_cp_modes` is what the model
+build and the step graph read: each decoder layer's own mode.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from overlap_runtime.context_parallel.gdn.style import LinearAttentionContextParallel
 from overlap_runtime.context_parallel.hierarchical import check_hierarchical_degrees
 from overlap_runtime.trainer.config_run import _Strict
 
@@ -146,6 +149,23 @@ def cp_mode_problems(config: "TrainConfig") -> list[str]:
         out.append(f"{_ACC}linear_attention_cp_mode='ulysses' with cp={acc.cp} needs "
                    f"model.linear_num_value_heads % cp == 0 and model.linear_num_key_heads "
                    f"dividing or divisible by cp; got {hv} / {hk} (use p2p or all_gather)")
+    if acc.cp > 1:
+        out += _kernel_option_problems(config, sorted(gdn))
+    return out
+
+
+def _kernel_option_problems(config: "TrainConfig", gdn_modes: list[str]) -> list[str]:
+    """``model.gdn_kernel_options`` against each GDN CP mode in use and the CP backend
+    (``LinearAttentionContextParallel.kernel_option_problems``: the rules ``apply`` checks);
+    ``Qwen3_5Config`` already checked them against ``model.gdn_backend``."""
+    options = config.model.gdn_kernel_options.to_options()
+    backend = config.train.accelerator.linear_attention_gdn_backend
+    out: list[str] = []
+    for mode in gdn_modes:
+        for problem in LinearAttentionContextParallel(mode, backend).kernel_option_problems(
+                options):
+            out.append(f"model.gdn_kernel_options with GDN CP mode {mode!r} and "
+                       f"{_ACC}linear_attention_gdn_backend={backend!r}: {problem}")
     return out
 
 

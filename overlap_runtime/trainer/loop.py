@@ -195,7 +195,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
         data = build_dataset(config.data, dims.dp, config.train.seed)
         ckpt = Checkpointer(config.checkpoint, pm.modules(), optimizer, scheduler, data,
                             layout=_mode(config), device=device,
-                            model_config=config.model.model_dump(mode="json"),
+                            model_config=config.model.identity(),
                             log=(log or print) if rank == 0 else None)
         resumed = ckpt.resume()
     except BaseException:
@@ -322,7 +322,7 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     compute_params = list(compute.parameters())
     ckpt = Checkpointer(config.checkpoint, [model], optimizer, scheduler, data,
                         layout="single", device=device,
-                        model_config=config.model.model_dump(mode="json"), log=log,
+                        model_config=config.model.identity(), log=log,
                         distributed=False)
     resumed = ckpt.resume()
     platform.reset_peak_memory_stats(device)

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from overlap_runtime.layers import CoreAttention, LocalGDNMixer
 from overlap_runtime.models import (
+    GDNKernelOptionsConfig,
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     build_dp_cp_mesh,
@@ -24,9 +25,9 @@ SEQ = 96
 DTYPE = torch.float64
 
 
-def _model() -> Qwen3_5ForCausalLM:
+def _model(config: Qwen3_5Config = CONFIG) -> Qwen3_5ForCausalLM:
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(CONFIG).to(DTYPE)
+    model = Qwen3_5ForCausalLM(config).to(DTYPE)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("proj.weight"):
@@ -94,8 +95,11 @@ def cp1_and_errors_worker(rank: int, world: int) -> dict[str, Any]:
         "gdn_mode": {"linear_attention_cp_mode": "ring"},
         "backend": {"linear_attention_gdn_backend": "auto"},
         "attn_mode": {"full_attention_cp_mode": "zigzag"},
+        # model.gdn_kernel_options for eager; the CP layers would run triton
+        "kernel_options": {"linear_attention_gdn_backend": "triton"},
     }.items():
-        fresh = _model()
+        fresh = _model(CONFIG.model_copy(update={"gdn_kernel_options": GDNKernelOptionsConfig(
+            block_chunks=2)}) if name == "kernel_options" else CONFIG)
         try:
             parallelize_qwen3_5_cp(fresh, cp_mesh, **kwargs)
             errors[name] = ("no error", "")

@@ -54,5 +54,9 @@ def test_cp1_untouched_and_errors() -> None:
     assert errors["attn_mode"][0] == "ValueError"
     assert "full_attention_cp_mode" in errors["attn_mode"][1]
     assert errors["mesh_2d"][0] == "ValueError" and "mesh['cp']" in errors["mesh_2d"][1]
-    for name in ("ulysses_degree", "gdn_mode", "backend", "attn_mode"):
+    kind, msg = errors["kernel_options"]
+    assert kind == "ValueError" and msg.startswith("layer 0 (linear_attention): "), msg
+    assert "mode='ulysses', backend='triton'" in msg, msg
+    assert "block_chunks=2 applies to backend='eager'" in msg, msg
+    for name in ("ulysses_degree", "gdn_mode", "backend", "attn_mode", "kernel_options"):
         assert errors[name + "_untouched"], name

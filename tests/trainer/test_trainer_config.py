@@ -220,6 +220,27 @@ def test_triton_gdn_needs_whole_64_token_chunks_per_cp_rank() -> None:
     assert config_from_dict({"data": {"seq_len": 512}, **_acc(**acc)}).data.seq_len == 512
 
 
+def test_gdn_kernel_options_must_fit_every_gdn_cp_mode() -> None:
+    """``model.gdn_kernel_options`` against the CP modes and backend, at load (the rules
+    ``LinearAttentionContextParallel.apply`` checks): the triton p2p chain / prefix scan run
+    >= 2 scan segments per rank, and the CP backend must take the options too."""
+    acc = dict(cp=2, world_size=2, linear_attention_gdn_backend="triton",
+               linear_attention_cp_modes=["ulysses", "prefix_scan", "all_gather"])
+    model = {"gdn_backend": "triton", "gdn_kernel_options": {"num_segments": 1}}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": model, "data": {"seq_len": 128}, **_acc(**acc)})
+    msg = str(info.value)
+    assert ("model.gdn_kernel_options with GDN CP mode 'prefix_scan' and train.accelerator."
+            "linear_attention_gdn_backend='triton': num_segments=1 with mode='prefix_scan'") in msg
+    assert "'ulysses'" not in msg and "'all_gather'" not in msg, msg  # they take one segment
+    model["gdn_kernel_options"] = {"num_segments": 2}
+    config_from_dict({"model": model, "data": {"seq_len": 128}, **_acc(**acc)})
+    with pytest.raises(ConfigError) as info:  # eager options, triton CP layers
+        config_from_dict({"model": {"gdn_kernel_options": {"block_chunks": 2}},
+                          "data": {"seq_len": 128}, **_acc(**acc)})
+    assert "block_chunks=2 applies to backend='eager' only" in str(info.value)
+
+
 def test_set_overrides_are_validated_like_the_yaml() -> None:
     from overlap_runtime.trainer.config import apply_overrides
 

@@ -68,7 +68,8 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         q, k, v, g, beta = local_core_inputs(layer, plan, proj, mask)
         m, s = state_summary(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=layer.chunk_size)
         h_in, gathered = gathered_initial_state(m, s, plan)
-        o = layer.core(q, k, v, g, beta, initial_state=h_in, backend=plan.backend)
+        o = layer.core(q, k, v, g, beta, initial_state=h_in, backend=plan.backend,
+                       options=plan.options)
         if h_in is None:  # rank 0 reads no summary; keep the collective in its graph
             o = comm.attach(o, gathered)
         return o
@@ -85,7 +86,7 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         m, s = packed_tail_maps(q, k, v, g, beta, pieces, layer.chunk_size)
         h_in, gathered = gathered_initial_state(m, s, plan)
         o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, q.shape[-1] ** -0.5,
-                                 layer.chunk_size, plan.backend)
+                                 layer.chunk_size, plan.backend, plan.options)
         # Always attached: a rank whose rows all start a document at its first token reads no
         # summary either, and the gather's backward collective must run on every rank.
         return comm.attach(o, gathered)

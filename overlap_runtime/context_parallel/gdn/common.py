@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, MixerInputs, check_layer_inputs
 from overlap_runtime.ops import comm
+from overlap_runtime.ops.gdn import GDNKernelOptions
 
 __all__ = [
     "GDNCPPlan",
@@ -55,6 +56,9 @@ class GDNCPPlan:
         cp_size: number of ranks in ``group``.
         mesh: the 1-D CP device mesh (to rebuild DTensor outputs).
         timeout_s: bound of every wait (None: ``comm.DEFAULT_TIMEOUT_S``).
+        options: the layer's GDN kernel options (``GatedDeltaNet.kernel_options``), checked
+            against mode and backend by ``apply`` and passed to every local op call of the
+            mode (None: the backend's defaults).
     """
 
     mode: str
@@ -63,11 +67,20 @@ class GDNCPPlan:
     cp_size: int
     mesh: DeviceMesh
     timeout_s: float | None = None
+    options: GDNKernelOptions | None = None
 
     @property
     def rank(self) -> int:
         """This process's rank in the CP group (read from the group on every call)."""
         return dist.get_rank(self.group)
+
+    def triton_kwargs(self) -> dict[str, Any]:
+        """``num_segments`` and ``recompute_w`` for the Triton op's ``gdn_forward`` (the
+        p2p chain and the prefix scan call it directly), from :attr:`options` (unset: the
+        machine's segment choice, w saved)."""
+        options = self.options if self.options is not None else GDNKernelOptions()
+        return {"num_segments": options.num_segments,
+                "recompute_w": bool(options.recompute_w)}
 
 
 class ContextParallelGDNMixer(GDNSequenceMixer):
@@ -83,6 +96,11 @@ class ContextParallelGDNMixer(GDNSequenceMixer):
     Args:
         plan: the configuration ``LinearAttentionContextParallel.apply`` binds.
     """
+
+    #: With ``backend="triton"``: the fewest scan segments per rank the mode's dense path
+    #: runs the op with (its ``StateLink.min_segments``); a smaller ``num_segments`` option
+    #: would be overridden, so ``apply`` refuses it.
+    triton_min_segments: int = 1
 
     def __init__(self, plan: GDNCPPlan) -> None:
         super().__init__()

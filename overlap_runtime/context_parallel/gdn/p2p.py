@@ -65,6 +65,7 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops.gdn.state_link import StateLink
 from overlap_runtime.ops.profile_range import profile_range
 from overlap_runtime.ops.gdn import (
+    GDNKernelOptions,
     apply_summary,
     apply_summary_backward,
     chunk_gated_delta_rule,
@@ -146,7 +147,8 @@ class GDNStateChain(torch.autograd.Function):
         needs = ctx.needs_input_grad[:5]
         with profile_range("gdn.p2p bwd local output"):
             grads, dh_in_local, leaves = local_output_grads(
-                (q, k, v, g, beta), needs, h_in, do, ctx.scale, ctx.chunk_size, plan.backend)
+                (q, k, v, g, beta), needs, h_in, do, ctx.scale, ctx.chunk_size, plan.backend,
+                plan.options)
 
         send = None
         if recv is not None:
@@ -173,6 +175,7 @@ class GDNStateChain(torch.autograd.Function):
 def local_output_grads(
     inputs: tuple[torch.Tensor, ...], needs: tuple[bool, ...], h_in: torch.Tensor | None,
     do: torch.Tensor, scale: float, chunk_size: int, backend: str,
+    options: GDNKernelOptions | None = None,
 ) -> tuple[list[torch.Tensor | None], torch.Tensor | None, list[torch.Tensor]]:
     """Backward of a rank's local output ``o = GDN(q, k, v, g, beta; H_in)`` alone (recomputed).
 
@@ -180,6 +183,7 @@ def local_output_grads(
         inputs: ``(q, k, v, g, beta)`` as saved by the forward; needs: which need a gradient.
         h_in: ``[B, HV, K, V]`` the state that entered the rank (None: zeros, rank 0).
         do: ``[B, T, HV, V]`` gradient of the output.
+        backend, options: the op's backend and kernel options (the plan's).
 
     Returns:
         ``(grads, dH_in_local, leaves)``: the five input gradients of the local output (None
@@ -191,7 +195,7 @@ def local_output_grads(
         h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
         o, _ = chunk_gated_delta_rule(
             *leaves, scale=scale, initial_state=h_leaf, use_qk_l2norm=True,
-            chunk_size=chunk_size, backend=backend,
+            chunk_size=chunk_size, backend=backend, options=options,
         )
         wanted = [x for x in leaves if x.requires_grad] + ([h_leaf] if h_leaf is not None else [])
         local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
@@ -294,7 +298,8 @@ class TritonStateChain(torch.autograd.Function):
         rank = plan.rank  # H_in is posted before the local work, so it lands while we prepare
         link = _ChainLink(plan, shape, q.device, rank - 1 if rank > 0 else None,
                           "gdn p2p forward H_in")
-        o, _, saved, meta = gdn_forward(q, k, v, g, beta, None, scale, True, None, link=link)
+        o, _, saved, meta = gdn_forward(q, k, v, g, beta, None, scale, True, link=link,
+                                        **plan.triton_kwargs())
         link.finish()
         ctx.save_for_backward(*saved)
         ctx.meta, ctx.plan, ctx.state_shape = meta, plan, shape
@@ -342,6 +347,8 @@ def gdn_state_chain(
 
 class P2PGDNMixer(ContextParallelGDNMixer):
     """Sequence mixer of ``mode="p2p"`` (see the module docstring)."""
+
+    triton_min_segments = _ChainLink.min_segments
 
     def forward(self, layer: GatedDeltaNet, proj: GDNProjections,
                 mask: torch.Tensor | None) -> torch.Tensor:

@@ -138,7 +138,8 @@ class GDNPrefixScan(torch.autograd.Function):
         needs = ctx.needs_input_grad[:5]
         with profile_range("gdn.prefix_scan bwd local output"):
             grads, dh_in_local, leaves = local_output_grads(
-                (q, k, v, g, beta), needs, h_in, do, ctx.scale, ctx.chunk_size, plan.backend)
+                (q, k, v, g, beta), needs, h_in, do, ctx.scale, ctx.chunk_size, plan.backend,
+                plan.options)
         with profile_range("gdn.prefix_scan bwd scan"):
             m_t = None if m is None else m.transpose(-1, -2)
             dh_out = scan.run(m_t, dh_in_local)  # None on the last rank: nothing after it
@@ -219,7 +220,8 @@ class TritonPrefixScan(torch.autograd.Function):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         shape = _state_shape(k, v)
         link = _ScanLink(plan, shape, q.device, reverse=False)
-        o, _, saved, meta = gdn_forward(q, k, v, g, beta, None, scale, True, None, link=link)
+        o, _, saved, meta = gdn_forward(q, k, v, g, beta, None, scale, True, link=link,
+                                        **plan.triton_kwargs())
         link.scan.finish()
         ctx.save_for_backward(*saved)
         ctx.meta, ctx.plan, ctx.state_shape = meta, plan, shape
@@ -263,7 +265,7 @@ class PackedPrefixScan(torch.autograd.Function):
             h_in = scan.run(m, s)
         with profile_range("gdn.prefix_scan packed fwd local output"):
             o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, scale, chunk_size,
-                                     plan.backend)
+                                     plan.backend, plan.options)
         scan.finish()
         # M' is kept where the backward's scan sends pairs (0 < r < P - 1); H_in where r > 0.
         ctx.save_for_backward(q, k, v, g, beta, h_in, m if 0 < rank < world - 1 else None)
@@ -281,7 +283,7 @@ class PackedPrefixScan(torch.autograd.Function):
         with profile_range("gdn.prefix_scan packed bwd local output"):
             grads, dh_local, leaves = packed_local_output_grads(
                 (q, k, v, g, beta), h_in, do, ctx.pieces, ctx.scale, ctx.chunk_size,
-                plan.backend)
+                plan.backend, plan.options)
         with profile_range("gdn.prefix_scan packed bwd scan"):
             m_t = None if m is None else m.transpose(-1, -2)
             dh_out = scan.run(m_t, dh_local)  # None on the last rank: nothing after it
@@ -315,6 +317,8 @@ def gdn_prefix_scan(
 
 class PrefixScanGDNMixer(ContextParallelGDNMixer):
     """Sequence mixer of ``mode="prefix_scan"`` (see the module docstring)."""
+
+    triton_min_segments = _ScanLink.min_segments
 
     def forward(self, layer: GatedDeltaNet, proj: GDNProjections,
                 mask: torch.Tensor | None) -> torch.Tensor:

@@ -21,6 +21,23 @@ rule. With ``backend="triton"`` the local sequence must be a multiple of the chu
 Triton capability rules (device, dtypes, head dims) must hold; both are checked at the first
 forward, before any communication, on every rank at the same point.
 
+Kernel options: ``apply`` takes the layer's ``kernel_options`` (``ops.gdn.GDNKernelOptions``,
+``model.gdn_kernel_options``) into the mode's plan and passes them to every local GDN op call
+(:meth:`LinearAttentionContextParallel.check_kernel_options` has the rules, checked before the
+layer is changed):
+
+* ``block_chunks`` (eager) acts in every op call: ulysses and all_gather run the local GDN with
+  it (forward and backward); p2p and prefix_scan in the backward's recompute of the local output
+  (their forward runs every chunk at once, not in blocks); every packed call. Not in the
+  summaries (``state_summary``, ``summarize``: a tree over all chunks).
+* ``num_segments`` (triton) sets the op's state scan in every mode; the dense p2p chain and
+  prefix scan run at least ``triton_min_segments`` = 2 segments per rank (their state link needs
+  the segment summaries), so ``num_segments=1`` raises there.
+* ``recompute_w`` (triton) acts in every mode (the p2p chain and the prefix scan pass it to the
+  op's forward, whose backward forms w again).
+
+Options of the other backend (the layer's ``backend`` may differ from this style's) raise too.
+
 ``apply`` installs the mode's sequence mixer as ``module.sequence_mixer`` (the strategy protocol
 of ``overlap_runtime.layers.sequence_mixer``: :class:`~.ulysses.UlyssesGDNMixer`,
 :class:`~.p2p.P2PGDNMixer`, :class:`~.all_gather.AllGatherGDNMixer`,
@@ -45,7 +62,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap_runtime.layers.sequence_mixer import LocalGDNMixer
-from overlap_runtime.ops.gdn import SUPPORTED_BACKENDS
+from overlap_runtime.ops.gdn import SUPPORTED_BACKENDS, GDNKernelOptions
 
 from .all_gather import AllGatherGDNMixer
 from .common import ContextParallelGDNMixer, GDNCPPlan
@@ -122,11 +139,45 @@ class LinearAttentionContextParallel:
     def __repr__(self) -> str:
         return f"LinearAttentionContextParallel(mode={self.mode!r}, backend={self.backend!r})"
 
+    def kernel_option_problems(self, options: GDNKernelOptions | None) -> list[str]:
+        """Why a layer's kernel ``options`` cannot run in this mode and backend (empty: they
+        can): an option of the other backend, or ``num_segments`` below the mode's
+        ``triton_min_segments`` (it would be overridden). Each message names the option, the
+        mode and the rule."""
+        if options is None:
+            return []
+        if not isinstance(options, GDNKernelOptions):
+            return [f"kernel_options must be a GDNKernelOptions or None, got "
+                    f"{type(options).__name__}"]
+        where = f"mode={self.mode!r}, backend={self.backend!r}"
+        try:
+            options.check_backend(self.backend)
+        except ValueError as exc:
+            return [f"GDN context parallelism ({where}): {exc}"]
+        least = _MODE_MIXER[self.mode].triton_min_segments
+        n = options.num_segments
+        if self.backend == "triton" and n is not None and n < least:
+            return [f"num_segments={n} with {where}: the mode's state link composes the "
+                    f"op's segment summaries across ranks and runs at least {least} segments "
+                    f"per rank, so num_segments={n} would be overridden; set num_segments "
+                    f">= {least} or leave it unset"]
+        return []
+
+    def check_kernel_options(self, options: GDNKernelOptions | None) -> None:
+        """Raise ``ValueError`` (``TypeError`` for a non-options object) with
+        :meth:`kernel_option_problems`' messages."""
+        problems = self.kernel_option_problems(options)
+        if problems:
+            error = TypeError if not isinstance(options, GDNKernelOptions) else ValueError
+            raise error("; ".join(problems))
+
     def apply(self, module: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         """Make ``module`` run context-parallel over the 1-D ``cp_mesh``; returns ``module``.
 
         The parameters stay where they are (no copies); ``module.sequence_mixer`` becomes the
-        CP mixer of ``self.mode`` bound to ``cp_mesh``'s group. Applying twice raises.
+        CP mixer of ``self.mode`` bound to ``cp_mesh``'s group, with the module's
+        ``kernel_options`` (:meth:`check_kernel_options` first: a refused option raises before
+        anything changes). Applying twice raises.
         """
         missing = [name for name in REQUIRED_MEMBERS if not hasattr(module, name)]
         if missing:
@@ -135,6 +186,8 @@ class LinearAttentionContextParallel:
                 "it needs GatedDeltaNet's parameters, pieces and sequence_mixer slot "
                 "(overlap_runtime.layers.GatedDeltaNet)"
             )
+        options = getattr(module, "kernel_options", None)
+        self.check_kernel_options(options)
         mixer = module.sequence_mixer
         if isinstance(mixer, ContextParallelGDNMixer):
             raise RuntimeError(
@@ -158,7 +211,7 @@ class LinearAttentionContextParallel:
             ulysses_head_layout(module.num_key_heads, module.num_value_heads, cp_size)
         plan = GDNCPPlan(
             mode=self.mode, backend=self.backend, group=cp_mesh.get_group(), cp_size=cp_size,
-            mesh=cp_mesh, timeout_s=self.timeout_s,
+            mesh=cp_mesh, timeout_s=self.timeout_s, options=options,
         )
         module.sequence_mixer = _MODE_MIXER[self.mode](plan)
         return module

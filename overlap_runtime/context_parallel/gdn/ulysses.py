@@ -140,8 +140,8 @@ class UlyssesGDNMixer(ContextParallelGDNMixer):
         q, k, v = layer.causal_conv_qkv(mixed, channels=channels, doc_positions=positions,
                                         num_key_heads=h, num_value_heads=hv)
         g, beta = layer.gates(a, b, layout.value_heads[rank], full_mask)
-        o = layer.core(q, k, v, g, beta, backend=plan.backend,
-                       cu_seqlens=cu_seqlens)  # [B, S, hv, V]
+        o = layer.core(q, k, v, g, beta, backend=plan.backend, cu_seqlens=cu_seqlens,
+                       options=plan.options)  # [B, S, hv, V]
 
         # Inverse: tokens of rank i go back to rank i; we receive every rank's heads of our
         # tokens.

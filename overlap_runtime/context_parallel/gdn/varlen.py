@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.layers.segments import segments_of
 from overlap_runtime.ops.gdn import (
+    GDNKernelOptions,
     apply_summary,
     apply_summary_backward,
     chunk_gated_delta_rule,
@@ -195,7 +196,8 @@ def packed_shard_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjecti
 
 def packed_local_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, h_in: torch.Tensor | None, pieces: ShardPieces,
-                         scale: float, chunk_size: int, backend: str) -> torch.Tensor:
+                         scale: float, chunk_size: int, backend: str,
+                         options: GDNKernelOptions | None = None) -> torch.Tensor:
     """``o [B, L, HV, V]``: every piece from a zero state, except a first piece that continues
     a document, which starts from ``h_in[b]`` (``[B, HV, K, V]`` fp32, or None on rank 0).
 
@@ -216,7 +218,8 @@ def packed_local_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         init = h_in.new_zeros(len(offsets) - 1, *h_in.shape[1:]).index_copy(0, idx, h_in[cont])
     flat = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
     o, _ = chunk_gated_delta_rule(*flat, scale=scale, initial_state=init, use_qk_l2norm=True,
-                                  chunk_size=chunk_size, backend=backend, cu_seqlens=cu)
+                                  chunk_size=chunk_size, backend=backend, cu_seqlens=cu,
+                                  options=options)
     return o.reshape(batch, length, *o.shape[2:])
 
 
@@ -240,6 +243,7 @@ def packed_tail_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 def packed_local_output_grads(
     inputs: tuple[torch.Tensor, ...], h_in: torch.Tensor | None, do: torch.Tensor,
     pieces: ShardPieces, scale: float, chunk_size: int, backend: str,
+    options: GDNKernelOptions | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]:
     """Backward of a shard's pieces alone (:func:`packed_local_outputs`, recomputed).
 
@@ -257,7 +261,7 @@ def packed_local_output_grads(
     leaves = [x.detach().requires_grad_(True) for x in inputs]
     with torch.enable_grad():
         h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
-        o = packed_local_outputs(*leaves, h_leaf, pieces, scale, chunk_size, backend)
+        o = packed_local_outputs(*leaves, h_leaf, pieces, scale, chunk_size, backend, options)
         wanted = leaves + ([h_leaf] if h_leaf is not None else [])
         local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
     dh_local = local.pop() if h_leaf is not None else None
@@ -316,7 +320,7 @@ class PackedStateChain(torch.autograd.Function):
             h_out = s if h_in is None else apply_summary(m, s, h_in)
             send = post_send(h_out.contiguous(), rank + 1, plan, "gdn packed p2p forward H_out")
         o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, scale, chunk_size,
-                                 plan.backend)
+                                 plan.backend, plan.options)
         if send is not None:
             send.wait()
         ctx.save_for_backward(q, k, v, g, beta, h_in, m)
@@ -335,7 +339,8 @@ class PackedStateChain(torch.autograd.Function):
             dh_out = torch.empty(shape, dtype=state_dtype, device=q.device)
             recv = post_recv(dh_out, rank + 1, plan, "gdn packed p2p backward dH_out")
         grads, dh_local, leaves = packed_local_output_grads(
-            (q, k, v, g, beta), h_in, do, ctx.pieces, ctx.scale, ctx.chunk_size, plan.backend)
+            (q, k, v, g, beta), h_in, do, ctx.pieces, ctx.scale, ctx.chunk_size, plan.backend,
+            plan.options)
         if recv is not None:
             recv.wait()
         send = None
