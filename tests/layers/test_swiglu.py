@@ -30,11 +30,10 @@ def _plain(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
     return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_swiglu_matches_plain_and_saves_less(dtype: torch.dtype, tol: float) -> None:
-    torch.manual_seed(0)
-    b, t, h, i = 2, 9, 16, 40
-    mlp = SwiGLU(h, i).to(dtype)
+def _check_against_plain(mlp: SwiGLU, b: int, t: int, h: int, dtype: torch.dtype, tol: float
+                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """mlp's output and every gradient against the plain MLP on a copy of its weights;
+    returns the input and mlp's weights."""
     x = torch.randn(b, t, h, dtype=dtype, requires_grad=True)
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     ref_w = [w.detach().clone().requires_grad_() for w in weights]
@@ -46,6 +45,15 @@ def test_swiglu_matches_plain_and_saves_less(dtype: torch.dtype, tol: float) -> 
     assert rel_l2(out.float(), ref.float()) <= tol
     for got, want in zip((x, *weights), (ref_x, *ref_w)):
         assert rel_l2(got.grad.float(), want.grad.float()) <= tol
+    return x, weights
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_swiglu_matches_plain_and_saves_less(dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    b, t, h, i = 2, 9, 16, 40
+    mlp = SwiGLU(h, i).to(dtype)
+    x, weights = _check_against_plain(mlp, b, t, h, dtype, tol)
     size = torch.finfo(dtype).bits // 8
     lean = _saved_bytes(lambda *a: mlp(a[0]), x, *weights)
     plain = _saved_bytes(_plain, x, *weights)
@@ -65,16 +73,6 @@ def test_compiled_halves_match_plain_and_save_as_little(dtype: torch.dtype, tol:
     mlp = SwiGLU(h, i).to(dtype)
     compile_elementwise(mlp)
     assert mlp.kernels is not EAGER_SWIGLU
-    x = torch.randn(b, t, h, dtype=dtype, requires_grad=True)
-    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-    ref_w = [w.detach().clone().requires_grad_() for w in weights]
-    ref_x = x.detach().clone().requires_grad_()
-    dy = torch.randn(b, t, h, dtype=dtype)
-    out, ref = mlp(x), _plain(ref_x, *ref_w)
-    (out * dy).sum().backward()
-    (ref * dy).sum().backward()
-    assert rel_l2(out.float(), ref.float()) <= tol
-    for got, want in zip((x, *weights), (ref_x, *ref_w)):
-        assert rel_l2(got.grad.float(), want.grad.float()) <= tol
+    x, weights = _check_against_plain(mlp, b, t, h, dtype, tol)
     size = torch.finfo(dtype).bits // 8
     assert _saved_bytes(lambda *a: mlp(a[0]), x, *weights) == b * t * (h + 2 * i) * size
