@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -17,19 +18,102 @@ from overlap_runtime.testing import rel_l2  # noqa: F401  (re-exported for the G
 _HERE = Path(__file__).resolve().parent
 
 
+def _interpreter_env() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(_HERE), str(_HERE.parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    return env
+
+
+def _result(script: str, args: tuple[str, ...], returncode: int, stdout: str, stderr: str
+            ) -> dict:
+    assert returncode == 0, f"{script} {' '.join(args)} failed:\n{stdout}\n{stderr[-4000:]}"
+    line = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
 def run_interpreted(script: str, *args: str, timeout_s: float = 300) -> dict:
     """Run ``tests/ops/<script> *args`` in a child process with ``TRITON_INTERPRET=1`` (triton
     reads it when the kernels are first imported, so it must be set before) and return the dict
     of its last ``RESULT <json>`` line; a failing child fails the test with its output."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_HERE), str(_HERE.parents[1]),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(_HERE / script), *args], env=env,
+    proc = subprocess.run([sys.executable, str(_HERE / script), *args], env=_interpreter_env(),
                           capture_output=True, text=True, timeout=timeout_s, cwd=str(_HERE))
-    assert proc.returncode == 0, (f"{script} {' '.join(args)} failed:\n{proc.stdout}\n"
-                                  f"{proc.stderr[-4000:]}")
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return _result(script, args, proc.returncode, proc.stdout, proc.stderr)
+
+
+class InterpretedCases:
+    """The interpreter children of one test module's cases, run two at a time.
+
+    ``start(cases)`` launches ``tests/ops/<script> <case>`` for each case, at most ``workers``
+    at once (each child is single-threaded and the Triton interpreter is CPU-bound, so two
+    children use the CI machine's two cores while the test process waits); ``result(case)``
+    returns that child's ``RESULT`` dict as :func:`run_interpreted` does, running the case now
+    if it was not started. Every wait is bounded by ``timeout_s`` per child (a child past it is
+    killed and the test fails naming the case)."""
+
+    def __init__(self, script: str, timeout_s: float = 300, workers: int = 2) -> None:
+        self.script, self.timeout_s, self.workers = script, timeout_s, workers
+        self._queue: list[str] = []
+        self._running: dict[str, tuple[subprocess.Popen, float]] = {}
+        self._done: dict[str, tuple[int, str, str]] = {}
+
+    def start(self, cases: list[str]) -> None:
+        self._queue.extend(c for c in dict.fromkeys(cases)
+                           if c not in self._done and c not in self._running)
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._queue and len(self._running) < self.workers:
+            case = self._queue.pop(0)
+            proc = subprocess.Popen([sys.executable, str(_HERE / self.script), case],
+                                    env=_interpreter_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=str(_HERE))
+            self._running[case] = (proc, time.monotonic())
+
+    def _finish(self, case: str) -> None:
+        proc, started = self._running.pop(case)
+        try:
+            out, err = proc.communicate(timeout=max(1.0, self.timeout_s
+                                                    - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate(timeout=30)
+            self._done[case] = (-9, out, f"{self.script} {case}: no result within "
+                                         f"{self.timeout_s} s\n{err}")
+        else:
+            self._done[case] = (proc.returncode, out, err)
+        self._fill()
+
+    def result(self, case: str) -> dict:
+        if case not in self._done and case not in self._running and case not in self._queue:
+            return run_interpreted(self.script, case, timeout_s=self.timeout_s)
+        while case not in self._done:  # a queued case starts when a running one is finished
+            self._finish(case if case in self._running else next(iter(self._running)))
+        code, out, err = self._done.pop(case)
+        return _result(self.script, (case,), code, out, err)
+
+    def close(self) -> None:
+        """Kill what is still running (a module whose tests were deselected or failed early)."""
+        for proc, _ in self._running.values():
+            proc.kill()
+            proc.communicate(timeout=30)
+        self._running.clear()
+        self._queue.clear()
+
+
+def selected_cases(request, case_of_test: dict[str, str]) -> list[str]:  # noqa: ANN001
+    """The interpreter cases of this module's selected tests, in collection order: a test's
+    ``case`` parameter, else ``case_of_test[test function name]``."""
+    module = request.module.__name__
+    cases = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is None or item.module.__name__ != module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        case = params.get("case", case_of_test.get(item.originalname))
+        if case is not None:
+            cases.append(case)
+    return cases
 
 
 def make_inputs(

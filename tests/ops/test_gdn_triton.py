@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from _gdn_util import make_inputs, rel_l2, run_interpreted
+from _gdn_util import InterpretedCases, make_inputs, rel_l2, selected_cases
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
 pytestmark = pytest.mark.triton
@@ -26,8 +26,22 @@ needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
 
 
+_CASES = InterpretedCases("_gdn_triton_cases.py", timeout_s=480)
+_CASE_OF_TEST = {"test_interpreter_nan_stays_in_its_chunk": "nan_fp32",
+                 "test_interpreter_capability_errors_name_the_rule": "capability_errors"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_children(request):  # noqa: ANN001
+    """The selected tests' interpreter children start together, two at a time."""
+    if __import__("importlib").util.find_spec("triton") is not None:
+        _CASES.start(selected_cases(request, _CASE_OF_TEST))
+    yield
+    _CASES.close()
+
+
 def _run_case(case: str) -> dict:
-    return run_interpreted("_gdn_triton_cases.py", case, timeout_s=480)
+    return _CASES.result(case)
 
 
 @needs_triton

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gdn_util import make_inputs, rel_l2, run_interpreted
+from _gdn_util import InterpretedCases, make_inputs, rel_l2, selected_cases
 
 pytestmark = pytest.mark.triton
 
@@ -24,8 +24,22 @@ needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
 
 
+_CASES = InterpretedCases("_gdn_triton_varlen_cases.py")
+_CASE_OF_TEST = {"test_interpreter_one_sequence_is_the_dense_path_bit_for_bit":
+                 "one_sequence_is_dense", "test_interpreter_varlen_errors_name_the_value": "errors"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_children(request):  # noqa: ANN001
+    """The selected tests' interpreter children start together, two at a time."""
+    if __import__("importlib").util.find_spec("triton") is not None:
+        _CASES.start(selected_cases(request, _CASE_OF_TEST))
+    yield
+    _CASES.close()
+
+
 def _run_case(case: str) -> dict:
-    return run_interpreted("_gdn_triton_varlen_cases.py", case)
+    return _CASES.result(case)
 
 
 @needs_triton
