@@ -3,6 +3,7 @@ interpreter's child process."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -101,7 +103,7 @@ class InterpretedCases:
         self._queue.clear()
 
 
-def selected_cases(request, case_of_test: dict[str, str]) -> list[str]:  # noqa: ANN001
+def _selected_cases(request, case_of_test: dict[str, str]) -> list[str]:  # noqa: ANN001
     """The interpreter cases of this module's selected tests, in collection order: a test's
     ``case`` parameter, else ``case_of_test[test function name]``."""
     module = request.module.__name__
@@ -114,6 +116,21 @@ def selected_cases(request, case_of_test: dict[str, str]) -> list[str]:  # noqa:
         if case is not None:
             cases.append(case)
     return cases
+
+
+def children_fixture(cases: InterpretedCases, case_of_test: dict[str, str]):  # noqa: ANN201
+    """A module-scoped autouse fixture (assign it to a module-level name): the selected tests'
+    interpreter children start together, two at a time, and what still runs at the module's
+    end is killed. ``case_of_test`` names the case of each test without a ``case`` parameter."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _interpreter_children(request):  # noqa: ANN001, ANN202
+        if importlib.util.find_spec("triton") is not None:
+            cases.start(_selected_cases(request, case_of_test))
+        yield
+        cases.close()
+
+    return _interpreter_children
 
 
 def make_inputs(

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from _gdn_util import InterpretedCases, make_inputs, rel_l2, selected_cases
+from _gdn_util import InterpretedCases, children_fixture, make_inputs, rel_l2
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
 pytestmark = pytest.mark.triton
@@ -31,13 +31,7 @@ _CASE_OF_TEST = {"test_interpreter_nan_stays_in_its_chunk": "nan_fp32",
                  "test_interpreter_capability_errors_name_the_rule": "capability_errors"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_children(request):  # noqa: ANN001
-    """The selected tests' interpreter children start together, two at a time."""
-    if __import__("importlib").util.find_spec("triton") is not None:
-        _CASES.start(selected_cases(request, _CASE_OF_TEST))
-    yield
-    _CASES.close()
+_interpreter_children = children_fixture(_CASES, _CASE_OF_TEST)
 
 
 def _run_case(case: str) -> dict:

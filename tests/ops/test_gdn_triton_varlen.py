@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gdn_util import InterpretedCases, make_inputs, rel_l2, selected_cases
+from _gdn_util import InterpretedCases, children_fixture, make_inputs, rel_l2
 
 pytestmark = pytest.mark.triton
 
@@ -29,13 +29,7 @@ _CASE_OF_TEST = {"test_interpreter_one_sequence_is_the_dense_path_bit_for_bit":
                  "one_sequence_is_dense", "test_interpreter_varlen_errors_name_the_value": "errors"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_children(request):  # noqa: ANN001
-    """The selected tests' interpreter children start together, two at a time."""
-    if __import__("importlib").util.find_spec("triton") is not None:
-        _CASES.start(selected_cases(request, _CASE_OF_TEST))
-    yield
-    _CASES.close()
+_interpreter_children = children_fixture(_CASES, _CASE_OF_TEST)
 
 
 def _run_case(case: str) -> dict:
