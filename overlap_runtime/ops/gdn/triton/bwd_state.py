@@ -26,7 +26,7 @@ from .common import autotune_configs, chunk_span, load_qk, mm, mma, segment_span
 __all__ = ["dv_local_kernel", "bwd_scan_kernel"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "VARLEN", "NORM"])
 @triton.jit
 def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -59,7 +59,7 @@ def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
                  mask=m_t[:, None])
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "STORE", "VARLEN", "NORM"])
 @triton.jit
 def bwd_scan_kernel(q, k, q_rstd, k_rstd, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start,
                     chunks, segs, scale, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr,

@@ -16,7 +16,7 @@ from .common import autotune_configs, chunk_span, load_qk, mm
 __all__ = ["output_kernel"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "VARLEN", "NORM"])
 @triton.jit
 def output_kernel(q, k, q_rstd, k_rstd, gamma, states, v_new, o, chunks, scale, T, NT,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
