@@ -3,13 +3,11 @@ CASE`` in a child process with ``TRITON_INTERPRET=1`` (as _gdn_triton_cases.py, 
 reason). Prints one JSON object per case.
 
 ``all``, per config: what the autograd Function keeps for backward (``grad_fn.saved_tensors``)
-with and without ``recompute_w``, found by content against the normalised q, k (the norm
-kernel's copies, ``l2norm_forward``) and the forward's own u and w (``prepare``), and its bytes
-against what the forward kept before (those as well); the backward's recomputed w against the
-forward's own, bitwise; the kernels' in-register normalisation (common.load_qk) against the
-same forward run without the norm on the norm kernel's copies, bitwise (output and final
-state); the output, the final state and every gradient with ``recompute_w`` against without,
-bitwise; both against the float64 eager backend (rel-L2).
+with and without ``recompute_w``, found by content against the forward's own normalised q, k,
+u and w (``prepare``), and its bytes against what the forward kept before (those as well); the
+backward's recomputed normalised q, k and w against the forward's own, bitwise; the output, the
+final state and every gradient with ``recompute_w`` against without, bitwise; both against the
+float64 eager backend (rel-L2).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ torch.set_num_threads(1)
 from _gdn_util import make_inputs, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn import GDNKernelOptions, chunk_gated_delta_rule  # noqa: E402
 from overlap_runtime.ops.gdn.triton import function as fn  # noqa: E402
-from overlap_runtime.ops.gdn.triton.l2norm import l2norm_forward  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
 STATE = "initial_state"
@@ -70,7 +67,7 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _saved_report(kept: tuple, x: dict, prep: dict, normed: dict, l2: bool) -> dict:
+def _saved_report(kept: tuple, x: dict, prep: dict, l2: bool) -> dict:
     """What ``kept`` (``grad_fn.saved_tensors``) holds, found by content (shapes may coincide:
     q and w when H == HV): the raw inputs, the tensors the forward no longer saves, bytes."""
     kept = [t for t in kept if t is not None]
@@ -83,32 +80,14 @@ def _saved_report(kept: tuple, x: dict, prep: dict, normed: dict, l2: bool) -> d
         "q_k_inputs": sum(1 for t in kept if t.data_ptr() in (x["q"].data_ptr(),
                                                                x["k"].data_ptr())),
         # the normalised copies (q, k themselves without the norm), u, w: 0, 0, 0, 0 or 1
-        "qn": count(normed["q"]) if l2 else 0, "kn": count(normed["k"]) if l2 else 0,
+        "qn": count(prep["qn"]) if l2 else 0, "kn": count(prep["kn"]) if l2 else 0,
         "u": count(prep["u"]), "w": count(prep["w"]),
         "rstd": sum(count(prep[n]) for n in ("q_rstd", "k_rstd")) if l2 else 0,
         "bytes": total,
         # the forward used to keep the normalised q, k, u and w as well
-        "bytes_before": total + sum(_nbytes(normed[n]) for n in (("q", "k") if l2 else ()))
+        "bytes_before": total + sum(_nbytes(prep[n]) for n in (("qn", "kn") if l2 else ()))
         + _nbytes(prep["u"]) + (0 if count(prep["w"]) else _nbytes(prep["w"])),
     }
-
-
-def _in_kernel_norm(x: dict, cu: torch.Tensor | None, config: str, normed: dict
-                    ) -> dict[str, bool]:
-    """The op with the norm on the raw q, k against the op without it on the norm kernel's
-    copies: every forward kernel normalises the rows it loads, so o and the final state agree
-    bit for bit."""
-    _, _, _, _, _, segments, _, _ = CONFIGS[config]
-    options = GDNKernelOptions(num_segments=segments)
-    inputs = {n: x[n].detach() for n in NAMES}
-    o1, h1 = chunk_gated_delta_rule(*(inputs[n] for n in NAMES), initial_state=x[STATE].detach(),
-                                    output_final_state=True, use_qk_l2norm=True,
-                                    backend="triton", cu_seqlens=cu, options=options)
-    inputs.update(normed)
-    o2, h2 = chunk_gated_delta_rule(*(inputs[n] for n in NAMES), initial_state=x[STATE].detach(),
-                                    output_final_state=True, use_qk_l2norm=False,
-                                    backend="triton", cu_seqlens=cu, options=options)
-    return {"o": torch.equal(o1, o2), "final_state": torch.equal(h1, h2)}
 
 
 def run_all() -> dict:
@@ -117,10 +96,8 @@ def run_all() -> dict:
         x, cu = _inputs(config)
         layout = None if cu is None else fn._varlen(x["q"], x["v"], segments, None, cu)
         chunks = None if layout is None else layout.chunks
-        with torch.no_grad():  # the forward's own 1/norms, w, u; the norm kernel's q, k copies
+        with torch.no_grad():  # the forward's own normalised q, k (and 1/norm), w, u
             prep = fn.prepare(*(x[n].detach() for n in NAMES), l2, chunks)
-            normed = {n: l2norm_forward(x[n].detach())[0] for n in ("q", "k")}
-            in_kernel = _in_kernel_norm(x, cu, config, normed) if l2 else {}
         gen = torch.Generator().manual_seed(5)
         results, saved, same = {}, {}, {}
         for tag, backend, recompute_w in (("saved_w", "triton", False),
@@ -131,12 +108,14 @@ def run_all() -> dict:
             o, h = _run(inp, cu, config, backend, recompute_w)
             if backend == "triton":
                 kept = o.grad_fn.saved_tensors
-                saved[tag] = _saved_report(kept, inp, prep, normed, l2)
+                saved[tag] = _saved_report(kept, inp, prep, l2)
                 if recompute_w:  # what the backward recomputes, against the forward's own
                     # (gdn_forward's saved order: q, k, v, g, beta, 1/norms, gamma, Ainv, w)
-                    _, k, v, _, beta, _, k_rstd, gamma, ainv, w = kept[:10]
-                    w = fn._recompute(k, v, beta, k_rstd, gamma, ainv, w, chunks)
-                    same = {"w": torch.equal(w, prep["w"])}
+                    q, k, v, _, beta, q_rstd, k_rstd, gamma, ainv, w = kept[:10]
+                    qn, kn, w = fn._recompute(q, k, v, beta, q_rstd, k_rstd, gamma, ainv, w,
+                                              chunks)
+                    same = {"qn": torch.equal(qn, prep["qn"]), "kn": torch.equal(kn, prep["kn"]),
+                            "w": torch.equal(w, prep["w"])}
                 del kept
             if tag == "saved_w":
                 do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
@@ -149,7 +128,7 @@ def run_all() -> dict:
         errors = {f"{tag}/{n}": rel_l2(results[tag][n], results["ref"][n])
                   for tag in ("saved_w", "recompute_w") for n in results["ref"]}
         report[config] = {"saved": saved, "recomputed_equal": same, "bitwise": bitwise,
-                          "in_kernel_norm_equal": in_kernel, "errors": errors, "l2norm": l2}
+                          "errors": errors, "l2norm": l2}
     return {"configs": report, "tolerance": TOLERANCE}
 
 

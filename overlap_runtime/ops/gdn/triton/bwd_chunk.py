@@ -13,8 +13,7 @@ With ``h`` the state entering the chunk, ``dH`` the gradient of the state leavin
 ``(P * Gamma)^T`` is formed by a second product ``v_new dO^T`` rather than transposing the
 cast result of a product (the Hopper miscompile pattern of gpu/README.md).
 
-Both take a ``VARLEN`` constexpr: chunk ``i_n`` is then the chunk table's (common.chunk_span),
-and a ``NORM`` one: q and k are the raw inputs, normalised as they are loaded (common.load_qk).
+Both take a ``VARLEN`` constexpr: chunk ``i_n`` is then the chunk table's (common.chunk_span).
 
 ``wy_kkt_bwd_kernel``, grid ``(NT, B * HV)``: everything left, in one pass per chunk. Through
 ``u = Ainv diag(beta) V`` and ``w = Ainv diag(beta exp(gamma)) K``: dv, the beta and gamma parts,
@@ -35,17 +34,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, chunk_span, gate_floored, load_qk, mm, mma
+from .common import autotune_configs, chunk_span, gate_floored, mm, mma
 
 __all__ = ["dqkwg_kernel", "wy_kkt_bwd_kernel"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit
-def dqkwg_kernel(q, k, q_rstd, k_rstd, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part,
-                 chunks, scale, T, NT, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, chunks, scale,
+                 T, NT, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 VARLEN: tl.constexpr, NORM: tl.constexpr):
+                 VARLEN: tl.constexpr):
     i_kb, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -78,8 +77,10 @@ def dqkwg_kernel(q, k, q_rstd, k_rstd, gamma, states, dhs, v_new, dv2, do, dq, d
         b_dkt += mm(b_vn, b_dht)
         b_dw += mm(b_dv, b_ht)
         b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
-    b_q = load_qk(q, q_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, False)
-    b_k = load_qk(k, k_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, False)
+    b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
     # padded tokens (t >= eos) take the last token's gamma: every exponent below stays <= 0
     # (with gamma 0 there, 0 - gamma_j overflowed to inf once a partial chunk's gates summed
     # below -88, and inf * 0 = NaN reached dk)
@@ -109,13 +110,14 @@ def dqkwg_kernel(q, k, q_rstd, k_rstd, gamma, states, dhs, v_new, dv2, do, dq, d
 
 
 @triton.jit
-def _dk_block(k, k_rstd, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta, b_bk,
-              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
+def _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta, b_bk,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
     """Columns ``o_k`` of the full key gradient of one chunk (fp32 ``[BT, len(o_k)]``): dqkwg's
     part, the WY part ``diag(beta e^gamma) Ainv^T dw`` and both A parts ``diag(beta) dM K``,
     ``dM^T diag(beta) K`` (``dM`` the decayed gradient of A)."""
     DT = k.dtype.element_ty
-    b_k = load_qk(k, k_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, False)
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
     off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
     b_dk = tl.load(dk + off_k, mask=m_t[:, None], other=0.0)
     b_dk += mm(b_atd, tl.load(dw + off_k, mask=m_t[:, None], other=0.0)) * b_bk[:, None]
@@ -124,14 +126,14 @@ def _dk_block(k, k_rstd, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd,
     return b_dk
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "NORM_OUT", "VARLEN", "NORM"],
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "NORM_OUT", "VARLEN"],
                  restore_value=["dk"])
 @triton.jit
-def wy_kkt_bwd_kernel(k, k_rstd, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbeta, dg,
-                      dk_out, chunks, T, B, H: tl.constexpr, HV: tl.constexpr,
+def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbeta, dg, kraw,
+                      k_rstd, dk_out, chunks, T, B, H: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, SLOTS: tl.constexpr, NORM_OUT: tl.constexpr,
-                      VARLEN: tl.constexpr, NORM: tl.constexpr):
+                      VARLEN: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -167,7 +169,8 @@ def wy_kkt_bwd_kernel(k, k_rstd, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_pa
     # K K^T for the A parts
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = load_qk(k, k_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, False)
+        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                      mask=m_t[:, None], other=0.0)
         b_dwb = tl.load(dw + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                         mask=m_t[:, None], other=0.0)
         b_dai = mma(b_dwb, tl.trans((b_k * b_bk[:, None]).to(DT)), b_dai)
@@ -192,18 +195,18 @@ def wy_kkt_bwd_kernel(k, k_rstd, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_pa
         # whole rows: dk of the normalised keys, then the l2norm backward
         # dk_raw = rstd (dk - y (y . dk)), y = k_raw rstd (H == HV: no sum over value heads)
         o_k = tl.arange(0, K)
-        b_dk = _dk_block(k, k_rstd, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd,
-                         b_beta, b_bk, H, HV, K, NORM)
+        b_dk = _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
+                         b_bk, H, HV, K)
         b_r = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
         off_raw = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
-        b_y = tl.load(k + off_raw, mask=m_t[:, None], other=0.0).to(tl.float32) * b_r[:, None]
+        b_y = tl.load(kraw + off_raw, mask=m_t[:, None], other=0.0).to(tl.float32) * b_r[:, None]
         b_dk = b_r[:, None] * (b_dk - b_y * tl.sum(b_y * b_dk, axis=1)[:, None])
         tl.store(dk_out + off_raw, b_dk.to(dk_out.dtype.element_ty), mask=m_t[:, None])
     else:
         for i_k in range(K // BK):
             o_k = i_k * BK + tl.arange(0, BK)
-            b_dk = _dk_block(k, k_rstd, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd,
-                             b_dmd, b_beta, b_bk, H, HV, K, NORM)
+            b_dk = _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
+                             b_bk, H, HV, K)
             tl.store(dk + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_dk,
                      mask=m_t[:, None])
     off = (i_b * T + o_t) * HV + i_hv

@@ -21,17 +21,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, chunk_span, load_qk, mm, mma, segment_span
+from .common import autotune_configs, chunk_span, mm, mma, segment_span
 
 __all__ = ["dv_local_kernel", "bwd_scan_kernel"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit
-def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
-                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
-                    NORM: tl.constexpr):
+def dv_local_kernel(q, k, gamma, do, dv_local, chunks, scale, T, H: tl.constexpr,
+                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    BV: tl.constexpr, VARLEN: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -41,8 +40,10 @@ def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
     m_t = o_t < eos
     o_k = tl.arange(0, K)
     DT = k.dtype.element_ty
-    b_q = load_qk(q, q_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, False)
-    b_k = load_qk(k, k_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, False)
+    b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None], other=0.0)
     # padded tokens (t >= eos) take the last token's gamma, so no exponent is positive (gamma 0
     # there overflowed to inf once a partial chunk's gates summed below -88: inf * 0 = NaN)
     b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
@@ -59,13 +60,12 @@ def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
                  mask=m_t[:, None])
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "STORE", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE", "VARLEN"])
 @triton.jit
-def bwd_scan_kernel(q, k, q_rstd, k_rstd, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start,
-                    chunks, segs, scale, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                    HAS_INIT: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
-                    NORM: tl.constexpr):
+def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, chunks, segs,
+                    scale, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                    HAS_INIT: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr):
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -87,13 +87,15 @@ def bwd_scan_kernel(q, k, q_rstd, k_rstd, w, gamma, do, dv_local, dh_init, dhs, 
             tl.store(dhs + base + o_k[:, None] * V + o_v[None, :], b_dh.to(DT))
         b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
         g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
-        b_k = load_qk(k, k_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, False)
+        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                      mask=m_t[:, None], other=0.0)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         b_dv = (mm(b_k, b_dh.to(DT)) * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
                 + tl.load(dv_local + off_v, mask=m_t[:, None], other=0.0))
         if STORE:
             tl.store(dv2 + off_v, b_dv.to(dv2.dtype.element_ty), mask=m_t[:, None])
-        b_qt = load_qk(q, q_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, True)
+        b_qt = tl.load(q + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
+                       mask=m_t[None, :], other=0.0)
         b_qt = (b_qt * (tl.exp(b_gam) * scale)[None, :]).to(DT)
         b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
         b_wt = tl.load(w + ((i_b * T + o_t[None, :]) * HV + i_hv) * K + o_k[:, None],

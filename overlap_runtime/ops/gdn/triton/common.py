@@ -23,7 +23,7 @@ import triton.language as tl
 
 __all__ = ["INTERPRET", "IS_CUDA", "mm", "mma", "mm_f32x3", "autotune_configs", "CHUNK",
            "GATE_FLOOR", "gate_floor", "gate_floored", "num_sms", "choose_segments",
-           "chunk_span", "segment_span", "load_qk"]
+           "chunk_span", "segment_span"]
 
 CHUNK = 64
 
@@ -130,31 +130,6 @@ def segment_span(segs, i_s, i_bh, i_hv, L, NT, NS, HV: tl.constexpr, VARLEN: tl.
         n1 = tl.minimum(n0 + L, NT)
         row = i_bh * NS + i_s
     return n0, n1, row
-
-
-@triton.jit
-def load_qk(x, rstd, i_b, i_h, o_t, m_t, o_k, T, H: tl.constexpr, K: tl.constexpr,
-            NORM: tl.constexpr, TRANS: tl.constexpr):
-    """Tokens ``o_t`` and columns ``o_k`` of q or k ``[B, T, H, K]`` (key head ``i_h``) in its
-    storage dtype: ``[len(o_t), len(o_k)]``, ``TRANS``: ``[len(o_k), len(o_t)]``; tokens
-    where ``m_t`` is False read as zeros.
-
-    ``NORM`` (l2norm in the op): the loaded rows times ``rstd [B, T, H]`` fp32 (1/norm per
-    token, l2norm.l2norm_rstd), rounded to the storage dtype - bitwise the ``y`` of
-    ``x / sqrt(sum x^2 + eps)`` formed as l2norm.py does, but in registers: the normalised q and
-    k never go through memory (each kernel that reads them normalises the rows it loads)."""
-    rows = (i_b * T + o_t) * H + i_h
-    if TRANS:
-        b_x = tl.load(x + rows[None, :] * K + o_k[:, None], mask=m_t[None, :], other=0.0)
-    else:
-        b_x = tl.load(x + rows[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-    if NORM:
-        b_r = tl.load(rstd + rows, mask=m_t, other=0.0)
-        if TRANS:
-            b_x = (b_x.to(tl.float32) * b_r[None, :]).to(x.dtype.element_ty)
-        else:
-            b_x = (b_x.to(tl.float32) * b_r[:, None]).to(x.dtype.element_ty)
-    return b_x
 
 
 AUTOTUNE_ENV = "OVERLAP_RUNTIME_GDN_AUTOTUNE"

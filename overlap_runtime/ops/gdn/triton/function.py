@@ -2,8 +2,7 @@
 
 Forward (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS`` segments)::
 
-    l2norm_rstd           q, k -> 1/norm per token (optional; every kernel below normalises
-                          the q, k rows it loads: the normalised copies never reach memory)
+    l2norm_fwd            q, k -> normalised q, k and 1/norm             (optional)
     kkt_solve             gamma (gate cumsum), Ainv = (I + A)^-1          grid (NT, B*HV)
     wy_fwd                w, u                                            grid (NT, B*HV)
     state scan            NS = 1: one walk per (value block, B*HV)
@@ -24,10 +23,10 @@ Saved for backward (per layer at T = 32K, B = 1, H = 16, HV = 32, K = V = 128, b
     states, v_new         per-chunk states [B, NT, HV, K, V] and residuals
                           [B, T, HV, V] of the forward scan               537 + 268 MB
 
-Never formed in memory: the normalised q, k (each kernel multiplies the raw rows it loads by
-1/norm and rounds, common.load_qk: bitwise what a separate norm kernel would store, without its
-writes and re-reads; the backward forms nothing again). Not saved: u (no backward kernel reads
-it: the state gradients go through v_new; -268 MB), the states entering the segments (dead after the scan). w with ``recompute_w`` (``GDNKernelOptions``):
+Not saved: the normalised q, k (the backward forms them again from q, k and 1/norm with the
+forward's norm kernel, ``l2norm_apply``: two launches, bitwise the forward's copies; -268 MB),
+u (no backward kernel reads it: the state gradients go through v_new; -268 MB), the states
+entering the segments (dead after the scan). w with ``recompute_w`` (``GDNKernelOptions``):
 one w-only ``wy_fwd`` launch in the backward (bitwise the forward's w; it reads Ainv and k and
 writes w where the forward's also reads v and writes u: an estimated 0.05-0.065 ms of wy_fwd's
 measured 0.097 ms, ~3% of 1.94 ms forward+backward at 8K on an H200, not measured; -268 MB);
@@ -36,7 +35,8 @@ off by default. The per-chunk states stay saved: they spare the backward a whole
 
 Backward::
 
-    recompute             w from Ainv (with recompute_w)                  (NT, B*HV)
+    recompute             normalised q, k from q, k and 1/norm (with the norm); w from Ainv
+                          (with recompute_w)                              rows / BR; (NT, B*HV)
     dv_local              scale (Q K^T * Gamma)^T dO                      grid (NT, B*HV)
     reverse scan          NS > 1: segment-local state gradients c_s from zero, the chain
                           dH_(s) = M_s^T dH_(s+1) + c_s, then every segment's reverse walk
@@ -79,7 +79,7 @@ from .common import CHUNK, choose_segments
 from .fwd_output import output_kernel
 from .fwd_prepare import kkt_solve, wy_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
-from .l2norm import l2norm_group_backward, l2norm_rstd
+from .l2norm import l2norm_apply, l2norm_forward, l2norm_group_backward
 from .varlen import VarlenLayout, varlen_layout
 
 __all__ = [
@@ -112,29 +112,20 @@ def segment_layout(num_chunks: int, programs: int, device: torch.device,
     return -(-num_chunks // per_segment), per_segment
 
 
-def prepare(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor, use_qk_l2norm: bool, chunks: torch.Tensor | None = None
             ) -> dict[str, torch.Tensor | None]:
-    """1/norm of q, k (with the norm; None without), gamma, Ainv, w, u: everything before the
-    state scan (``chunks``: the varlen chunk table, varlen.py, or None; ``q`` None: its 1/norm
-    is not needed). The kernels take the raw q, k with these 1/norms (common.load_qk)."""
-    q_rstd = l2norm_rstd(q) if use_qk_l2norm and q is not None else None
-    k_rstd = l2norm_rstd(k) if use_qk_l2norm else None
-    gamma, ainv = kkt_solve(k, g, beta, v.shape[2], chunks, k_rstd=k_rstd)
-    w, u = wy_forward(k, v, beta, gamma, ainv, chunks, k_rstd=k_rstd)
-    return {"q_rstd": q_rstd, "k_rstd": k_rstd, "gamma": gamma, "ainv": ainv, "w": w, "u": u}
-
-
-def _rstd(rstd: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
-    """A 1/norm pointer argument: the tensor, or any pointer when the kernel's NORM is off."""
-    return rstd if rstd is not None else dummy
-
-
-def _norm(q_rstd: torch.Tensor | None, k_rstd: torch.Tensor | None) -> bool:
-    """The NORM constexpr of a kernel that reads both q and k: both 1/norms or neither."""
-    if (q_rstd is None) != (k_rstd is None):
-        raise ValueError("q_rstd and k_rstd go together: the l2norm applies to q and k both")
-    return k_rstd is not None
+    """Normalised q, k (and 1/norm), gamma, Ainv, w, u: everything before the state scan
+    (``chunks``: the varlen chunk table, varlen.py, or None)."""
+    if use_qk_l2norm:
+        qn, q_rstd = l2norm_forward(q)
+        kn, k_rstd = l2norm_forward(k)
+    else:
+        qn, kn, q_rstd, k_rstd = q, k, None, None
+    gamma, ainv = kkt_solve(kn, g, beta, v.shape[2], chunks)
+    w, u = wy_forward(kn, v, beta, gamma, ainv, chunks)
+    return {"qn": qn, "kn": kn, "q_rstd": q_rstd, "k_rstd": k_rstd, "gamma": gamma,
+            "ainv": ainv, "w": w, "u": u}
 
 
 def _rows(bh: int, num_segments: int, layout: VarlenLayout | None) -> tuple[int, int]:
@@ -151,30 +142,28 @@ def _tables(layout: VarlenLayout | None, dummy: torch.Tensor
     return layout.chunks, layout.segments, layout.num_chunks
 
 
-def segment_summaries(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
-                      num_segments: int, per_segment: int, layout: VarlenLayout | None = None,
-                      k_rstd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Affine summary of every segment from zero, all in parallel (``k``: the keys, raw with
-    their ``k_rstd`` or already normalised without).
+def segment_summaries(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
+                      num_segments: int, per_segment: int, layout: VarlenLayout | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Affine summary of every segment from zero, all in parallel.
 
     Returns:
         ``(M [B*HV, NS, K, K], S [B*HV, NS, K, V])`` fp32: ``h_out = M_s h_in + S_s``
         (``[NS, HV, ...]`` with a varlen ``layout``).
     """
-    batch, seq_len, heads, key_dim = k.shape
+    batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     bv = _block(key_dim, value_dim)
     bh = batch * num_value_heads
     rows = _rows(bh, num_segments, layout)
-    m = torch.empty(*rows, key_dim, key_dim, device=k.device, dtype=torch.float32)
-    s = torch.empty(*rows, key_dim, value_dim, device=k.device, dtype=torch.float32)
+    m = torch.empty(*rows, key_dim, key_dim, device=kn.device, dtype=torch.float32)
+    s = torch.empty(*rows, key_dim, value_dim, device=kn.device, dtype=torch.float32)
     chunks, segs, num_chunks = _tables(layout, m)
     fwd_scan_kernel[((key_dim + value_dim) // bv, num_segments, bh)](
-        k, _rstd(k_rstd, m), w, u, gamma, m, k, u, m, m, s, chunks, segs, seq_len,
+        kn, w, u, gamma, m, kn, u, m, m, s, chunks, segs, seq_len,
         triton.cdiv(seq_len, CHUNK) if layout is None else num_chunks, per_segment,
         num_segments, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
         SUMMARY=True, HAS_INIT=False, STORE=False, VARLEN=layout is not None,
-        NORM=k_rstd is not None,
     )
     return m, s
 
@@ -217,14 +206,13 @@ def chain(m: torch.Tensor, s: torch.Tensor | None, h0: torch.Tensor | None, *,
     return h_out, h_seg
 
 
-def state_scan(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
+def state_scan(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.Tensor,
                seg_init: torch.Tensor | None, num_segments: int, per_segment: int,
-               layout: VarlenLayout | None = None, k_rstd: torch.Tensor | None = None
+               layout: VarlenLayout | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk every segment from its entering state, storing per-chunk states and residuals.
 
     Args:
-        k: the keys, raw with their ``k_rstd`` (1/norm) or already normalised without.
         seg_init: ``[B*HV, NS, K, V]`` fp32 state entering each segment, or None (one segment
             from zero). With a varlen ``layout``: ``[NS, HV, K, V]``, or None (zeros).
 
@@ -233,38 +221,34 @@ def state_scan(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.T
         h_end [B*HV, NS, K, V] fp32)``; ``h_end[:, -1]`` is the final state (varlen: h_end is
         ``[NS, HV, K, V]``, and with one segment per sequence the final states).
     """
-    batch, seq_len, heads, key_dim = k.shape
+    batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
     bv = _block(key_dim, value_dim)
     bh = batch * num_value_heads
-    states = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim, device=k.device,
-                         dtype=k.dtype)
+    states = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim, device=kn.device,
+                         dtype=kn.dtype)
     v_new = torch.empty_like(u)
-    h_end = torch.empty(*_rows(bh, num_segments, layout), key_dim, value_dim, device=k.device,
+    h_end = torch.empty(*_rows(bh, num_segments, layout), key_dim, value_dim, device=kn.device,
                         dtype=torch.float32)
     chunks, segs, _ = _tables(layout, h_end)
     fwd_scan_kernel[(value_dim // bv, num_segments, bh)](
-        k, _rstd(k_rstd, h_end), w, u, gamma, seg_init if seg_init is not None else h_end,
-        states, v_new, h_end, h_end, h_end, chunks, segs, seq_len, num_chunks, per_segment,
-        num_segments, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv,
-        SUMMARY=False, HAS_INIT=seg_init is not None, STORE=True, VARLEN=layout is not None,
-        NORM=k_rstd is not None,
+        kn, w, u, gamma, seg_init if seg_init is not None else h_end, states, v_new, h_end,
+        h_end, h_end, chunks, segs, seq_len, num_chunks, per_segment, num_segments, H=heads,
+        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv, SUMMARY=False,
+        HAS_INIT=seg_init is not None, STORE=True, VARLEN=layout is not None,
     )
     return states, v_new, h_end
 
 
-def state_grad_scan(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor,
+def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor,
                     do: torch.Tensor, dv_local: torch.Tensor, seg_init: torch.Tensor | None,
                     scale: float, num_segments: int, per_segment: int, store: bool = True,
-                    layout: VarlenLayout | None = None, q_rstd: torch.Tensor | None = None,
-                    k_rstd: torch.Tensor | None = None
+                    layout: VarlenLayout | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Reverse walk of every segment from the gradient of the state leaving it.
 
     Args:
-        q, k: raw with their 1/norms ``q_rstd``, ``k_rstd`` (both or neither), or already
-            normalised without.
         seg_init: ``[B*HV, NS, K, V]`` fp32 gradient of the state leaving each segment, or None
             for zero (varlen ``layout``: ``[NS, HV, K, V]``).
         store: keep the per-chunk state gradients and dv_new (else only the segment starts).
@@ -273,47 +257,43 @@ def state_grad_scan(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gamma: to
         ``(dhs [B, NT, HV, K, V] or None, dv2 [B, T, HV, V] or None,
         dh_start [B*HV, NS, K, V] fp32)`` (varlen: dh_start ``[NS, HV, K, V]``).
     """
-    batch, seq_len, heads, key_dim = k.shape
+    batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = do.shape[2], do.shape[3]
     num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
     bv = _block(key_dim, value_dim)
     bh = batch * num_value_heads
     dh_start = torch.empty(*_rows(bh, num_segments, layout), key_dim, value_dim,
-                           device=k.device, dtype=torch.float32)
+                           device=kn.device, dtype=torch.float32)
     chunks, segs, _ = _tables(layout, dh_start)
     dhs = dv2 = None
     if store:
         dhs = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim,
-                          device=k.device, dtype=k.dtype)
-        dv2 = torch.empty(batch, seq_len, num_value_heads, value_dim, device=k.device,
-                          dtype=k.dtype)
+                          device=kn.device, dtype=kn.dtype)
+        dv2 = torch.empty(batch, seq_len, num_value_heads, value_dim, device=kn.device,
+                          dtype=kn.dtype)
     bwd_scan_kernel[(value_dim // bv, num_segments, bh)](
-        q, k, _rstd(q_rstd, dh_start), _rstd(k_rstd, dh_start), w, gamma, do, dv_local,
-        seg_init if seg_init is not None else dh_start, dhs if store else dh_start,
-        dv2 if store else dh_start, dh_start, chunks, segs, scale, seq_len, num_chunks,
-        per_segment, num_segments, H=heads, HV=num_value_heads, K=key_dim, V=value_dim,
-        BT=CHUNK, BV=bv, HAS_INIT=seg_init is not None, STORE=store, VARLEN=layout is not None,
-        NORM=_norm(q_rstd, k_rstd),
+        qn, kn, w, gamma, do, dv_local, seg_init if seg_init is not None else dh_start,
+        dhs if store else dh_start, dv2 if store else dh_start, dh_start, chunks, segs, scale,
+        seq_len, num_chunks, per_segment, num_segments, H=heads, HV=num_value_heads, K=key_dim,
+        V=value_dim, BT=CHUNK, BV=bv, HAS_INIT=seg_init is not None, STORE=store,
+        VARLEN=layout is not None,
     )
     return dhs, dv2, dh_start
 
 
-def dv_local(q: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor, do: torch.Tensor,
-             scale: float, chunks: torch.Tensor | None = None,
-             q_rstd: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None
-             ) -> torch.Tensor:
+def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.Tensor,
+             scale: float, chunks: torch.Tensor | None = None) -> torch.Tensor:
     """``scale (Q K^T * Gamma)^T dO`` per chunk: ``[B, T, HV, V]`` in dO's dtype (the reverse
     scan adds it to ``Ktail dh`` in fp32 and rounds the sum to that dtype anyway); ``chunks``:
-    the varlen chunk table or None; q, k and their 1/norms as :func:`state_grad_scan`."""
-    batch, seq_len, heads, key_dim = k.shape
+    the varlen chunk table or None."""
+    batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = do.shape[2], do.shape[3]
     out = torch.empty_like(do)
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     dv_local_kernel[(num_chunks, batch * num_value_heads)](
-        q, k, _rstd(q_rstd, out), _rstd(k_rstd, out), gamma, do, out,
-        chunks if chunks is not None else out, scale, seq_len, H=heads, HV=num_value_heads,
-        K=key_dim, V=value_dim, BT=CHUNK, BV=_block(key_dim, value_dim),
-        VARLEN=chunks is not None, NORM=_norm(q_rstd, k_rstd),
+        qn, kn, gamma, do, out, chunks if chunks is not None else out, scale, seq_len, H=heads,
+        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=_block(key_dim, value_dim),
+        VARLEN=chunks is not None,
     )
     return out
 
@@ -347,15 +327,15 @@ def _entering(flat: torch.Tensor | None, bh: int, layout: VarlenLayout | None
     return flat.reshape(bh, 1, *flat.shape[1:]) if layout is None else flat
 
 
-def _layout(k: torch.Tensor, u: torch.Tensor, num_segments: int | None,
+def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
             min_segments: int) -> tuple[int, int]:
-    batch, seq_len, _, key_dim = k.shape
+    batch, seq_len, _, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     programs = batch * num_value_heads * (value_dim // _block(key_dim, value_dim))
     num_chunks = triton.cdiv(seq_len, CHUNK)
-    ns, per_segment = segment_layout(num_chunks, programs, k.device, num_segments)
+    ns, per_segment = segment_layout(num_chunks, programs, kn.device, num_segments)
     if ns < min_segments and num_chunks >= min_segments:
-        ns, per_segment = segment_layout(num_chunks, programs, k.device, min_segments)
+        ns, per_segment = segment_layout(num_chunks, programs, kn.device, min_segments)
     return ns, per_segment
 
 
@@ -378,28 +358,27 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final [B, HV, K, V] fp32, saved tensors, meta)``:
-        what :func:`gdn_backward` needs (``saved`` may hold None; u is never in it, nor a
-        normalised q, k: module docstring).
+        what :func:`gdn_backward` needs (``saved`` may hold None; the normalised q, k and u are
+        never in it, module docstring).
     """
     layout = None
     if cu_seqlens is not None:
         layout = _varlen(q, v, num_segments, link, cu_seqlens)
     prep = prepare(q, k, v, g, beta, use_qk_l2norm, None if layout is None else layout.chunks)
-    w, u, gamma = prep["w"], prep["u"], prep["gamma"]
-    q_rstd, k_rstd = prep["q_rstd"], prep["k_rstd"]
-    batch, seq_len, heads, key_dim = k.shape
+    kn, w, u, gamma = prep["kn"], prep["w"], prep["u"], prep["gamma"]
+    batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     bh = batch * num_value_heads
     if layout is None:
         num_chunks = triton.cdiv(seq_len, CHUNK)
-        ns, per_segment = _layout(k, u, num_segments, link.min_segments if link else 1)
+        ns, per_segment = _layout(kn, u, num_segments, link.min_segments if link else 1)
     else:
         num_chunks, ns, per_segment = layout.num_chunks, layout.num_segments, 0
     meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps
     if meta.chained or wants_maps:
-        m_seg, s_seg = segment_summaries(k, w, u, gamma, ns, per_segment, layout, k_rstd)
+        m_seg, s_seg = segment_summaries(kn, w, u, gamma, ns, per_segment, layout)
     if link is not None:
         if wants_maps:
             link.segment_maps(m_seg, s_seg)
@@ -412,7 +391,7 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     else:
         seg_init = _entering(h0_flat, bh, layout)
     del s_seg
-    states, v_new, h_end = state_scan(k, w, u, gamma, seg_init, ns, per_segment, layout, k_rstd)
+    states, v_new, h_end = state_scan(kn, w, u, gamma, seg_init, ns, per_segment, layout)
     if layout is None:
         final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)
     else:
@@ -423,26 +402,29 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     o = torch.empty_like(v)
     bv = _block(key_dim, value_dim)
     output_kernel[(value_dim // bv, num_chunks, bh)](
-        q, k, _rstd(q_rstd, o), _rstd(k_rstd, o), gamma, states, v_new, o,
-        o if layout is None else layout.chunks, scale, seq_len, num_chunks, H=heads,
-        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=bv, VARLEN=layout is not None,
-        NORM=_norm(q_rstd, k_rstd),
+        prep["qn"], kn, gamma, states, v_new, o, o if layout is None else layout.chunks, scale,
+        seq_len, num_chunks, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
+        BV=bv, VARLEN=layout is not None,
     )
-    # the raw q, k with their 1/norms (no normalised copy exists), not u (the backward reads
+    # not the normalised q, k (recomputed from q, k and 1/norm), nor u (the backward reads
     # none), nor seg_init (dead once the scan ran); w only without recompute_w
-    saved = (q, k, v, g, beta, q_rstd, k_rstd, gamma, prep["ainv"],
+    saved = (q, k, v, g, beta, prep["q_rstd"], prep["k_rstd"], gamma, prep["ainv"],
              None if recompute_w else w, m_seg, states, v_new)
     return o, final, saved, meta
 
 
-def _recompute(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, k_rstd: torch.Tensor | None,
-               gamma: torch.Tensor, ainv: torch.Tensor, w: torch.Tensor | None,
-               chunks: torch.Tensor | None) -> torch.Tensor:
-    """w, when the forward did not save it: the forward's WY kernel on the same inputs
-    (bitwise its w)."""
+def _recompute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+               q_rstd: torch.Tensor | None, k_rstd: torch.Tensor | None, gamma: torch.Tensor,
+               ainv: torch.Tensor, w: torch.Tensor | None, chunks: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the backward needs and the forward did not save: the normalised ``(qn, kn)``
+    (``x * rstd`` by the forward's norm kernel, bitwise its result; q, k themselves without the
+    norm) and w when it was not saved (the forward's WY kernel on the same inputs, bitwise)."""
+    qn = q if q_rstd is None else l2norm_apply(q, q_rstd)
+    kn = k if k_rstd is None else l2norm_apply(k, k_rstd)
     if w is None:
-        w, _ = wy_forward(k, v, beta, gamma, ainv, chunks, w_only=True, k_rstd=k_rstd)
-    return w
+        w, _ = wy_forward(kn, v, beta, gamma, ainv, chunks, w_only=True)
+    return qn, kn, w
 
 
 def _varlen(q: torch.Tensor, v: torch.Tensor, num_segments: int | None,
@@ -480,19 +462,18 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     if (w is None) != meta.recompute_w:
         raise RuntimeError(f"gdn_backward: saved w is {'missing' if w is None else 'present'} "
                            f"but the forward ran with recompute_w={meta.recompute_w}")
-    w = _recompute(k, v, beta, k_rstd, gamma, ainv, w, chunks)
-    norms = dict(q_rstd=q_rstd, k_rstd=k_rstd)
+    qn, kn, w = _recompute(q, k, v, beta, q_rstd, k_rstd, gamma, ainv, w, chunks)
     do = do.contiguous()
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     bh = batch * num_value_heads
     num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
-    dvl = dv_local(q, k, gamma, do, scale, chunks, **norms)
+    dvl = dv_local(qn, kn, gamma, do, scale, chunks)
     local = None
     wants_maps = link is not None and link.wants_segment_maps
     if meta.chained or wants_maps:
-        _, _, local = state_grad_scan(q, k, w, gamma, do, dvl, None, scale, ns,
-                                      per_segment, store=False, layout=layout, **norms)
+        _, _, local = state_grad_scan(qn, kn, w, gamma, do, dvl, None, scale, ns,
+                                      per_segment, store=False, layout=layout)
     if link is not None:
         if wants_maps:
             assert m_seg is not None, "the forward ran without the link's segment maps"
@@ -508,8 +489,8 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     else:
         dh_seg = _entering(dht_flat, bh, layout)
     del local
-    dhs, dv2, dh_start = state_grad_scan(q, k, w, gamma, do, dvl, dh_seg, scale, ns,
-                                         per_segment, layout=layout, **norms)
+    dhs, dv2, dh_start = state_grad_scan(qn, kn, w, gamma, do, dvl, dh_seg, scale, ns,
+                                         per_segment, layout=layout)
     if link is not None and ns == 1:
         link.entering_state_grad(dh_start[:, 0].reshape(batch, num_value_heads, key_dim,
                                                         value_dim))
@@ -523,12 +504,12 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     dw = torch.empty_like(w)
     dg_part = torch.empty(slots, batch, seq_len, num_value_heads, **f32)
     dqkwg_kernel[(key_dim // bk, num_chunks, bh)](
-        q, k, _rstd(q_rstd, dw), _rstd(k_rstd, dw), gamma, states, dhs, v_new, dv2, do, dq_v,
-        dk_v, dw, dg_part, chunks if chunks is not None else dw, scale, seq_len, num_chunks,
-        batch, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
-        VARLEN=chunks is not None, NORM=_norm(q_rstd, k_rstd),
+        qn, kn, gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part,
+        chunks if chunks is not None else dw, scale, seq_len, num_chunks, batch, H=heads,
+        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
+        VARLEN=chunks is not None,
     )
-    del states, dhs, v_new, w
+    del states, dhs, v_new, qn, w
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg = torch.empty(batch, seq_len, num_value_heads, **f32)
@@ -536,10 +517,10 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     norm_out = k_rstd is not None and heads == num_value_heads
     dk = torch.empty_like(k) if norm_out else dk_v
     wy_kkt_bwd_kernel[(num_chunks, bh)](
-        k, _rstd(k_rstd, dg), v, beta, g, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg,
-        dk, chunks if chunks is not None else dg, seq_len, batch, H=heads, HV=num_value_heads,
-        K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv, SLOTS=slots, NORM_OUT=norm_out,
-        VARLEN=chunks is not None, NORM=k_rstd is not None,
+        kn, v, beta, g, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg, k,
+        k_rstd if norm_out else dbeta, dk, chunks if chunks is not None else dg, seq_len, batch,
+        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
+        SLOTS=slots, NORM_OUT=norm_out, VARLEN=chunks is not None,
     )
     dq = l2norm_group_backward(q, q_rstd, dq_v)
     if not norm_out:

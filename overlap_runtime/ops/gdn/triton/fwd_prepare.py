@@ -28,19 +28,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, autotune_configs, chunk_span, gate_floor, load_qk, mm, mm_f32x3
+from .common import CHUNK, autotune_configs, chunk_span, gate_floor, mm, mm_f32x3
 
 __all__ = ["kkt_solve", "wy_forward"]
 
 
 @triton.jit
-def _load_rows(k, k_rstd, g, beta, i_b, i_hv, i_h, row0, T, eos, H: tl.constexpr,
-               HV: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
-    """Rows ``row0 .. row0 + 15``: keys ``[16, K]`` (storage dtype, normalised with ``NORM``),
-    g (floored, common.py) and beta ``[16]`` fp32; rows ``>= eos`` read as zeros."""
+def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, eos, H: tl.constexpr, HV: tl.constexpr,
+               K: tl.constexpr):
+    """Rows ``row0 .. row0 + 15``: keys ``[16, K]`` (storage dtype), g (floored, common.py)
+    and beta ``[16]`` fp32; rows ``>= eos`` read as zeros."""
     o_t = row0 + tl.arange(0, 16)
     m_t = o_t < eos
-    b_k = load_qk(k, k_rstd, i_b, i_h, o_t, m_t, tl.arange(0, K), T, H, K, NORM, False)
+    b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + tl.arange(0, K)[None, :],
+                  mask=m_t[:, None], other=0.0)
     b_g = gate_floor(tl.load(g + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32))
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     return b_k, b_g, b_beta
@@ -86,23 +87,18 @@ def _store_gamma(gamma, c, i_b, i_hv, row0, T, eos, HV: tl.constexpr):
 
 
 @triton.autotune(configs=autotune_configs(((4, 1), (1, 1), (2, 1), (2, 2))),
-                 key=["K", "VARLEN", "NORM"])
+                 key=["K", "VARLEN"])
 @triton.jit
-def kkt_solve_kernel(k, k_rstd, g, beta, gamma, ainv, chunks, T, H: tl.constexpr,
-                     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
-                     NORM: tl.constexpr):
+def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
-    k0, g0, b0 = _load_rows(k, k_rstd, g, beta, i_b, i_hv, i_h, t0, T, eos, H, HV, K,
-                            NORM)
-    k1, g1, b1 = _load_rows(k, k_rstd, g, beta, i_b, i_hv, i_h, t0 + 16, T, eos, H, HV, K,
-                            NORM)
-    k2, g2, b2 = _load_rows(k, k_rstd, g, beta, i_b, i_hv, i_h, t0 + 32, T, eos, H, HV, K,
-                            NORM)
-    k3, g3, b3 = _load_rows(k, k_rstd, g, beta, i_b, i_hv, i_h, t0 + 48, T, eos, H, HV, K,
-                            NORM)
+    k0, g0, b0 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0, T, eos, H, HV, K)
+    k1, g1, b1 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 16, T, eos, H, HV, K)
+    k2, g2, b2 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 32, T, eos, H, HV, K)
+    k3, g3, b3 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 48, T, eos, H, HV, K)
     # chunk-local cumsum of the (floored) gate, block by block; the offsets of the earlier
     # blocks are summed as scalars and added once (one rounding per token, shared by a block)
     s0, s1, s2 = tl.sum(g0, axis=0), tl.sum(g1, axis=0), tl.sum(g2, axis=0)
@@ -156,12 +152,11 @@ def kkt_solve_kernel(k, k_rstd, g, beta, gamma, ainv, chunks, T, H: tl.constexpr
     _store_block(ainv, t33, i_b, i_hv, t0 + 48, 48, T, eos, HV, BT)
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "W_ONLY", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "W_ONLY"])
 @triton.jit
-def wy_fwd_kernel(k, k_rstd, v, beta, gamma, ainv, w, u, chunks, T, H: tl.constexpr,
-                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
-                  W_ONLY: tl.constexpr, NORM: tl.constexpr):
+def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, chunks, T, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, VARLEN: tl.constexpr, W_ONLY: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -182,20 +177,19 @@ def wy_fwd_kernel(k, k_rstd, v, beta, gamma, ainv, w, u, chunks, T, H: tl.conste
     b_kscale = b_beta * tl.exp(b_gam)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = load_qk(k, k_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, False)
+        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                      mask=m_t[:, None], other=0.0)
         b_w = mm(b_a, (b_k * b_kscale[:, None]).to(b_k.dtype))
         tl.store(w + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                  b_w.to(w.dtype.element_ty), mask=m_t[:, None])
 
 
 def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_heads: int,
-              chunks: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              chunks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate cumsum and WY inverse.
 
     Args:
-        k: ``[B, T, H, K]`` keys, bf16/fp16/fp32; with ``k_rstd`` (``[B, T, H]`` fp32 1/norm,
-            l2norm.l2norm_rstd) they are l2-normalised as they are loaded (common.load_qk).
+        k: ``[B, T, H, K]`` keys (l2-normed if asked), bf16/fp16/fp32.
         g: ``[B, T, HV]`` fp32 log decay (any value <= 0, -inf included); beta: ``[B, T, HV]``.
         chunks: the varlen chunk table ``[NT, 2]`` int32 (varlen.py; B = 1), or None (dense
             chunks of 64 from token 0).
@@ -210,29 +204,25 @@ def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_he
     ainv = torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device,
                        dtype=torch.float32)
     kkt_solve_kernel[(num_chunks, batch * num_value_heads)](
-        k, k_rstd if k_rstd is not None else gamma, g, beta, gamma, ainv,
-        chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads, K=key_dim,
-        BT=CHUNK, VARLEN=chunks is not None, NORM=k_rstd is not None,
+        k, g, beta, gamma, ainv, chunks if chunks is not None else gamma, seq_len, H=heads,
+        HV=num_value_heads, K=key_dim, BT=CHUNK, VARLEN=chunks is not None,
     )
     return gamma, ainv
 
 
 def wy_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor,
-               ainv: torch.Tensor, chunks: torch.Tensor | None = None, w_only: bool = False,
-               k_rstd: torch.Tensor | None = None
+               ainv: torch.Tensor, chunks: torch.Tensor | None = None, w_only: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """WY factors ``(w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's dtype)``; ``chunks``
-    and ``k_rstd`` as :func:`kkt_solve`; ``w_only``: u is not formed (None), w is bitwise the
-    same."""
+    as :func:`kkt_solve`; ``w_only``: u is not formed (None), w is bitwise the same."""
     batch, seq_len, heads, key_dim = k.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     w = torch.empty(batch, seq_len, num_value_heads, key_dim, device=k.device, dtype=k.dtype)
     u = None if w_only else torch.empty_like(v)
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     wy_fwd_kernel[(num_chunks, batch * num_value_heads)](
-        k, k_rstd if k_rstd is not None else gamma, v, beta, gamma, ainv, w,
-        w if u is None else u, chunks if chunks is not None else gamma, seq_len, H=heads,
-        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=min(64, key_dim),
-        BV=min(64, value_dim), VARLEN=chunks is not None, W_ONLY=w_only, NORM=k_rstd is not None,
+        k, v, beta, gamma, ainv, w, w if u is None else u, chunks if chunks is not None else gamma,
+        seq_len, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
+        BK=min(64, key_dim), BV=min(64, value_dim), VARLEN=chunks is not None, W_ONLY=w_only,
     )
     return w, u

@@ -1,8 +1,7 @@
 """Forward state kernels: the chunked state scan (per-chunk states, residuals, segment ends or
 segment summaries) and the chain that carries a state across segment summaries.
 
-``fwd_scan_kernel``, grid ``(column blocks, NS segments, B * HV)`` (keys normalised as they are
-loaded with ``NORM``, common.load_qk): one program walks the chunks
+``fwd_scan_kernel``, grid ``(column blocks, NS segments, B * HV)``: one program walks the chunks
 ``[s L, min((s + 1) L, NT))`` of its segment for ``BV`` columns of the state (``VARLEN``: the
 chunks of the segment table, common.segment_span, over the chunk table's spans)::
 
@@ -26,18 +25,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, chunk_span, load_qk, mm, mm_f32x3, mma, segment_span
+from .common import autotune_configs, chunk_span, mm, mm_f32x3, mma, segment_span
 
 __all__ = ["fwd_scan_kernel", "chain_kernel"]
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "SUMMARY", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "SUMMARY", "VARLEN"])
 @triton.jit
-def fwd_scan_kernel(k, k_rstd, w, u, gamma, h_init, states, v_new, h_end, m_sum, s_sum, chunks,
-                    segs, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def fwd_scan_kernel(k, w, u, gamma, h_init, states, v_new, h_end, m_sum, s_sum, chunks, segs,
+                    T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     SUMMARY: tl.constexpr, HAS_INIT: tl.constexpr, STORE: tl.constexpr,
-                    VARLEN: tl.constexpr, NORM: tl.constexpr):
+                    VARLEN: tl.constexpr):
     i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -75,7 +74,8 @@ def fwd_scan_kernel(k, k_rstd, w, u, gamma, h_init, states, v_new, h_end, m_sum,
         b_gam = tl.load(gamma + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0)
         g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
         b_vs = b_v * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
-        b_kt = load_qk(k, k_rstd, i_b, i_h, o_t, m_t, o_k, T, H, K, NORM, True)
+        b_kt = tl.load(k + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
+                       mask=m_t[None, :], other=0.0)
         b_h = mma(b_kt, b_vs.to(DT), b_h * tl.exp(g_last))
     if SUMMARY:
         tl.store(m_sum + (row * K + o_k[:, None]) * K + col_m[None, :], b_h,

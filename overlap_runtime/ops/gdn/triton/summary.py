@@ -70,10 +70,10 @@ def state_summary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     batch, _, _, key_dim = k.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     bh = batch * num_value_heads
-    prep = prepare(None, k, v, g, beta, use_qk_l2norm)  # q is not needed
+    prep = prepare(k, k, v, g, beta, use_qk_l2norm)  # q is not needed: k stands in for it
     ns, per_segment = _segments(k, v, num_segments, key_dim + value_dim)
-    m_seg, s_seg = segment_summaries(k, prep["w"], prep["u"], prep["gamma"], ns, per_segment,
-                                     k_rstd=prep["k_rstd"])
+    m_seg, s_seg = segment_summaries(prep["kn"], prep["w"], prep["u"], prep["gamma"], ns,
+                                     per_segment)
     if ns == 1:
         m, s = m_seg[:, 0], s_seg[:, 0]
     else:
@@ -111,15 +111,14 @@ def output_state_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         scale = key_dim ** -0.5
     prep = prepare(q, k, v, g, beta, use_qk_l2norm)
     ns, per_segment = _segments(k, v, num_segments, value_dim)
-    norms = dict(q_rstd=prep["q_rstd"], k_rstd=prep["k_rstd"])
-    dvl = dv_local(q, k, prep["gamma"], do, float(scale), **norms)
-    _, _, local = state_grad_scan(q, k, prep["w"], prep["gamma"], do, dvl,
-                                  None, float(scale), ns, per_segment, store=False, **norms)
+    dvl = dv_local(prep["qn"], prep["kn"], prep["gamma"], do, float(scale))
+    _, _, local = state_grad_scan(prep["qn"], prep["kn"], prep["w"], prep["gamma"], do, dvl,
+                                  None, float(scale), ns, per_segment, store=False)
     if ns == 1:
         dh = local[:, 0]
     else:
-        m_seg, _ = segment_summaries(k, prep["w"], prep["u"], prep["gamma"], ns,
-                                     per_segment, k_rstd=prep["k_rstd"])
+        m_seg, _ = segment_summaries(prep["kn"], prep["w"], prep["u"], prep["gamma"], ns,
+                                     per_segment)
         dh, _ = chain(m_seg, local, None, reverse=True)
     return dh.reshape(batch, num_value_heads, key_dim, value_dim)
 
