@@ -2,7 +2,7 @@
 
 Usage (on the H200; fla-core is optional, see gpu/README.md for the wheels):
     PYTHONPATH=$PWD python3 benchmarks/gdn_kernels.py [--quick] [--seq-lens 8192 16384 ...]
-        [--heads 32] [--dim 128] [--num-segments N ...] [--block-v 32 64] [--profile [T ...]]
+        [--heads 32] [--dim 128] [--num-segments N ...] [--profile [T ...]]
         [--no-fla] [--no-eager] [--no-accuracy]
 
 Speed: B=1, H=HV=32, K=V=128, bf16 q/k/v/beta, fp32 g, random initial state, l2norm of q and k
@@ -17,10 +17,6 @@ Accuracy: bf16 inputs through ``backend="triton"`` against the fp32 eager backen
 (bf16-valued) inputs at T = 8K, 16K, 32K (8K with --quick): rel-L2 of o, the final state, dH0
 and dq, dk, dv, dg, dbeta, with random dO and dHT; every tensor must be finite and every rel-L2
 below 1e-2. Each row is caught on its own: a failure is reported and the rest still runs.
-
-Sweeps: ``--num-segments`` and ``--block-v`` give one ``triton-nsN-bvM`` row per pair (the
-value-column block of the walks, the output and dv_local kernels; 64 is the library's choice,
-``function._block``, which the sweep replaces for its rows only: an experiment, not an option).
 
 Prints a table last and writes ``$OUT/gdn_kernels.json`` when OUT is set.
 """
@@ -76,16 +72,6 @@ def ours(num_segments: int | None) -> Callable:
         return backend.forward(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
                                use_qk_l2norm=True, chunk_size=64)
     return run
-
-
-def set_block(block_v: int) -> None:
-    """The value-column block of the walks, output and dv_local launches for the sweep's rows
-    (``function._block``: 64 in the library; read at each forward and backward launch)."""
-    from overlap_runtime.ops.gdn.triton import function
-
-    if block_v not in (32, 64):
-        raise ValueError(f"--block-v {block_v}: the sweep takes 32 or 64")
-    function._block = lambda key_dim, value_dim: min(block_v, key_dim, value_dim)
 
 
 def eager(q, k, v, g, beta, h0):
@@ -149,7 +135,8 @@ def time_impl(fn: Callable, x: dict[str, torch.Tensor], warmup_only: bool = Fals
 
 def autotuned() -> dict[str, list[str]]:
     """The configuration the autotuner picked for each key of every autotuned GDN kernel."""
-    from overlap_runtime.ops.gdn.triton import bwd_chunk, bwd_state, fwd_output, fwd_prepare, fwd_state
+    from overlap_runtime.ops.gdn.triton import (bwd_chunk, bwd_state, fwd_output, fwd_prepare,
+                                                fwd_state)
 
     out = {}
     for module in (fwd_prepare, fwd_state, fwd_output, bwd_state, bwd_chunk):
@@ -207,8 +194,6 @@ def main() -> int:
     parser.add_argument("--num-segments", type=int, nargs="+", default=[0],
                         help="segments of our parallel state scan; several values give one "
                              "'triton-nsN' row each (0: chosen from the machine)")
-    parser.add_argument("--block-v", type=int, nargs="+", default=[64],
-                        help="value-column blocks of the walks to sweep (32 and/or 64)")
     parser.add_argument("--profile", type=int, nargs="*", default=None,
                         help="per-kernel device times of one forward+backward per impl at these "
                              "T (none given: every T), to stdout and $OUT/gdn_kernels_profile.txt")
@@ -227,12 +212,8 @@ def main() -> int:
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "triton": triton.__version__, "heads": args.heads, "dim": args.dim,
                     "num_segments": segs, "speed": [], "accuracy": []}
-    impls: dict[str, Callable] = {}
-    block_of: dict[str, int] = {}
-    for bv in args.block_v:
-        for n in segs:
-            name = ("triton" if n is None else f"triton-ns{n}") + ("" if bv == 64 else f"-bv{bv}")
-            impls[name], block_of[name] = ours(n), bv
+    impls: dict[str, Callable] = {("triton" if n is None else f"triton-ns{n}"): ours(n)
+                                  for n in segs}
     if not args.no_fla:
         fla_fn, note = load_fla()
         report["fla"] = note
@@ -248,7 +229,6 @@ def main() -> int:
             if name == "eager" and seq_len > 16384:
                 continue
             row = {"impl": name, "T": seq_len}
-            set_block(block_of.get(name, 64))
             try:
                 row.update(time_impl(fn, x))
             except Exception as error:  # noqa: BLE001 - one failure must not stop the rest
@@ -264,7 +244,6 @@ def main() -> int:
                     with open(os.path.join(os.environ["OUT"], "gdn_kernels_profile.txt"),
                               "a") as f:
                         f.write(text + "\n\n")
-            set_block(64)
             torch.cuda.empty_cache()
         del x
 
@@ -273,18 +252,14 @@ def main() -> int:
         print(f"autotuned {name}: {picks}", flush=True)
 
     if not args.no_accuracy:
-        # the library's block at every accuracy T, a swept block at the first one
-        for bv, seq_len in [(64, n) for n in acc_lens] + [(b, acc_lens[0]) for b in args.block_v
-                                                            if b != 64]:
-            row = {"T": seq_len, "block_v": bv}
-            set_block(bv)
+        for seq_len in acc_lens:
+            row = {"T": seq_len}
             try:
                 row.update(accuracy(seq_len, args.heads, args.dim, device, segs[0]))
             except Exception as error:  # noqa: BLE001
                 row["error"] = f"{type(error).__name__}: {error}"
                 row["ok"] = False
                 traceback.print_exc()
-            set_block(64)
             report["accuracy"].append(row)
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
@@ -312,8 +287,7 @@ def main() -> int:
             print(f"accuracy T={r['T']}: ERROR {r['error'][:100]}")
             continue
         worst = max(r["errors"].items(), key=lambda kv: kv[1])
-        print(f"accuracy T={r['T']} bv={r['block_v']}: {'PASS' if r['ok'] else 'FAIL'} "
-              f"(finite={r['finite']}, "
+        print(f"accuracy T={r['T']}: {'PASS' if r['ok'] else 'FAIL'} (finite={r['finite']}, "
               f"worst {worst[0]} {worst[1]:.2e}) "
               + " ".join(f"{k}={v:.1e}" for k, v in r["errors"].items()))
     if os.environ.get("OUT"):

@@ -151,8 +151,8 @@ def speed(fla_fn: Callable | None, tokens: int, device: torch.device, seed: int
     cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device,
                       dtype=torch.int32)
     geometries = [
-        (f"packed {tokens} tokens, {len(docs)} docs 256..16K, H=HV=32", 1, tokens, 32, 32, cu),
         ("B=8 T=4K H=16 HV=32", 8, 4096, 16, 32, None),
+        (f"packed {tokens} tokens, {len(docs)} docs 256..16K, H=HV=32", 1, tokens, 32, 32, cu),
         ("B=1 T=32K H=16 HV=32", 1, 32768, 16, 32, None),
     ]
     rows = []
