@@ -93,6 +93,38 @@ def test_cpu_without_interpreter_fails_fast_naming_the_device():
                                backend="triton")
 
 
+@pytest.mark.parametrize("key_dim,value_dim", [(32, 128), (128, 16), (32, 32)])
+def test_head_dims_below_64_are_refused_off_the_interpreter(key_dim, value_dim):
+    """Head dims 16 / 32 (column blocks below 64) run only under the CPU interpreter: on any
+    other device the error names the dim, the device and the rule (meta tensors stand in for a
+    GPU here: the head-dim rule comes before the device rule)."""
+    pytest.importorskip("triton")
+    from overlap_runtime.ops.gdn.triton.capability import check_triton_inputs
+
+    x = make_inputs(1, 64, 1, 1, key_dim, value_dim, dtype=torch.bfloat16, requires_grad=False)
+    meta = {n: t.to("meta") for n, t in x.items()}
+    name, dim = ("K", key_dim) if key_dim < 64 else ("V", value_dim)
+    with pytest.raises(NotImplementedError,
+                       match=rf"head dim {name}={dim} is not supported on meta: .*interpreter"):
+        check_triton_inputs(*(meta[n] for n in NAMES), None, 64)
+    ok = {n: t.to("meta") for n, t in make_inputs(1, 64, 1, 1, 64, 128, dtype=torch.bfloat16,
+                                                   requires_grad=False).items()}
+    with pytest.raises(NotImplementedError, match="device 'meta' is not supported"):
+        check_triton_inputs(*(ok[n] for n in NAMES), None, 64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("key_dim,value_dim", [(64, 64), (64, 128), (128, 64)])
+def test_gpu_head_dims_64_bf16_against_eager_fp32(key_dim, value_dim):
+    """The supported head dims other than K = V = 128 (the benchmarks' size), full size on the
+    GPU: never run there before this test."""
+    torch.manual_seed(0)
+    x = make_inputs(1, 1000, 4, 8, key_dim, value_dim, dtype=torch.bfloat16, decay_shift=0.0)
+    tensors, errors = _gpu_against_eager_fp32(x, torch.device("cuda"))
+    assert all(torch.isfinite(t).all() for t in tensors.values()), errors
+    assert all(e < 1e-2 for e in errors.values()), errors
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("seq_len", [1000, 4096])
 def test_gpu_full_size_bf16_against_eager_fp32(seq_len):
