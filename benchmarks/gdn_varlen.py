@@ -2,6 +2,7 @@
 
 Usage (on the H200, with fla-core 0.6.0 from the wheels, gpu/README.md):
     PYTHONPATH=$PWD python3 benchmarks/gdn_varlen.py [--tokens 65536] [--seed 0] [--no-equality]
+        [--cases training packed long] [--profile]
 
 1. **Drop-in equality**: the same call through ``overlap_runtime.ops.gdn.fla_compat`` and through
    fla's ``chunk_gated_delta_rule`` (its Hopper guard lifted: the gradient comparison is what
@@ -116,7 +117,11 @@ def equality(fla_fn: Callable, device: torch.device, seed: int) -> list[dict[str
     return rows
 
 
-def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None) -> dict[str, float]:
+def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None,
+           profile: str | None = None) -> dict[str, float]:
+    """Medians of forward and forward+backward, peak memory; with ``profile`` (a label) also
+    the per-kernel device times of one forward+backward, printed and appended to
+    ``$OUT/gdn_varlen_profile.txt``."""
     from triton.testing import do_bench
 
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
@@ -141,29 +146,41 @@ def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None) ->
         t_f = do_bench(lambda: call(fn, leaves, cu, True), warmup=25, rep=100,
                        return_mode="median")
     t_fb = do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
+    if profile is not None:
+        from _timing import profile_kernels, write_out
+
+        text = f"{profile}\n" + profile_kernels(fwd_bwd, o.device, iters=3, top=24)
+        print(text, flush=True)
+        write_out("gdn_varlen_profile.txt", text)
     return {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "peak_mib": peak}
 
 
-def speed(fla_fn: Callable | None, tokens: int, device: torch.device, seed: int
-          ) -> list[dict[str, Any]]:
+CASES = ("training", "packed", "long")
+
+
+def speed(fla_fn: Callable | None, tokens: int, device: torch.device, seed: int,
+          cases: tuple[str, ...] = CASES, profile: bool = False) -> list[dict[str, Any]]:
     """The speed rows, each printed as it completes (a failing row is reported, the rest run)."""
     docs = documents(tokens, 256, 16384, seed)
     cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], device=device,
                       dtype=torch.int32)
-    geometries = [
-        ("B=8 T=4K H=16 HV=32", 8, 4096, 16, 32, None),
-        (f"packed {tokens} tokens, {len(docs)} docs 256..16K, H=HV=32", 1, tokens, 32, 32, cu),
-        ("B=1 T=32K H=16 HV=32", 1, 32768, 16, 32, None),
-    ]
+    geometries = {
+        "training": ("B=8 T=4K H=16 HV=32", 8, 4096, 16, 32, None),
+        "packed": (f"packed {tokens} tokens, {len(docs)} docs 256..16K, H=HV=32", 1, tokens, 32,
+                   32, cu),
+        "long": ("B=1 T=32K H=16 HV=32", 1, 32768, 16, 32, None),
+    }
     rows = []
-    for name, batch, t, h, hv, c in geometries:
+    for case in cases:
+        name, batch, t, h, hv, c = geometries[case]
         states = batch if c is None else len(docs)
         x = inputs(batch, t, h, hv, 128, states, device, seed)
         row: dict[str, Any] = {"case": name}
         try:
-            row["ours"] = timing(fla_compat.chunk_gated_delta_rule, x, c)
+            row["ours"] = timing(fla_compat.chunk_gated_delta_rule, x, c,
+                                 f"ours, {name}" if profile else None)
             if fla_fn is not None:
-                row["fla"] = timing(fla_fn, x, c)
+                row["fla"] = timing(fla_fn, x, c, f"fla, {name}" if profile else None)
                 row["ratio_fwd"] = row["ours"]["fwd_ms"] / row["fla"]["fwd_ms"]
                 row["ratio_fwd_bwd"] = row["ours"]["fwd_bwd_ms"] / row["fla"]["fwd_bwd_ms"]
         except Exception as error:  # noqa: BLE001 - one failure must not stop the rest
@@ -179,6 +196,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                   help="speed cases, in this order (training: B=8 T=4K H=16/HV=32; packed: "
+                        "--tokens of documents; long: B=1 T=32K H=16/HV=32)")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel device times of one forward+backward per case and impl")
     p.add_argument("--no-equality", action="store_true",
                    help="speed only (the equality rows are also tests/ops/test_gdn_fla_compat.py's "
                         "GPU test)")
@@ -198,7 +220,7 @@ def main() -> int:
             print(f"| {r['case']} | {r['l2norm']} | {r['tensor']} | {r['ours_vs_fla']:.2e} | "
                   f"{r['ours_vs_fp32']:.2e} | {r['fla_vs_fp32']:.2e} | {r['finite']} |",
                   flush=True)
-    sp = speed(fla_raw, args.tokens, device, args.seed)
+    sp = speed(fla_raw, args.tokens, device, args.seed, tuple(args.cases), args.profile)
     print("\n| case | ours fwd | fla fwd | ratio | ours fwd+bwd | fla fwd+bwd | ratio | "
           "peak MiB ours / fla |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
