@@ -3,6 +3,7 @@
     python benchmarks/ptxas_report.py --workload gdn
     python benchmarks/ptxas_report.py --workload gdn_varlen
     python benchmarks/ptxas_report.py --workload conv
+    python benchmarks/ptxas_report.py --workload walks
 
 (1) A child process runs the workload under ``TRITON_INTERPRET=1`` with
 ``InterpretedFunction.run`` wrapped (the interpreter replaces each ``@triton.jit`` kernel by an
@@ -192,8 +193,23 @@ def run_conv() -> None:
             y.backward(torch.randn_like(y))
 
 
+def run_walks() -> None:
+    """The forward walks of benchmarks/gdn_walks.py, bf16, K = V = 128, H = HV = 2, T = 128:
+    the library's one-walk launch and the experimental ``[64, BV]``-block kernel (after the
+    library's prepare kernels, which make their inputs)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gdn_walks
+
+    x = gdn_walks.prepared(128, 2, 128, torch.bfloat16, torch.device("cpu"))
+    for name in ("lib", "split"):
+        gdn_walks.run_variant(name, x)[0]()
+
+
 WORKLOADS: dict[str, Callable[[], None]] = {
-    "gdn": lambda: run_gdn(False), "gdn_varlen": lambda: run_gdn(True), "conv": run_conv}
+    "gdn": lambda: run_gdn(False), "gdn_varlen": lambda: run_gdn(True), "conv": run_conv,
+    "walks": run_walks}
 
 
 def capture(workload: Callable[[], None]) -> list[Launch]:
