@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap_runtime import rank_start
 from overlap_runtime.launch import RankFailedError, RanksTimeoutError, init_from_env, spawn
 from overlap_runtime.testing import run_ranks
 
@@ -327,6 +328,21 @@ def test_ranks_import_the_parents_package_not_a_copy_in_the_working_directory(
         assert Path(launch).resolve() == real / "overlap_runtime" / "launch.py", out
         assert safe is None and path == env["PYTHONPATH"], out  # the user's environment back
     assert not marker.exists(), "the decoy package was imported (by the forkserver or a rank)"
+
+
+def _modules_at_start(rank: int, world: int) -> dict[str, bool]:
+    return {m: m in sys.modules for m in (*rank_start.FORKSERVER_PRELOAD_TORCH,
+                                          *rank_start.FORKSERVER_PRELOAD_OURS, "triton")}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10: no preload of overlap_runtime")
+def test_ranks_start_with_the_preloaded_modules_and_without_triton() -> None:
+    """The forkserver imported torch.distributed's DTensor, FSDP2, DCP and our stack once (a rank
+    no longer pays ~1 s of imports), but not triton: a rank's ``TRITON_INTERPRET`` must still be
+    read by its own first triton import."""
+    for found in run_ranks(_modules_at_start, 2):
+        assert found.pop("triton") is False, "the forkserver imported triton"
+        assert all(found.values()), f"not preloaded: {[m for m, ok in found.items() if not ok]}"
 
 
 def _never_runs(rank: int, world: int) -> None:
