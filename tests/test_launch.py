@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from overlap_runtime import rank_start
 from overlap_runtime.launch import RankFailedError, RanksTimeoutError, init_from_env, spawn
-from overlap_runtime.testing import run_ranks
+from overlap_runtime.testing import Concurrently, run_ranks
 
 
 def _identity(rank: int, world: int, base: float) -> dict:
@@ -382,3 +382,25 @@ def test_a_peer_loss_read_first_does_not_hide_the_rank_that_raised() -> None:
     only = {3: RankFailure(3, "RuntimeError", gloo, after_s=0.0),
             1: RankFailure(1, "RuntimeError", gloo, after_s=0.1)}
     assert _rank_failed(only, {}, 4, 0.0).rank == 3
+
+
+def test_concurrently_overlaps_the_waits_and_hands_each_its_result_or_error() -> None:
+    def wait(s: float) -> float:
+        time.sleep(s)
+        return s
+
+    def fails() -> None:
+        raise KeyError("scenario b")
+
+    t0 = time.monotonic()
+    with Concurrently({"a": lambda: wait(0.4), "b": fails, "c": lambda: wait(0.4)},
+                      max_workers=3, timeout_s=30) as runs:
+        assert runs.result("a") == 0.4 and runs.result("c") == 0.4
+        with pytest.raises(KeyError, match="scenario b"):
+            runs.result("b")
+        with pytest.raises(KeyError, match="no scenario 'd'"):
+            runs.result("d")
+    assert time.monotonic() - t0 < 0.75  # the two waits overlapped
+    with Concurrently({"slow": lambda: wait(1.0)}, timeout_s=0.1) as runs:
+        with pytest.raises(TimeoutError, match="'slow' still running after 0s"):
+            runs.result("slow")
