@@ -1,4 +1,8 @@
-"""The spawn harness: results, failures, hangs, crashes, orphans, torchrun."""
+"""The spawn harness: results, failures, hangs, crashes, orphans, torchrun.
+
+The two runs that wait out a timeout or a grace period start together (``Concurrently``, a module
+fixture); each test asserts on its own.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -83,14 +88,34 @@ def _one_rank_hangs(rank: int, world: int, pid_dir: str) -> None:
             time.sleep(0.05)
 
 
-def test_a_hang_fails_naming_the_ranks_still_running(tmp_path: Path) -> None:
+def _hang(pid_dir: Path) -> tuple[RanksTimeoutError, float, Path]:
     t0 = time.monotonic()
     with pytest.raises(RanksTimeoutError) as info:
-        run_ranks(_one_rank_hangs, 4, timeout_s=4, args=(str(tmp_path),))
-    assert time.monotonic() - t0 < 20
-    assert info.value.ranks == [1, 3]
-    assert "ranks [1, 3]" in str(info.value)
-    assert "_one_rank_hangs" in info.value.stacks[1]
+        run_ranks(_one_rank_hangs, 4, timeout_s=4, args=(str(pid_dir),))
+    return info.value, time.monotonic() - t0, pid_dir
+
+
+def _grace() -> tuple[RankFailedError, float]:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_fail_in_turn, 4, timeout_s=60, failure_grace_s=3.0)
+    return info.value, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def waiting_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Concurrently]:
+    """The runs that wait out a timeout or a grace period (~4 s each), started together."""
+    with Concurrently({"hang": lambda: _hang(tmp_path_factory.mktemp("hang")),
+                       "grace": _grace}) as started:
+        yield started
+
+
+def test_a_hang_fails_naming_the_ranks_still_running(waiting_runs: Concurrently) -> None:
+    err, wall, tmp_path = waiting_runs.result("hang")
+    assert wall < 20
+    assert err.ranks == [1, 3]
+    assert "ranks [1, 3]" in str(err)
+    assert "_one_rank_hangs" in err.stacks[1]
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert _wait_dead(pids) == []
 
@@ -121,11 +146,9 @@ def _fail_in_turn(rank: int, world: int) -> str:
     return "never"
 
 
-def test_failure_grace_collects_the_other_ranks_errors_then_kills_the_rest() -> None:
-    t0 = time.monotonic()
-    with pytest.raises(RankFailedError) as info:
-        run_ranks(_fail_in_turn, 4, timeout_s=60, failure_grace_s=3.0)
-    err, wall = info.value, time.monotonic() - t0
+def test_failure_grace_collects_the_other_ranks_errors_then_kills_the_rest(
+        waiting_runs: Concurrently) -> None:
+    err, wall = waiting_runs.result("grace")
     assert err.rank == 0 and sorted(err.failures) == [0, 1] and err.unfinished == [3], str(err)
     assert err.failures[0].exc_type == "ValueError" and err.failures[0].after_s == 0
     assert err.failures[1].exc_type == "KeyError" and 1.0 < err.failures[1].after_s < 3.0
@@ -393,14 +416,14 @@ def test_concurrently_overlaps_the_waits_and_hands_each_its_result_or_error() ->
         raise KeyError("scenario b")
 
     t0 = time.monotonic()
-    with Concurrently({"a": lambda: wait(0.4), "b": fails, "c": lambda: wait(0.4)},
+    with Concurrently({"a": lambda: wait(0.3), "b": fails, "c": lambda: wait(0.3)},
                       max_workers=3, timeout_s=30) as runs:
-        assert runs.result("a") == 0.4 and runs.result("c") == 0.4
+        assert runs.result("a") == 0.3 and runs.result("c") == 0.3
         with pytest.raises(KeyError, match="scenario b"):
             runs.result("b")
         with pytest.raises(KeyError, match="no scenario 'd'"):
             runs.result("d")
-    assert time.monotonic() - t0 < 0.75  # the two waits overlapped
-    with Concurrently({"slow": lambda: wait(1.0)}, timeout_s=0.1) as runs:
+    assert time.monotonic() - t0 < 0.55  # the two waits overlapped
+    with Concurrently({"slow": lambda: wait(0.3)}, timeout_s=0.05) as runs:
         with pytest.raises(TimeoutError, match="'slow' still running after 0s"):
             runs.result("slow")
