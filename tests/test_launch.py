@@ -1,7 +1,7 @@
 """The spawn harness: results, failures, hangs, crashes, orphans, torchrun.
 
-The two runs that wait out a timeout or a grace period start together (``Concurrently``, a module
-fixture); each test asserts on its own.
+The runs that wait out a timeout or a grace period and the ones in fresh interpreters start
+together, two at a time (``Concurrently``, a module fixture); each test asserts on its own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -103,15 +103,21 @@ def _grace() -> tuple[RankFailedError, float]:
 
 
 @pytest.fixture(scope="module")
-def waiting_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Concurrently]:
-    """The runs that wait out a timeout or a grace period (~4 s each), started together."""
-    with Concurrently({"hang": lambda: _hang(tmp_path_factory.mktemp("hang")),
-                       "grace": _grace}) as started:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Concurrently]:
+    """The runs that wait out a timeout or a grace period (~4 s each) and the ones in fresh
+    interpreters (one core each), started together, two at a time."""
+    def in_dir(fn: Any, name: str) -> Any:
+        return lambda: fn(tmp_path_factory.mktemp(name))
+
+    with Concurrently({"hang": in_dir(_hang, "hang"), "grace": _grace,
+                       "decoy": in_dir(_decoy_in_the_working_directory, "decoy"),
+                       "sigkill": in_dir(_sigkilled_parent, "sigkill"),
+                       "torchrun": in_dir(_torchrun_with_init_from_env, "torchrun")}) as started:
         yield started
 
 
-def test_a_hang_fails_naming_the_ranks_still_running(waiting_runs: Concurrently) -> None:
-    err, wall, tmp_path = waiting_runs.result("hang")
+def test_a_hang_fails_naming_the_ranks_still_running(runs: Concurrently) -> None:
+    err, wall, tmp_path = runs.result("hang")
     assert wall < 20
     assert err.ranks == [1, 3]
     assert "ranks [1, 3]" in str(err)
@@ -147,8 +153,8 @@ def _fail_in_turn(rank: int, world: int) -> str:
 
 
 def test_failure_grace_collects_the_other_ranks_errors_then_kills_the_rest(
-        waiting_runs: Concurrently) -> None:
-    err, wall = waiting_runs.result("grace")
+        runs: Concurrently) -> None:
+    err, wall = runs.result("grace")
     assert err.rank == 0 and sorted(err.failures) == [0, 1] and err.unfinished == [3], str(err)
     assert err.failures[0].exc_type == "ValueError" and err.failures[0].after_s == 0
     assert err.failures[1].exc_type == "KeyError" and 1.0 < err.failures[1].after_s < 3.0
@@ -199,7 +205,11 @@ def test_spawn_argument_checks() -> None:
         spawn(_identity, 1, timeout_s=0)
 
 
-def test_torchrun_with_init_from_env(tmp_path: Path) -> None:
+def test_torchrun_with_init_from_env(runs: Concurrently) -> None:
+    runs.result("torchrun")
+
+
+def _torchrun_with_init_from_env(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
@@ -234,8 +244,12 @@ if __name__ == "__main__":
 """
 
 
-def test_a_sigkilled_parent_leaves_no_rank_forkserver_or_temp_dir(tmp_path: Path) -> None:
+def test_a_sigkilled_parent_leaves_no_rank_forkserver_or_temp_dir(runs: Concurrently) -> None:
     """kill -KILL the process running spawn: its ranks, the forkserver and spawn's files go."""
+    runs.result("sigkill")
+
+
+def _sigkilled_parent(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     tmp_dir = tmp_path / "tmp"
     pid_dir.mkdir()
@@ -327,9 +341,13 @@ if __name__ == "__main__":
 
 
 def test_ranks_import_the_parents_package_not_a_copy_in_the_working_directory(
-        tmp_path: Path) -> None:
+        runs: Concurrently) -> None:
     """A decoy ``overlap_runtime/`` in the working directory: the forkserver (``python -c``, the
     current directory first on sys.path) used to import it; the ranks import the parent's."""
+    runs.result("decoy")
+
+
+def _decoy_in_the_working_directory(tmp_path: Path) -> None:
     real = Path(__file__).resolve().parents[1]
     cwd, scripts = tmp_path / "cwd", tmp_path / "scripts"
     (cwd / "overlap_runtime").mkdir(parents=True)
