@@ -20,12 +20,13 @@ leaves orphans:
   when the parent dies, which kills the ranks; the ranks' stack files are unlinked temporary files
   passed by descriptor, so no path is left on disk.
 
-Children start from a forkserver that has already imported torch, so a rank costs a fork, not a
-fresh interpreter (the first spawn in a process pays the import once). The forkserver is started
-with this process's import path, and every rank first checks that it runs the same
-``overlap_runtime`` as this process (an ``ImportError`` naming both directories otherwise): a copy
-of the package in the working directory must not replace the parent's in the ranks
-(:mod:`overlap_runtime.rank_start`).
+Children start from a forkserver that has already imported torch, torch.distributed's DTensor,
+FSDP2 and DCP and this package's stack (never triton: :mod:`overlap_runtime.rank_start`), so a
+rank costs a fork, not a fresh interpreter and its imports (the first spawn in a process pays them
+once). The forkserver is started with this process's import path, and every rank first checks
+that it runs the same ``overlap_runtime`` as this process (an ``ImportError`` naming both
+directories otherwise): a copy of the package in the working directory must not replace the
+parent's in the ranks (:mod:`overlap_runtime.rank_start`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 * **The forkserver imports what the parent imported.** multiprocessing starts its forkserver as
   ``python -c ...``, which puts the *current directory* first on ``sys.path``, and (Python 3.11)
-  ignores the ``sys_path`` it is handed; it then preloads ``overlap_runtime.launch``. Run from a
-  directory that holds another copy of ``overlap_runtime`` (an old checkout, a decoy), the
+  ignores the ``sys_path`` it is handed; it then preloads :data:`FORKSERVER_PRELOAD_OURS`. Run
+  from a directory that holds another copy of ``overlap_runtime`` (an old checkout, a decoy), the
   forkserver -- and every rank forked from it -- imported that copy while the parent ran the one
   on ``PYTHONPATH`` or installed: the ranks ran other code than the parent, silently.
   :func:`start_forkserver` starts it with the parent's ``sys.path`` as ``PYTHONPATH`` and
@@ -111,18 +111,30 @@ def _forkserver_environment() -> Iterator[None]:
         restore_python_env(saved)
 
 
+#: What the forkserver imports once, so that a rank forked from it does not: torch and the
+#: torch.distributed modules every parallel feature loads (DTensor with its sympy shape code,
+#: FSDP2, DCP: ~1 s of CPU each time a rank imported them itself). None of them imports triton.
+FORKSERVER_PRELOAD_TORCH = ("torch", "torch.distributed", "torch.distributed.tensor",
+                            "torch.distributed.fsdp", "torch.distributed.checkpoint")
+#: Ours, where the forkserver can be made to import them from the parent's path (see the module
+#: doc): ``trainer.loop`` imports the whole stack below it, and no Triton kernel module (a rank
+#: may set ``TRITON_INTERPRET`` in its environment before its first triton import).
+FORKSERVER_PRELOAD_OURS = ("overlap_runtime.launch", "overlap_runtime.trainer.loop")
+
+
 def context() -> Any:
     """The multiprocessing context of the ranks: ``OVERLAP_RUNTIME_START_METHOD`` (default
-    ``forkserver``, preloading torch, and ``overlap_runtime.launch`` where the forkserver can be
-    made to import it from the parent's path: see the module doc)."""
+    ``forkserver``, preloading :data:`FORKSERVER_PRELOAD_TORCH`, and
+    :data:`FORKSERVER_PRELOAD_OURS` where the forkserver can be made to import them from the
+    parent's path: see the module doc)."""
     global _CTX
     if _CTX is None:
         method = os.environ.get("OVERLAP_RUNTIME_START_METHOD", "forkserver")
         _CTX = mp.get_context(method)
         if method == "forkserver":
-            preload = ["torch", "torch.distributed"]
+            preload = list(FORKSERVER_PRELOAD_TORCH)
             if _SAFE_PATH:
-                preload.append("overlap_runtime.launch")
+                preload += FORKSERVER_PRELOAD_OURS
             _CTX.set_forkserver_preload(preload)
     return _CTX
 

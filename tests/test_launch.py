@@ -1,4 +1,8 @@
-"""The spawn harness: results, failures, hangs, crashes, orphans, torchrun."""
+"""The spawn harness: results, failures, hangs, crashes, orphans, torchrun.
+
+The runs that wait out a timeout or a grace period and the ones in fresh interpreters start
+together, two at a time (``Concurrently``, a module fixture); each test asserts on its own.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,15 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from overlap_runtime import rank_start
 from overlap_runtime.launch import RankFailedError, RanksTimeoutError, init_from_env, spawn
-from overlap_runtime.testing import run_ranks
+from overlap_runtime.testing import Concurrently, run_ranks
 
 
 def _identity(rank: int, world: int, base: float) -> dict:
@@ -82,14 +88,40 @@ def _one_rank_hangs(rank: int, world: int, pid_dir: str) -> None:
             time.sleep(0.05)
 
 
-def test_a_hang_fails_naming_the_ranks_still_running(tmp_path: Path) -> None:
+def _hang(pid_dir: Path) -> tuple[RanksTimeoutError, float, Path]:
     t0 = time.monotonic()
     with pytest.raises(RanksTimeoutError) as info:
-        run_ranks(_one_rank_hangs, 4, timeout_s=4, args=(str(tmp_path),))
-    assert time.monotonic() - t0 < 20
-    assert info.value.ranks == [1, 3]
-    assert "ranks [1, 3]" in str(info.value)
-    assert "_one_rank_hangs" in info.value.stacks[1]
+        run_ranks(_one_rank_hangs, 4, timeout_s=4, args=(str(pid_dir),))
+    return info.value, time.monotonic() - t0, pid_dir
+
+
+def _grace() -> tuple[RankFailedError, float]:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_fail_in_turn, 4, timeout_s=60, failure_grace_s=3.0)
+    return info.value, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Concurrently]:
+    """The runs that wait out a timeout or a grace period (~4 s each) and the ones in fresh
+    interpreters (one core each), started together, two at a time."""
+    def in_dir(fn: Any, name: str) -> Any:
+        return lambda: fn(tmp_path_factory.mktemp(name))
+
+    with Concurrently({"hang": in_dir(_hang, "hang"), "grace": _grace,
+                       "decoy": in_dir(_decoy_in_the_working_directory, "decoy"),
+                       "sigkill": in_dir(_sigkilled_parent, "sigkill"),
+                       "torchrun": in_dir(_torchrun_with_init_from_env, "torchrun")}) as started:
+        yield started
+
+
+def test_a_hang_fails_naming_the_ranks_still_running(runs: Concurrently) -> None:
+    err, wall, tmp_path = runs.result("hang")
+    assert wall < 20
+    assert err.ranks == [1, 3]
+    assert "ranks [1, 3]" in str(err)
+    assert "_one_rank_hangs" in err.stacks[1]
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert _wait_dead(pids) == []
 
@@ -120,11 +152,9 @@ def _fail_in_turn(rank: int, world: int) -> str:
     return "never"
 
 
-def test_failure_grace_collects_the_other_ranks_errors_then_kills_the_rest() -> None:
-    t0 = time.monotonic()
-    with pytest.raises(RankFailedError) as info:
-        run_ranks(_fail_in_turn, 4, timeout_s=60, failure_grace_s=3.0)
-    err, wall = info.value, time.monotonic() - t0
+def test_failure_grace_collects_the_other_ranks_errors_then_kills_the_rest(
+        runs: Concurrently) -> None:
+    err, wall = runs.result("grace")
     assert err.rank == 0 and sorted(err.failures) == [0, 1] and err.unfinished == [3], str(err)
     assert err.failures[0].exc_type == "ValueError" and err.failures[0].after_s == 0
     assert err.failures[1].exc_type == "KeyError" and 1.0 < err.failures[1].after_s < 3.0
@@ -175,7 +205,11 @@ def test_spawn_argument_checks() -> None:
         spawn(_identity, 1, timeout_s=0)
 
 
-def test_torchrun_with_init_from_env(tmp_path: Path) -> None:
+def test_torchrun_with_init_from_env(runs: Concurrently) -> None:
+    runs.result("torchrun")
+
+
+def _torchrun_with_init_from_env(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.distributed as dist
@@ -210,8 +244,12 @@ if __name__ == "__main__":
 """
 
 
-def test_a_sigkilled_parent_leaves_no_rank_forkserver_or_temp_dir(tmp_path: Path) -> None:
+def test_a_sigkilled_parent_leaves_no_rank_forkserver_or_temp_dir(runs: Concurrently) -> None:
     """kill -KILL the process running spawn: its ranks, the forkserver and spawn's files go."""
+    runs.result("sigkill")
+
+
+def _sigkilled_parent(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     tmp_dir = tmp_path / "tmp"
     pid_dir.mkdir()
@@ -303,9 +341,13 @@ if __name__ == "__main__":
 
 
 def test_ranks_import_the_parents_package_not_a_copy_in_the_working_directory(
-        tmp_path: Path) -> None:
+        runs: Concurrently) -> None:
     """A decoy ``overlap_runtime/`` in the working directory: the forkserver (``python -c``, the
     current directory first on sys.path) used to import it; the ranks import the parent's."""
+    runs.result("decoy")
+
+
+def _decoy_in_the_working_directory(tmp_path: Path) -> None:
     real = Path(__file__).resolve().parents[1]
     cwd, scripts = tmp_path / "cwd", tmp_path / "scripts"
     (cwd / "overlap_runtime").mkdir(parents=True)
@@ -327,6 +369,21 @@ def test_ranks_import_the_parents_package_not_a_copy_in_the_working_directory(
         assert Path(launch).resolve() == real / "overlap_runtime" / "launch.py", out
         assert safe is None and path == env["PYTHONPATH"], out  # the user's environment back
     assert not marker.exists(), "the decoy package was imported (by the forkserver or a rank)"
+
+
+def _modules_at_start(rank: int, world: int) -> dict[str, bool]:
+    return {m: m in sys.modules for m in (*rank_start.FORKSERVER_PRELOAD_TORCH,
+                                          *rank_start.FORKSERVER_PRELOAD_OURS, "triton")}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10: no preload of overlap_runtime")
+def test_ranks_start_with_the_preloaded_modules_and_without_triton() -> None:
+    """The forkserver imported torch.distributed's DTensor, FSDP2, DCP and our stack once (a rank
+    no longer pays ~1 s of imports), but not triton: a rank's ``TRITON_INTERPRET`` must still be
+    read by its own first triton import."""
+    for found in run_ranks(_modules_at_start, 2):
+        assert found.pop("triton") is False, "the forkserver imported triton"
+        assert all(found.values()), f"not preloaded: {[m for m, ok in found.items() if not ok]}"
 
 
 def _never_runs(rank: int, world: int) -> None:
@@ -366,3 +423,25 @@ def test_a_peer_loss_read_first_does_not_hide_the_rank_that_raised() -> None:
     only = {3: RankFailure(3, "RuntimeError", gloo, after_s=0.0),
             1: RankFailure(1, "RuntimeError", gloo, after_s=0.1)}
     assert _rank_failed(only, {}, 4, 0.0).rank == 3
+
+
+def test_concurrently_overlaps_the_waits_and_hands_each_its_result_or_error() -> None:
+    def wait(s: float) -> float:
+        time.sleep(s)
+        return s
+
+    def fails() -> None:
+        raise KeyError("scenario b")
+
+    t0 = time.monotonic()
+    with Concurrently({"a": lambda: wait(0.3), "b": fails, "c": lambda: wait(0.3)},
+                      max_workers=3, timeout_s=30) as runs:
+        assert runs.result("a") == 0.3 and runs.result("c") == 0.3
+        with pytest.raises(KeyError, match="scenario b"):
+            runs.result("b")
+        with pytest.raises(KeyError, match="no scenario 'd'"):
+            runs.result("d")
+    assert time.monotonic() - t0 < 0.55  # the two waits overlapped
+    with Concurrently({"slow": lambda: wait(0.3)}, timeout_s=0.05) as runs:
+        with pytest.raises(TimeoutError, match="'slow' still running after 0s"):
+            runs.result("slow")

@@ -1,10 +1,10 @@
 """LinearAttentionContextParallel with backend="triton" on gloo ranks, under the Triton interpreter.
 
 Every case runs its ranks as child processes with ``TRITON_INTERPRET=1`` in their environment
-(``run_ranks(..., env=...)``): the children start from a forkserver that preloads only torch and
-``overlap_runtime.launch`` (neither imports triton, nor does ``import overlap_runtime``), and the
-variable is set before the worker runs, so the first triton import in a child sees it and nothing
-leaks into this process or other test files.
+(``run_ranks(..., env=...)``): the children start from a forkserver whose preloads
+(``rank_start.FORKSERVER_PRELOAD_*``) import no triton, nor does ``import overlap_runtime``, and
+the variable is set before the worker runs, so the first triton import in a child sees it and
+nothing leaks into this process or other test files.
 
 Sizes are the smallest the interpreter runs: head dims K = V = 16, 2 key / 4 value heads, hidden
 32, local sequence 64 (one chunk per rank), B = 1, fp32. Against the single-process module on the

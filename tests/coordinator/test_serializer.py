@@ -1,13 +1,15 @@
 """CommSerializer: one all-to-all in flight per group, launch logs, the cross-rank order check.
 
 The exclusion and order tests run real all-to-alls on 2 gloo ranks; the log comparison is also
-checked as a pure function.
+checked as a pure function. The two timeout runs (a peer sleeping 3 s) start together
+(``Concurrently``, a module fixture); each test asserts on its own.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from overlap_runtime.coordinator import (
 )
 from overlap_runtime.coordinator.serializer import LaunchRecord, compare_launch_logs
 from overlap_runtime.ops.comm import CommTimeoutError
-from overlap_runtime.testing import run_ranks
+from overlap_runtime.testing import Concurrently, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,8 +139,17 @@ def _late_peer_serialized(rank: int, world: int, async_op: bool) -> str:
     return "no timeout"
 
 
+@pytest.fixture(scope="module")
+def late_peer_runs() -> Iterator[Concurrently]:
+    with Concurrently({f"async_op={a}": (lambda a=a: run_ranks(_late_peer_serialized, 2,
+                                                               args=(a,), timeout_s=60))
+                       for a in (False, True)}) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("async_op", [False, True])
-def test_a_serialized_all_to_all_timeout_names_its_tag(async_op: bool) -> None:
-    msg = run_ranks(_late_peer_serialized, 2, args=(async_op,), timeout_s=60)[0]
+def test_a_serialized_all_to_all_timeout_names_its_tag(async_op: bool,
+                                                       late_peer_runs: Concurrently) -> None:
+    msg = late_peer_runs.result(f"async_op={async_op}")[0]
     assert "all-to-all 'L3.dispatch' (forward) on group 'default'" in msg, msg
     assert "global ranks [0, 1]" in msg and "0.5s" in msg, msg

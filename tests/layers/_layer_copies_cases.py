@@ -1,5 +1,6 @@
 """Run under TRITON_INTERPRET=1 by test_layer_copies.py: the GDN layer with the Triton GDN op
-(and the Triton or eager torch conv) under benchmarks/layer_copies.py's CopyCounter."""
+(and the Triton or eager torch conv, chosen by the arguments: both by default) under
+benchmarks/layer_copies.py's CopyCounter."""
 
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def run(conv_backend: str, parts: bool) -> tuple[list, list[torch.Tensor]]:
     return counter.records, [out, x.grad] + [p.grad for p in layer.parameters()]
 
 
-def main() -> None:
+def main(conv_backends: tuple[str, ...] = ("triton", "torch")) -> None:
     bf16 = 2
     # forward, what stays: the eager gated norm's fp32 casts of o and z and its bf16 result
     # (10 bytes per element of [B, T, HV*V]), the gates' fp32 cast of a and of the bf16
     # A_log / dt_bias, the norm weight's cast
     floor = 10 * B * T * D + 4 * B * T * HV + 2 * 4 * HV + 4 * K
-    for conv_backend in ("triton", "torch"):
+    for conv_backend in conv_backends:
         rec_new, res_new = run(conv_backend, parts=True)
         rec_old, res_old = run(conv_backend, parts=False)
         for a, b in zip(res_new, res_old):
@@ -70,4 +71,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python _layer_copies_cases.py [triton|torch ...]``: the conv backends to check (default
+    # both; the test runs one child per backend, side by side)
+    sys.exit(main(tuple(sys.argv[1:]) or ("triton", "torch")))

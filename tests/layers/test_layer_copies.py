@@ -89,9 +89,20 @@ def test_shifted_parts_equal_the_whole_conv(packed: bool) -> None:
 def test_interpreter_gdn_layer_copies() -> None:
     """Triton GDN op and Triton conv under the interpreter, bf16: the forward copies only the
     gated norm's and gates' casts (q, k, v reach the op contiguous), results bitwise equal to
-    one conv + split; the eager F.conv1d path unchanged (tests/layers/_layer_copies_cases.py)."""
+    one conv + split; the eager F.conv1d path unchanged (tests/layers/_layer_copies_cases.py).
+    One child per conv backend, side by side (each single-threaded, ~8 s)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "_layer_copies_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=str(HERE))
-    assert proc.returncode == 0, f"cases failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    children = {b: subprocess.Popen([sys.executable, str(HERE / "_layer_copies_cases.py"), b],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, cwd=str(HERE))
+                for b in ("triton", "torch")}
+    try:
+        for backend, child in children.items():
+            out, err = child.communicate(timeout=300)
+            assert child.returncode == 0 and out.splitlines()[-1:] == ["ok"], (
+                f"conv backend {backend}: cases failed:\n{out}\n{err[-4000:]}")
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait(10)

@@ -6,12 +6,13 @@ Two gloo ranks: an EP layer whose dispatcher flushes the queue while its token a
 flight (dispatch and combine, forward and backward), gradients equal to the immediate EP run.
 Four gloo ranks: the trainer's pp2 x ep2 zero_bubble with ``defer_expert_w`` runs its W tasks
 inside the all-to-all windows (the loss itself is compared with one device in
-tests/trainer/test_trainer_4d.py).
+tests/trainer/test_trainer_4d.py). The three multi-rank runs, mostly waiting for their late
+peers, start together (``Concurrently``, a module fixture); each test asserts on its own.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from overlap_runtime.moe.dispatcher import AllToAllTokenDispatcher, OverlapHooks
 from overlap_runtime.moe.experts import DeferredWUnsupportedError
 from overlap_runtime.pipeline import DeferredLinear, DeferredWQueue, PipelineStage
 from overlap_runtime.pipeline.deferred_w import WRun, find_deferred_w_queue
-from overlap_runtime.testing import rel_l2, run_ranks
+from overlap_runtime.testing import Concurrently, rel_l2, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -205,8 +206,21 @@ def _ep_windows(rank: int, world: int) -> dict[str, Any]:
             "left": left, "errs": errs}
 
 
-def test_ep_w_tasks_run_inside_the_all_to_all_windows() -> None:
-    for rank, res in enumerate(run_ranks(_ep_windows, 2, timeout_s=200)):
+TRAINER_PIPELINES = [{"schedule": "zero_bubble"}, {"schedule": "dualpipev", "virtual_stages": 2}]
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[Concurrently]:
+    scenarios = {"ep_windows": lambda: run_ranks(_ep_windows, 2, timeout_s=200)}
+    for i, pipeline in enumerate(TRAINER_PIPELINES):
+        scenarios[f"trainer{i}"] = (lambda p=pipeline: run_ranks(_train_defer, 4, timeout_s=400,
+                                                                 args=(_cfg(**p),)))
+    with Concurrently(scenarios, max_workers=3) as started:
+        yield started
+
+
+def test_ep_w_tasks_run_inside_the_all_to_all_windows(runs: Concurrently) -> None:
+    for rank, res in enumerate(runs.result("ep_windows")):
         assert max(res["errs"].values()) <= 1e-6, (rank, res["errs"])
         if rank == 1:  # the late rank: its all-to-alls may be complete when it looks
             continue
@@ -260,10 +274,10 @@ def _train_defer(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "losses": [s.loss for s in res.steps]}
 
 
-@pytest.mark.parametrize("pipeline", [{"schedule": "zero_bubble"},
-                                      {"schedule": "dualpipev", "virtual_stages": 2}])
-def test_trainer_flushes_expert_w_in_the_windows(pipeline: dict[str, Any]) -> None:
-    out = run_ranks(_train_defer, 4, timeout_s=400, args=(_cfg(**pipeline),))
+@pytest.mark.parametrize("pipeline", TRAINER_PIPELINES)
+def test_trainer_flushes_expert_w_in_the_windows(pipeline: dict[str, Any],
+                                                 runs: Concurrently) -> None:
+    out = runs.result(f"trainer{TRAINER_PIPELINES.index(pipeline)}")
     for rank, r in enumerate(out):
         assert r["found"] and r["pending"] == 0, (rank, r)
         # 2 steps x (MoE layers of the stage of each I action); zero_bubble: 4 I x 2 layers

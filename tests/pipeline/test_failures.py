@@ -7,6 +7,9 @@
 - the peer of a raising rank times out (PipelineTimeout) naming the receive, the peer and the
   compute action that waited for it;
 - the peer of a rank that died fails at once (PipelinePeerFailed) naming the peer.
+
+The two runs whose peer times out (~3 s of waiting each) start together (``Concurrently``, a
+module fixture); each test asserts on its own.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -24,7 +27,7 @@ from overlap_runtime.pipeline import (PipelineActionError, PipelinePeerFailed, P
                                       PipelineStage, PipelineTimeout)
 from overlap_runtime.pipeline.errors import ActionSite, pipeline_error_in, root_cause
 from overlap_runtime.schedules import ActionKind, ScheduleSpec
-from overlap_runtime.testing import RankFailedError, run_ranks
+from overlap_runtime.testing import Concurrently, RankFailedError, run_ranks
 
 from test_runtime import _data, _loss, _model
 
@@ -73,8 +76,18 @@ def _forward_raises(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_a_raising_action_is_named_and_its_peer_times_out_naming_it() -> None:
-    r0, r1 = run_ranks(_forward_raises, 2, timeout_s=60)
+@pytest.fixture(scope="module")
+def timing_out() -> Iterator[Concurrently]:
+    """The two runs whose rank 0 runs into its timeout, started together."""
+    with Concurrently({"forward": lambda: run_ranks(_forward_raises, 2, timeout_s=60),
+                       "thread": lambda: run_ranks(_backward_raises_in_a_thread, 2,
+                                                   timeout_s=60)}) as started:
+        yield started
+
+
+def test_a_raising_action_is_named_and_its_peer_times_out_naming_it(
+        timing_out: Concurrently) -> None:
+    r0, r1 = timing_out.result("forward")
     step = r1["program"].index("1F2")
     site = r1["site"]
     assert r1["type"] == "PipelineActionError" and r1["cause"] == "KeyError"
@@ -126,8 +139,9 @@ def _backward_raises_in_a_thread(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_a_sub_action_failing_on_another_thread_names_side_thread_and_compound() -> None:
-    r0, r1 = run_ranks(_backward_raises_in_a_thread, 2, timeout_s=60)
+def test_a_sub_action_failing_on_another_thread_names_side_thread_and_compound(
+        timing_out: Concurrently) -> None:
+    r0, r1 = timing_out.result("thread")
     compound = "(1B1;1F2)OVERLAP_B_F"
     site = r1["site"]
     assert r1["type"] == "PipelineActionError" and r1["cause"] == "ValueError", r1

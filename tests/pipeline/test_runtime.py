@@ -209,7 +209,7 @@ def _shape_mismatch(rank: int, world: int) -> str:
     model = _model(2)
     spec = ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=2)
     stage = PipelineStage(model[rank], rank, 2)
-    sched = PipelineSchedule(spec, [stage], _loss, timeout_s=8)  # rank 1 ends by this timeout
+    sched = PipelineSchedule(spec, [stage], _loss, timeout_s=3)  # rank 1 ends by this timeout
     x, y = _data()
     sched.step(x, target=y)
     # second step with a wider batch: microbatch activations no longer match the agreed shape

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx as nx
@@ -77,8 +78,15 @@ def _lazy_targets(tree: ast.Module) -> list[str]:
 
 
 def _parse_package() -> tuple[dict[str, ast.Module], dict[str, bool]]:
+    return _parsed(ROOT)
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(root: Path) -> tuple[dict[str, ast.Module], dict[str, bool]]:
+    """Every module's tree under ``root``, parsed once per test session (the trees are only
+    read; the checker's own test points ``ROOT`` at a tiny package, a key of its own)."""
     trees, is_pkg = {}, {}
-    for path in sorted(ROOT.rglob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         name = _module_name(path)
         trees[name] = ast.parse(path.read_text(), str(path))
         is_pkg[name] = path.name == "__init__.py"
@@ -95,8 +103,14 @@ def _resolve(name: str, modules: set[str]) -> str | None:
 
 
 def import_graph() -> tuple[nx.DiGraph, dict[str, set[str]]]:
-    """Edges between ``overlap_runtime`` modules, and every module's external imports."""
-    trees, is_pkg = _parse_package()
+    """Edges between ``overlap_runtime`` modules, and every module's external imports (built
+    once per ``ROOT``; the tests only read them)."""
+    return _import_graph_of(ROOT)
+
+
+@functools.lru_cache(maxsize=None)
+def _import_graph_of(root: Path) -> tuple[nx.DiGraph, dict[str, set[str]]]:
+    trees, is_pkg = _parsed(root)
     modules = set(trees)
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)

@@ -1,4 +1,8 @@
-"""``overlap-runtime train``: the spawned CPU default, torchrun, the metrics file, config errors."""
+"""``overlap-runtime train``: the spawned CPU default, torchrun, the metrics file, config errors.
+
+The three command lines run as users run them (fresh interpreters); they start together, two at
+a time (``Concurrently``, a module fixture), and each test asserts on its own.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import yaml
 from _trainer_util import tiny_config
 
 from overlap_runtime.cli import build_parser, main
+from overlap_runtime.testing import Concurrently
 
 
 def _write(tmp_path: Path, name: str = "tiny.yaml", **acc: object) -> Path:
@@ -28,14 +34,52 @@ def test_train_is_a_subcommand() -> None:
     assert args.command == "train" and args.compare_single and args.metrics == "m.json"
 
 
-def test_cli_spawns_ranks_compares_and_writes_metrics(tmp_path: Path) -> None:
+def _spawned(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     # A fresh interpreter: the spawned ranks print to the forkserver's stdout, which inside a
     # pytest session is whatever the first spawning test's capture was.
     config = _write(tmp_path, cp=2, linear_attention_cp_mode="p2p")
     metrics = tmp_path / "out" / "metrics.json"
     cmd = [sys.executable, "-m", "overlap_runtime.cli", "train", str(config), "--compare-single",
            "--metrics", str(metrics)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240), metrics
+
+
+def _torchrun(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    config = _write(tmp_path, cp=2, linear_attention_cp_mode="ulysses")
+    metrics = tmp_path / "torchrun.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "overlap_runtime.cli", "train", str(config), "--steps", "2",
+           "--metrics", str(metrics)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env), metrics
+
+
+def _checkpoint_then_resume(tmp_path: Path) -> tuple[Any, Any, Path]:
+    config = _write(tmp_path, cp=2, linear_attention_cp_mode="p2p")
+    ckpt = tmp_path / "ckpt"
+    base = [sys.executable, "-m", "overlap_runtime.cli", "train", str(config),
+            "--set", f"checkpoint.dir={ckpt}"]
+    first = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, timeout=240)
+    if first.returncode != 0:
+        return first, None, ckpt
+    again = subprocess.run(base + ["--steps", "3", "--resume"], capture_output=True, text=True,
+                           timeout=240)
+    return first, again, ckpt
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Concurrently]:
+    def in_dir(fn: Any, name: str) -> Any:
+        return lambda: fn(tmp_path_factory.mktemp(name))
+
+    with Concurrently({"checkpoint": in_dir(_checkpoint_then_resume, "ckpt"),
+                       "spawned": in_dir(_spawned, "spawned"),
+                       "torchrun": in_dir(_torchrun, "torchrun")}) as started:
+        yield started
+
+
+def test_cli_spawns_ranks_compares_and_writes_metrics(runs: Concurrently) -> None:
+    proc, metrics = runs.result("spawned")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "spawning 2 cpu ranks" in out
@@ -52,14 +96,8 @@ def test_cli_spawns_ranks_compares_and_writes_metrics(tmp_path: Path) -> None:
     assert data["summary"]["median_tokens_per_s"] > 0
 
 
-def test_cli_under_torchrun(tmp_path: Path) -> None:
-    config = _write(tmp_path, cp=2, linear_attention_cp_mode="ulysses")
-    metrics = tmp_path / "torchrun.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "overlap_runtime.cli", "train", str(config), "--steps", "2",
-           "--metrics", str(metrics)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+def test_cli_under_torchrun(runs: Concurrently) -> None:
+    proc, metrics = runs.result("torchrun")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "spawning" not in proc.stdout                     # joined torchrun's group instead
     assert proc.stdout.count("step 2/2  loss ") == 1          # rank 0 prints
@@ -83,16 +121,10 @@ def test_building_the_parser_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_cli_checkpoints_and_resumes(tmp_path: Path) -> None:
-    config = _write(tmp_path, cp=2, linear_attention_cp_mode="p2p")
-    ckpt = tmp_path / "ckpt"
-    base = [sys.executable, "-m", "overlap_runtime.cli", "train", str(config),
-            "--set", f"checkpoint.dir={ckpt}"]
-    first = subprocess.run(base + ["--steps", "2"], capture_output=True, text=True, timeout=240)
+def test_cli_checkpoints_and_resumes(runs: Concurrently) -> None:
+    first, again, ckpt = runs.result("checkpoint")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert f"checkpoint: step 2 saved to {ckpt / 'step-00000002'}" in first.stdout
-    again = subprocess.run(base + ["--steps", "3", "--resume"], capture_output=True, text=True,
-                           timeout=240)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"checkpoint: resumed from {ckpt / 'step-00000002'} (step 2)" in again.stdout
     assert "step 3/3  loss " in again.stdout and "step 2/3" not in again.stdout

@@ -21,6 +21,10 @@ Two ways a failing rank leaves, both tested:
 
 ``run_ranks(..., failure_grace_s=...)`` lets the other ranks end on their own after the first
 failure and collects their errors in ``RankFailedError.failures``.
+
+The five runs start together, three at a time (``Concurrently``, a module fixture): the two whose
+failing rank lingers spend ~10 s waiting for the others' timeouts, and the other runs (and each
+other's waits) fill that time. Each test asserts on its own run.
 """
 
 from __future__ import annotations
@@ -30,12 +34,12 @@ import re
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
 
-from overlap_runtime.testing import RankFailedError, RankFailure, run_ranks
+from overlap_runtime.testing import Concurrently, RankFailedError, RankFailure, run_ranks
 
 HARNESS_TIMEOUT_S = 150.0
 GRACE_S = 60.0
@@ -165,11 +169,40 @@ def _report(err: RankFailedError, wall: float) -> str:
     return "\n".join(lines)
 
 
-def test_forward_raising_in_overlap_b_f_ends_every_rank_fast() -> None:
+def _dies(death: str, grace_s: float) -> tuple[RankFailedError, float]:
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_train_with_injection, 4, timeout_s=HARNESS_TIMEOUT_S,
+                  args=(PP_EP, Injection(rank=2, stage=3, step=2, mb=1, what=death)),
+                  failure_grace_s=grace_s)
+    return info.value, time.monotonic() - t0
+
+
+LINGER_EP = PP_EP["train"]["accelerator"]["comm_timeout_s"] + 3
+LINGER_CP = PP_CP["train"]["accelerator"]["comm_timeout_s"] + 3
+DEATHS = [("sigkill", GRACE_S), ("exit", 0.0)]
+# the two lingering runs first: they wait longest
+SCENARIOS = {
+    "backward": lambda: _run(PP_EP, Injection(rank=2, stage=3, step=2, mb=0, what="backward",
+                                              linger_s=LINGER_EP)),
+    "cp": lambda: _run(PP_CP, Injection(rank=2, stage=1, step=2, mb=1, what="forward",
+                                        linger_s=LINGER_CP)),
+    "forward": lambda: _run(PP_EP, Injection(rank=2, stage=3, step=2, mb=1, what="forward")),
+    **{f"dies:{d}": (lambda d=d, g=g: _dies(d, g)) for d, g in DEATHS},
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[Concurrently]:
+    with Concurrently(SCENARIOS, max_workers=3) as started:
+        yield started
+
+
+def test_forward_raising_in_overlap_b_f_ends_every_rank_fast(runs: Concurrently) -> None:
     """pp2 x ep2: rank 2's stage 3 forward raises at step 2, microbatch 1: the forward side of
     ``(3B0;3F1)OVERLAP_B_F``. The rank exits; the others fail at once on the closed pairs."""
     timeout = PP_EP["train"]["accelerator"]["comm_timeout_s"]
-    err, wall = _run(PP_EP, Injection(rank=2, stage=3, step=2, mb=1, what="forward"))
+    err, wall = runs.result("forward")
     print(_report(err, wall))
     assert err.rank == 2 and sorted(err.failures) == [0, 1, 2, 3] and not err.unfinished
     failing = err.failures[2]
@@ -189,13 +222,13 @@ def test_forward_raising_in_overlap_b_f_ends_every_rank_fast() -> None:
     assert wall < 60, _report(err, wall)
 
 
-def test_backward_raising_in_the_worker_thread_ends_every_rank_by_their_timeouts() -> None:
+def test_backward_raising_in_the_worker_thread_ends_every_rank_by_their_timeouts(
+        runs: Concurrently) -> None:
     """pp2 x ep2: rank 2's backward of stage 3, microbatch 0 at step 2 raises in the worker
     thread of ``(3B0;3F1)OVERLAP_B_F``; the rank keeps its process, so the others end by their
     own timeouts, within ``comm_timeout_s`` + margin of the failure."""
     timeout = PP_EP["train"]["accelerator"]["comm_timeout_s"]
-    err, wall = _run(PP_EP, Injection(rank=2, stage=3, step=2, mb=0, what="backward",
-                                      linger_s=timeout + 3))
+    err, wall = runs.result("backward")
     print(_report(err, wall))
     assert sorted(err.failures) == [0, 1, 2, 3] and not err.unfinished
     failing = err.failures[2]
@@ -221,13 +254,13 @@ def test_backward_raising_in_the_worker_thread_ends_every_rank_by_their_timeouts
     assert wall < 3 * timeout + 30, _report(err, wall)
 
 
-def test_forward_raising_under_cp_names_the_cp_wait_with_its_pipeline_action() -> None:
+def test_forward_raising_under_cp_names_the_cp_wait_with_its_pipeline_action(
+        runs: Concurrently) -> None:
     """pp2 x cp2 (GDN p2p, ring): rank 2 (pp 1, cp 0) raises in stage 1's forward at step 2,
     microbatch 1 and keeps its process; its CP peer rank 3 times out in the GDN chain's receive
     inside the same action, and that CP error carries the pipeline action 1F1."""
     timeout = PP_CP["train"]["accelerator"]["comm_timeout_s"]
-    err, wall = _run(PP_CP, Injection(rank=2, stage=1, step=2, mb=1, what="forward",
-                                      linger_s=timeout + 3))
+    err, wall = runs.result("cp")
     print(_report(err, wall))
     assert sorted(err.failures) == [0, 1, 2, 3] and not err.unfinished
     assert _head(err.failures[2]).startswith(
@@ -252,18 +285,14 @@ def test_forward_raising_under_cp_names_the_cp_wait_with_its_pipeline_action() -
     assert wall < 3 * timeout + 30, _report(err, wall)
 
 
-@pytest.mark.parametrize("death,grace_s", [("sigkill", GRACE_S), ("exit", 0.0)])
-def test_a_rank_that_dies_mid_step_is_reported_and_nobody_hangs(death: str, grace_s: float) -> None:
+@pytest.mark.parametrize("death,grace_s", DEATHS)
+def test_a_rank_that_dies_mid_step_is_reported_and_nobody_hangs(death: str, grace_s: float,
+                                                                runs: Concurrently) -> None:
     """pp2 x ep2: rank 2 kills itself (SIGKILL, or ``os._exit(3)``) in stage 3's forward at step
     2. The harness reports the dead rank; with a grace period the survivors end on their own
     within the timeout, each naming where it was and the peer; without one they are killed."""
     timeout = PP_EP["train"]["accelerator"]["comm_timeout_s"]
-    t0 = time.monotonic()
-    with pytest.raises(RankFailedError) as info:
-        run_ranks(_train_with_injection, 4, timeout_s=HARNESS_TIMEOUT_S,
-                  args=(PP_EP, Injection(rank=2, stage=3, step=2, mb=1, what=death)),
-                  failure_grace_s=grace_s)
-    err, wall = info.value, time.monotonic() - t0
+    err, wall = runs.result(f"dies:{death}")
     print(_report(err, wall))
     how = "was killed by signal SIGKILL" if death == "sigkill" else "died with exit code 3"
     assert err.rank == 2 and str(err).startswith(f"rank 2 of 4 {how} without a result"), str(err)
