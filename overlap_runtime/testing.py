@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import wait
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,7 +52,8 @@ class Concurrently:
     For a module-scoped fixture: each test asserts on its own scenario, so a failure still
     names that test, while the scenarios' waits overlap. Every scenario must bound its own
     waits (``run_ranks`` and ``subprocess.run(timeout=...)`` do); ``close()`` (or leaving a
-    ``with`` block) cancels the ones not started and waits for the running ones.
+    ``with`` block) cancels the ones not started and waits for the running ones, at most
+    ``timeout_s`` (a ``TimeoutError`` naming those still running otherwise).
     """
 
     def __init__(self, scenarios: dict[str, Callable[[], Any]], max_workers: int = 2,
@@ -75,7 +77,12 @@ class Concurrently:
                                f"{self.timeout_s:.0f}s") from None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        _, pending = wait(list(self._futures.values()), timeout=self.timeout_s)
+        if pending:
+            names = sorted(n for n, f in self._futures.items() if f in pending)
+            raise TimeoutError(f"Concurrently: scenarios {names} still running at close after "
+                               f"{self.timeout_s:.0f}s")
 
     def __enter__(self) -> Concurrently:
         return self

@@ -434,14 +434,16 @@ def test_concurrently_overlaps_the_waits_and_hands_each_its_result_or_error() ->
         raise KeyError("scenario b")
 
     t0 = time.monotonic()
-    with Concurrently({"a": lambda: wait(0.3), "b": fails, "c": lambda: wait(0.3)},
+    with Concurrently({"a": lambda: wait(0.5), "b": fails, "c": lambda: wait(0.5)},
                       max_workers=3, timeout_s=30) as runs:
-        assert runs.result("a") == 0.3 and runs.result("c") == 0.3
+        assert runs.result("a") == 0.5 and runs.result("c") == 0.5
         with pytest.raises(KeyError, match="scenario b"):
             runs.result("b")
         with pytest.raises(KeyError, match="no scenario 'd'"):
             runs.result("d")
-    assert time.monotonic() - t0 < 0.55  # the two waits overlapped
-    with Concurrently({"slow": lambda: wait(0.3)}, timeout_s=0.05) as runs:
-        with pytest.raises(TimeoutError, match="'slow' still running after 0s"):
-            runs.result("slow")
+    assert time.monotonic() - t0 < 0.9  # the two waits overlapped (one after the other: 1.0 s)
+    # bounded waits: for a result, and for what still runs at close
+    with pytest.raises(TimeoutError, match=r"scenarios \['slow'\] still running at close"):
+        with Concurrently({"slow": lambda: wait(0.5)}, timeout_s=0.05) as runs:
+            with pytest.raises(TimeoutError, match="'slow' still running after 0s"):
+                runs.result("slow")
