@@ -51,6 +51,7 @@ class Qwen3_5Attention(nn.Module):
         norm_eps: epsilon of the q/k RMSNorms.
         backend: kernel of the single-device core attention (``"math"``, ``"flash"``,
             ``"cudnn"``; see ``ops.attention``).
+        norm_zero_centered: the q/k norms store ``scale - 1`` (``layers.norm.RMSNorm``).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class Qwen3_5Attention(nn.Module):
         output_gate: bool = True,
         norm_eps: float = 1e-6,
         backend: Backend = "math",
+        norm_zero_centered: bool = False,
     ) -> None:
         super().__init__()
         if num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -82,8 +84,8 @@ class Qwen3_5Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.q_norm = RMSNorm(head_dim, norm_eps)
-        self.k_norm = RMSNorm(head_dim, norm_eps)
+        self.q_norm = RMSNorm(head_dim, norm_eps, norm_zero_centered)
+        self.k_norm = RMSNorm(head_dim, norm_eps, norm_zero_centered)
         self.core_attention: nn.Module = CoreAttention(softmax_scale=None, backend=backend)
 
     def forward(

@@ -95,27 +95,40 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32.
+    """``scale * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32.
 
     Args:
         dim: size of the normalised (last) dim.
         eps: added to the mean square.
+        zero_centered: how the scale is stored. False: ``weight`` is the scale itself (starts
+            at 1). True: ``scale = 1 + weight`` with ``weight`` starting at 0, formed in fp32
+            (``1 + weight.float()``), as Hugging Face's Qwen3.5 / Qwen3-Next norms store it:
+            weight decay then pulls the scale toward 1, and a bf16 weight keeps small offsets
+            that ``1 + w`` stored in bf16 would round away.
 
     ``forward(x [..., dim] any float dtype) -> [..., dim]`` in x's dtype; the statistics are taken
     in fp32 (float64 stays float64) so bf16 activations keep a stable normaliser. Backward keeps
     x and the fp32 ``1/rms`` only (module docstring).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def scale(self) -> torch.Tensor:
+        """The multiplier ``[dim]``: ``weight``, or ``1 + weight`` in fp32 (float64 stays)."""
+        if not self.zero_centered:
+            return self.weight
+        return 1.0 + self.weight.to(_compute_dtype(self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _norm(x, self.weight, self.eps)
+        return _norm(x, self.scale(), self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return (f"{self.weight.shape[0]}, eps={self.eps}"
+                + (", zero_centered" if self.zero_centered else ""))
 
 
 class RMSNormGated(nn.Module):

@@ -49,5 +49,7 @@ def build_mlp(config: "Qwen3_5Config") -> nn.Module:
             config.num_experts_per_tok,
             shared_ffn_hidden=config.shared_expert_intermediate_size,
             aux_loss_coef=config.moe_aux_loss_coef,
+            shared_expert_gate=config.shared_expert_gate,
+            renormalize_top1=config.router_renormalize_top1,
         )
     raise ValueError(f"model.mlp={config.mlp!r}: must be 'swiglu' or 'moe'")

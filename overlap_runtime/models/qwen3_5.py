@@ -11,8 +11,15 @@
     logits = lm_head(norm(h))                  [B, S, vocab]   (lm_head tied to the embedding
                                                                 if tie_word_embeddings)
 
-Layer ``i`` is full attention when ``(i + 1) % full_attention_interval == 0`` (interval 4: three
-GDN layers, then one attention layer, as Qwen3.5). Every piece outside the two mixers is
+Layer ``i``'s mixer is ``layer_types[i]``: an explicit list, or when none is given full attention
+for ``(i + 1) % full_attention_interval == 0`` (interval 4: three GDN layers, then one attention
+layer, as Qwen3.5).
+
+Hugging Face parity (``transformers``' ``qwen3_5`` / ``qwen3_5_moe`` text models): with
+``zero_centered_norms``, ``shared_expert_gate``, ``router_renormalize_top1`` and
+``init_style="hf"`` (what :func:`~overlap_runtime.models.hf.config.config_from_hf` sets for an
+imported checkpoint) the decoder computes what ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``
+compute, parameter for parameter (docs/training.md, "Start from a Hugging Face checkpoint"). Every piece outside the two mixers is
 token-wise, so after ``parallelize_qwen3_5_cp`` the same forward runs on a contiguous sequence
 shard ``[B, S/P]`` with that shard's position ids.
 
@@ -56,6 +63,10 @@ LayerType = Literal["linear_attention", "full_attention"]
 #: resume.
 KERNEL_TUNING_FIELDS: frozenset[str] = frozenset({"gdn_kernel_options"})
 
+#: Model fields that say where the weights come from, not what the model is: left out of the
+#: identity a checkpoint records, like :data:`KERNEL_TUNING_FIELDS`.
+PROVENANCE_FIELDS: frozenset[str] = frozenset({"init_from"})
+
 
 class GDNKernelOptionsConfig(BaseModel):
     """``model.gdn_kernel_options``: the GDN op's tuning knobs from YAML (all optional; unset:
@@ -97,12 +108,17 @@ class Qwen3_5Config(BaseModel):
     Field names follow the Hugging Face Qwen3.5/Qwen3-Next configs where one exists.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
 
     vocab_size: int = Field(260, ge=2, description="256 bytes + 4 specials (trainer.data)")
     hidden_size: int = Field(32, ge=1)
     num_hidden_layers: int = Field(4, ge=1)
-    full_attention_interval: int = Field(4, ge=1, description="every n-th layer is attention")
+    full_attention_interval: int = Field(4, ge=1, description="every n-th layer is attention "
+                                         "(used when layer_types is not given)")
+    explicit_layer_types: tuple[LayerType, ...] | None = Field(
+        None, alias="layer_types", description="the mixer of each layer, 'linear_attention' or "
+        "'full_attention' (Hugging Face's layer_types); None: from full_attention_interval")
     # full attention
     num_attention_heads: int = Field(4, ge=1)
     num_key_value_heads: int = Field(2, ge=1)
@@ -135,11 +151,31 @@ class Qwen3_5Config(BaseModel):
     moe_intermediate_size: int = Field(32, ge=1)
     shared_expert_intermediate_size: int | None = None
     moe_aux_loss_coef: float = Field(0.0, ge=0)
+    shared_expert_gate: bool = Field(
+        False, description="gate the shared expert per token by sigmoid(Linear(hidden -> 1)) "
+        "(Qwen3.5-MoE); needs shared_expert_intermediate_size")
+    router_renormalize_top1: bool = Field(
+        False, description="renormalise the router's kept scores at num_experts_per_tok == 1 "
+        "too (Hugging Face: always)")
     # the rest
     rms_norm_eps: float = Field(1e-6, gt=0)
+    zero_centered_norms: bool = Field(
+        False, description="decoder RMSNorms (input, post-attention, final, q_norm, k_norm) store "
+        "scale - 1, starting at 0, as Hugging Face's Qwen3.5 (x_hat * (1 + w)); the GDN output "
+        "norm stores its scale either way")
     tie_word_embeddings: bool = False
     initializer_range: float = Field(0.02, gt=0)
-
+    init_style: Literal["overlap", "hf"] = Field(
+        "overlap", description="random initialisation: 'overlap' (experts N(0, 1/fan_in), A_log "
+        "from U(1, 16), torch's conv init) or 'hf' (transformers' _init_weights: every linear, "
+        "conv and expert weight N(0, initializer_range), A_log from U(0.01, 16))")
+    hf_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="dtype of the Hugging Face checkpoint the weights came from; export "
+        "writes this dtype (None: float32)")
+    init_from: str | None = Field(
+        None, description="a Hugging Face model directory (config.json + safetensors): the "
+        "architecture fields come from its config.json and the weights from its safetensors, "
+        "each rank reading only its share (models.hf)")
     @field_validator("gdn_kernel_options", mode="before")
     @classmethod
     def _null_is_no_options(cls, value: object) -> object:
@@ -170,16 +206,28 @@ class Qwen3_5Config(BaseModel):
                 f"model.num_experts={self.num_experts}"
             )
         rotary_dim_for(self.head_dim, self.partial_rotary_factor)  # raises on an odd rotary dim
+        if self.explicit_layer_types is not None and \
+                len(self.explicit_layer_types) != self.num_hidden_layers:
+            raise ValueError(f"model.layer_types has {len(self.explicit_layer_types)} entries, "
+                             f"model.num_hidden_layers={self.num_hidden_layers}: one per layer")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("model.shared_expert_gate=true needs a shared expert "
+                             "(model.shared_expert_intermediate_size)")
         return self
 
     def identity(self) -> dict[str, Any]:
         """The JSON dump of the fields that define the model (all but
-        :data:`KERNEL_TUNING_FIELDS`): what a checkpoint records and a resume compares."""
-        return self.model_dump(mode="json", exclude=set(KERNEL_TUNING_FIELDS))
+        :data:`KERNEL_TUNING_FIELDS` and :data:`PROVENANCE_FIELDS`): what a checkpoint records
+        and a resume compares."""
+        return self.model_dump(mode="json",
+                               exclude=set(KERNEL_TUNING_FIELDS | PROVENANCE_FIELDS))
 
     @property
     def layer_types(self) -> list[LayerType]:
-        """``"full_attention"`` for layers ``i`` with ``(i+1) % full_attention_interval == 0``."""
+        """The mixer of every layer: ``model.layer_types`` when given, else
+        ``"full_attention"`` for layers ``i`` with ``(i+1) % full_attention_interval == 0``."""
+        if self.explicit_layer_types is not None:
+            return list(self.explicit_layer_types)
         n = self.full_attention_interval
         return ["full_attention" if (i + 1) % n == 0 else "linear_attention"
                 for i in range(self.num_hidden_layers)]
@@ -196,8 +244,9 @@ class Qwen3_5DecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = layer_type
         self.activation_checkpoint = False
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        zc = config.zero_centered_norms
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zc)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zc)
         self.linear_attn: GatedDeltaNet | None = None
         self.self_attn: Qwen3_5Attention | None = None
         if layer_type == "linear_attention":
@@ -213,6 +262,7 @@ class Qwen3_5DecoderLayer(nn.Module):
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                 config.head_dim, config.rope_theta, config.partial_rotary_factor,
                 config.attn_output_gate, config.rms_norm_eps, config.attention_backend,
+                norm_zero_centered=config.zero_centered_norms,
             )
         self.mlp = build_mlp(config)
 
@@ -257,7 +307,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             Qwen3_5DecoderLayer(config, t) for t in config.layer_types
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -267,14 +317,31 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Linear and embedding weights ~ N(0, initializer_range); GDN gates keep their own init.
+        """Random weights by ``config.init_style``.
+
+        ``"overlap"``: linear and embedding weights ~ N(0, initializer_range); the GDN gates, the
+        conv and the routed experts keep their own init. ``"hf"``: transformers'
+        ``_init_weights`` for Qwen3.5: linear, conv, embedding and routed-expert weights
+        ~ N(0, initializer_range), ``dt_bias = 1``, ``A_log = log U(0.01, 16)``; norms keep
+        their construction values (zero-centred 0, others 1).
 
         Draws from the global RNG in module order, so one seed gives one model on every rank.
+        On the meta device (a model built to be loaded) nothing is drawn.
         """
+        if self.embed_tokens.weight.is_meta:
+            return
         std = self.config.initializer_range
+        hf = self.config.init_style == "hf"
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding)) or (hf and isinstance(module, nn.Conv1d)):
                 module.weight.normal_(0.0, std)
+            elif hf and isinstance(module, GatedDeltaNet):
+                module.dt_bias.fill_(1.0)
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 16.0).log())
+            elif hf and isinstance(getattr(module, "w1", None), nn.Parameter):
+                # routed experts (moe.GroupedExperts, not imported here): stacked [E, ...]
+                for w in (module.w1, module.w3, module.w2):
+                    w.normal_(0.0, std)
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute every decoder layer in backward (True) or keep activations (False)."""

@@ -8,7 +8,7 @@ Forward order (seed 001 section 4.3)::
     handle, partial = combine_start(y, meta)               comm launched (C)
     shared   = shared_expert(x)                            compute, while the combine is in flight
     routed   = combine_wait(handle, partial)               comm done (D / D_LAST)
-    out      = routed + shared
+    out      = routed + shared                 (shared_expert_gate: routed + sigmoid(x Wg) * shared)
 
 Timeline of one layer on one rank with a shared expert::
 
@@ -52,6 +52,11 @@ class MoE(nn.Module):
         aux_loss_coef: load-balancing loss weight.
         overlap_shared_expert: run the shared expert while the combine is in flight (default).
         expert_backend: ``"loop"`` or ``"grouped_mm"`` (see ``experts.py``; no ``auto``).
+        shared_expert_gate: scale the shared expert's output per token by
+            ``sigmoid(shared_expert_gate(x))`` (a ``hidden -> 1`` linear, no bias), as
+            Qwen3.5-MoE / Qwen2-MoE do. Needs a shared expert.
+        renormalize_top1: the router renormalises its scores at ``top_k == 1`` too
+            (:class:`TopKRouter`).
 
     ``dispatcher`` starts local (no EP group); ``ExpertParallel.apply`` shards the experts and
     installs an EP dispatcher.
@@ -60,15 +65,21 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
                  shared_ffn_hidden: int | None = None, aux_loss_coef: float = 1e-2,
                  overlap_shared_expert: bool = True, expert_backend: ExpertBackend = "loop",
-                 device: Any = None, dtype: torch.dtype | None = None) -> None:
+                 device: Any = None, dtype: torch.dtype | None = None,
+                 shared_expert_gate: bool = False, renormalize_top1: bool = False) -> None:
         super().__init__()
+        if shared_expert_gate and not shared_ffn_hidden:
+            raise ValueError("MoE: shared_expert_gate=True needs a shared expert "
+                             "(shared_ffn_hidden)")
         self.hidden = hidden
         self.router = TopKRouter(hidden, num_experts, top_k, aux_loss_coef, device=device,
-                                 dtype=dtype)
+                                 dtype=dtype, renormalize_top1=renormalize_top1)
         self.experts = GroupedExperts(num_experts, hidden, ffn_hidden, expert_backend,
                                       device=device, dtype=dtype)
         self.shared_expert = (FeedForward(hidden, shared_ffn_hidden, device=device, dtype=dtype)
                               if shared_ffn_hidden else None)
+        self.shared_expert_gate = (nn.Linear(hidden, 1, bias=False, device=device, dtype=dtype)
+                                   if shared_expert_gate else None)
         self.overlap_shared_expert = overlap_shared_expert
         self.dispatcher = AllToAllTokenDispatcher(num_experts)
         self.load_stats: tuple[ExpertLoadStats, int] | None = None
@@ -117,13 +128,21 @@ class MoE(nn.Module):
             out = d.combine(y, meta)
         elif self.overlap_shared_expert:
             handle, partial = d.combine_start(y, meta)
-            shared = self._timed("shared_expert", lambda: self.shared_expert(x_flat))
+            shared = self._timed("shared_expert", lambda: self._shared(x_flat))
             out = d.combine_wait(handle, partial) + shared
         else:
             routed = d.combine(y, meta)
-            out = routed + self._timed("shared_expert", lambda: self.shared_expert(x_flat))
+            out = routed + self._timed("shared_expert", lambda: self._shared(x_flat))
         out = attach_aux_loss(out.view(x.shape), routing.aux_loss)
         return (out, routing.aux_loss) if return_aux else out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert of tokens ``x [N, H]``, gated per token when configured."""
+        assert self.shared_expert is not None
+        out = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(x)) * out
+        return out
 
     def _timed(self, what: str, fn: Any) -> torch.Tensor:
         sink = self.dispatcher.trace

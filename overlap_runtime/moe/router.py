@@ -7,7 +7,10 @@ downgrade) and keeps the ``top_k`` best experts::
     logits  = x @ W^T                       [N, E]   (x's dtype)
     probs   = softmax(logits.to(R), -1)     [N, E]   R = promote_types(x.dtype, fp32)
     scores, indices = topk(probs, k)        [N, k]   R / int64
-    scores /= scores.sum(-1)                (when ``renormalize``)
+    scores /= scores.sum(-1)                (``renormalize``: when top_k > 1, or always
+                                             with ``renormalize_top1``; a single kept score
+                                             then becomes exactly 1, as Hugging Face's
+                                             Qwen3.5-MoE router does)
 
 Auxiliary loss (Switch Transformer / GShard form), computed from this rank's tokens only::
 
@@ -66,10 +69,13 @@ class TopKRouter(nn.Module):
         top_k: experts per token, ``1 <= top_k <= E``.
         aux_loss_coef: weight of the load-balancing loss (0 disables it; the tensor is then 0).
         renormalize: divide the kept scores by their sum (so each token's weights sum to 1).
+        renormalize_top1: also at ``top_k == 1`` (the weight becomes 1 and the router learns
+            only through the aux loss); False keeps the raw probability there.
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, aux_loss_coef: float = 1e-2,
-                 renormalize: bool = True, device: Any = None, dtype: torch.dtype | None = None) -> None:
+                 renormalize: bool = True, device: Any = None, dtype: torch.dtype | None = None,
+                 renormalize_top1: bool = False) -> None:
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"TopKRouter: num_experts={num_experts} must be >= 1")
@@ -81,6 +87,7 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.aux_loss_coef = float(aux_loss_coef)
         self.renormalize = renormalize
+        self.renormalize_top1 = renormalize_top1
         self.gate = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> RoutingResult:
@@ -91,7 +98,7 @@ class TopKRouter(nn.Module):
         # fp32 for bf16/fp16/fp32 layers; a float64 layer stays float64 (no silent downgrade)
         probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
         scores, indices = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize and self.top_k > 1:
+        if self.renormalize and (self.top_k > 1 or self.renormalize_top1):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         return RoutingResult(indices, scores, self.aux_loss(probs, indices))
 

@@ -1,0 +1,13 @@
+"""Hugging Face Qwen3.5 checkpoints in and out: config conversion, the parameter-name adapter,
+per-rank import into any layout and export of our checkpoints.
+
+Import needs ``safetensors`` only; ``transformers`` is never imported by the runtime.
+"""
+
+from .config import (ARCHITECTURE_FIELDS, HFConfigError, architecture_conflicts, config_from_hf,
+                     hf_config_from, read_hf_config)
+from .load import HFLoadError, load_hf_weights
+from .state_dict import hf_source
+
+__all__ = ["ARCHITECTURE_FIELDS", "HFConfigError", "HFLoadError", "architecture_conflicts",
+           "config_from_hf", "hf_config_from", "hf_source", "load_hf_weights", "read_hf_config"]
