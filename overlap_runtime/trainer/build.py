@@ -37,14 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overlap_runtime.models.parallelize import (
-    apply_fsdp,
-    parallelize_qwen3_5_cp,
-    parallelize_qwen3_5_ep,
-    parameter_count,
-)
-from overlap_runtime.models.pipeline_split import split_qwen3_5
+from overlap_runtime.models.parallelize import parameter_count
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+from overlap_runtime.models.spec import get_model_spec
 from overlap_runtime.moe import MoE
 from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S
 from overlap_runtime.trainer.config import TrainConfig, schedule_spec
@@ -57,16 +52,26 @@ if TYPE_CHECKING:
 __all__ = ["ParallelModel", "build_model", "build_parallel_model", "ce_sum"]
 
 
-def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> Qwen3_5ForCausalLM:
-    """The model of ``config.model`` initialised from ``config.train.seed`` (fp32, on ``device``).
+def build_model(config: TrainConfig, device: torch.device | str = "cpu", *,
+                meta: bool = False) -> Qwen3_5ForCausalLM:
+    """The model of ``config.model`` (fp32, on ``device``): initialised from
+    ``config.train.seed``, or with ``model.init_from`` loaded from that Hugging Face checkpoint.
 
     Every rank builds it whole from the same seed before it is split and sharded, so the initial
-    weights equal the baseline's.
+    weights equal the baseline's. ``meta=True`` with ``model.init_from``: the model stays on the
+    meta device (no memory) for :func:`build_parallel_model` to shard, materialise and load.
     """
-    torch.manual_seed(config.train.seed)
-    model = Qwen3_5ForCausalLM(config.model)
+    spec = get_model_spec("qwen3_5")
+    if config.model.init_from is not None:
+        model = spec.build(config.model, device, True)
+        if not meta:
+            model.to_empty(device=device)
+            spec.load_hf([model], config.model.init_from, config.model, None)
+    else:
+        torch.manual_seed(config.train.seed)
+        model = spec.build(config.model, device, False)
     model.set_activation_checkpointing(config.train.activation_checkpoint)
-    return model.to(device)
+    return model
 
 
 def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -158,13 +163,14 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
             and expert spans into it; None: no spans.
     """
     acc, pl = config.train.accelerator, config.train.pipeline
-    model = build_model(config, device)
+    model_spec = get_model_spec("qwen3_5")
+    model = build_model(config, device, meta=True)
     n_params = parameter_count(model)
     if config.train.compile:  # regional: before CP, the pipeline split and FSDP2 wrap it
         from overlap_runtime.layers.compile import compile_elementwise
 
         compile_elementwise(model)
-    parallelize_qwen3_5_cp(
+    model_spec.parallelize_cp(
         model, dims.mesh("cp"), ulysses_degree=acc.ulysses_degree,
         linear_attention_gdn_backend=acc.linear_attention_gdn_backend,
         timeout_s=acc.comm_timeout_s,
@@ -175,8 +181,8 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
     if dims.pp > 1:
         spec = schedule_spec(config)
         mine = [s for s in range(spec.num_stages) if spec.stage_to_rank(s) == rank_of_pp]
-        parts: dict[int, nn.Module] = dict(split_qwen3_5(model, spec.num_stages, mine,
-                                                         pl.layers_per_stage))
+        parts: dict[int, nn.Module] = dict(model_spec.split(model, spec.num_stages, mine,
+                                                            pl.layers_per_stage))
     else:
         parts = {0: model}
 
@@ -196,7 +202,7 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
                                           debug=debug)
             overlap = CommComputeOverlap(coordinator, device)
         for s, part in parts.items():
-            parallelize_qwen3_5_ep(part, dims.mesh("ep"), coordinator=coordinator,
+            model_spec.parallelize_ep(part, dims.mesh("ep"), coordinator=coordinator,
                                    tag_prefix=f"S{s}.", timeout_s=acc.comm_timeout_s,
                                    trace=trace, deferred_w=queue)
 
@@ -206,8 +212,13 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
 
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for part in parts.values():
-        apply_fsdp(part, dims.mesh("fsdp"), mp_policy,
-                   expert_mesh=dims.mesh("expert_fsdp") if config.model.mlp == "moe" else None)
+        model_spec.apply_fsdp(part, dims.mesh("fsdp"), mp_policy,
+                              expert_mesh=dims.mesh("expert_fsdp") if config.model.mlp == "moe"
+                              else None)
+    if config.model.init_from is not None:  # built on meta: materialise, then read this share
+        for part in parts.values():
+            part.to_empty(device=device)
+        model_spec.load_hf(list(parts.values()), config.model.init_from, config.model, None)
 
     global_tokens = dims.dp * config.data.batch_size * config.data.seq_len
     schedule = None

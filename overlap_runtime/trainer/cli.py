@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="resume from the newest complete checkpoint in checkpoint.dir, or "
                              "from the CHECKPOINT directory given (sets checkpoint.resume)")
     parser.add_argument("--steps", type=int, default=None, help="override train.steps")
+    parser.add_argument("--init-from", default=None, metavar="HF_DIR",
+                        help="start from a Hugging Face Qwen3.5 checkpoint (config.json + "
+                        "safetensors): model.init_from; each rank reads only its share")
     parser.add_argument("--world-size", type=int, default=None,
                         help="override train.accelerator.world_size (spawned runs only)")
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         flags = {f"--set {a}": a for a in args.set}  # each flag validated with the rest, once
         flags.update({f"--{k.replace('_', '-')} {v}": f"{field}={v}" for k, field, v in (
             ("steps", "train.steps", args.steps),
+            ("init_from", "model.init_from", args.init_from),
             ("world_size", "train.accelerator.world_size", args.world_size),
             ("resume", "checkpoint.resume", args.resume)) if v is not None})
         if flags:

@@ -524,8 +524,38 @@ def _format(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def _import_model_section(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """``data`` with the model section's architecture read from ``model.init_from``'s
+    ``config.json`` (the Hugging Face import): YAML may repeat an architecture field only with
+    the imported value; backends, chunk size, kernel options and the aux-loss weight stay the
+    YAML's."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not model.get("init_from"):
+        return data
+    from overlap_runtime.models.hf import (HFConfigError, architecture_conflicts,
+                                           config_from_hf, read_hf_config)
+
+    init_from = model["init_from"]
+    if not isinstance(init_from, str):
+        raise ConfigError(f"{source}: model.init_from={init_from!r} must be a directory path")
+    try:
+        imported = config_from_hf(read_hf_config(init_from), f"{init_from}/config.json")
+    except HFConfigError as exc:
+        raise ConfigError(f"{source}: model.init_from: {exc}") from None
+    conflicts = architecture_conflicts(imported, model)
+    if conflicts:
+        raise ConfigError(f"{source}: " + "\n  ".join(conflicts))
+    merged = {**imported, **{k: v for k, v in model.items() if k != "moe_aux_loss_coef"
+                             or v is not None}}
+    return {**data, "model": merged}
+
+
 def config_from_dict(data: dict[str, Any], source: str = "(dict)") -> TrainConfig:
-    """Validate a parsed configuration; raise :class:`ConfigError` naming the fields."""
+    """Validate a parsed configuration; raise :class:`ConfigError` naming the fields.
+
+    ``model.init_from`` (a Hugging Face model directory) fills the model's architecture from
+    its ``config.json`` first (``models.hf.config``)."""
+    data = _import_model_section(data, source)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
@@ -553,7 +583,11 @@ def apply_overrides(config: TrainConfig, assignments: list[str],
     pydantic model as the YAML, so an unknown field or a value that breaks a rule raises
     :class:`ConfigError` naming the dotted field.
     """
-    data = config.model_dump(mode="json")
+    # only what was given (the rest re-defaults), so that e.g. model.init_from sees the
+    # architecture fields the user wrote, not every default; the full dump says which
+    # sections exist
+    data = config.model_dump(mode="json", exclude_unset=True)
+    schema = config.model_dump(mode="json")
     for item in assignments:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -561,15 +595,19 @@ def apply_overrides(config: TrainConfig, assignments: list[str],
             raise ConfigError(f"--set {item!r}: expected DOTTED.FIELD=VALUE, e.g. optimizer.lr=1e-4")
         parts = key.split(".")
         node: Any = data
+        full: Any = schema
         for i, part in enumerate(parts[:-1]):
-            child = node.get(part) if isinstance(node, dict) else None
+            child = full.get(part) if isinstance(full, dict) else None
             if not isinstance(child, dict):
                 where = ".".join(parts[:i + 1])
-                known = sorted(k for k, v in node.items() if isinstance(v, dict)) \
-                    if isinstance(node, dict) else []
+                known = sorted(k for k, v in full.items() if isinstance(v, dict)) \
+                    if isinstance(full, dict) else []
                 raise ConfigError(f"--set {key}: {where} is not a section of the configuration "
                                   f"(sections here: {', '.join(known) or 'none'})")
-            node = child
+            full = child
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
         node[parts[-1]] = _override_value(raw)
     return config_from_dict(data, source)
 

@@ -64,7 +64,7 @@ _MOE_COPIED = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
 _REQUIRED: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False,
                              "attention_dropout": 0.0, "decoder_sparse_step": 1,
                              "mlp_only_layers": [], "norm_topk_prob": True,
-                             "attn_output_gate": True}
+                             "attn_output_gate": True, "mamba_ssm_dtype": "float32"}
 # fields about inference, bookkeeping or other towers: read past
 _IGNORED = frozenset({
     "model_type", "architectures", "transformers_version", "max_position_embeddings",

@@ -1,0 +1,36 @@
+"""``overlap-runtime export CHECKPOINT --hf OUT``: a checkpoint of ours as a Hugging Face model
+directory (``models.hf.export``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint directory (<checkpoint.dir>/step-N)")
+    parser.add_argument("--hf", required=True, metavar="OUT_DIR",
+                        help="the Hugging Face directory to write (config.json, safetensors)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="tensor dtype written (default: the imported checkpoint's, else "
+                        "float32)")
+    parser.add_argument("--max-shard-size", type=float, default=5.0, metavar="GB",
+                        help="largest safetensors shard in GiB (also the export's memory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from overlap_runtime.models.hf.config import HFConfigError
+    from overlap_runtime.models.hf.export import ExportError, export_checkpoint
+
+    try:
+        report = export_checkpoint(args.checkpoint, args.hf, dtype=args.dtype,
+                                   max_shard_bytes=int(args.max_shard_size * 2 ** 30),
+                                   log=lambda line: print(line, flush=True))
+    except (ExportError, HFConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"export: {report.tensors} tensors, {report.shards} shard(s), "
+          f"{report.bytes / 2 ** 20:.1f} MiB {report.dtype} written to {args.hf}")
+    return 0
