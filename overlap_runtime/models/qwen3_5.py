@@ -343,6 +343,14 @@ class Qwen3_5ForCausalLM(nn.Module):
                 for w in (module.w1, module.w3, module.w2):
                     w.normal_(0.0, std)
 
+    def materialize(self, device: torch.device | str) -> "Qwen3_5ForCausalLM":
+        """Storage for a model built on the meta device (uninitialised, to be loaded), the
+        embedding still tied to the LM head when ``tie_word_embeddings``. Returns self."""
+        self.to_empty(device=device)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        return self
+
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute every decoder layer in backward (True) or keep activations (False)."""
         for layer in self.layers:

@@ -65,7 +65,7 @@ def build_model(config: TrainConfig, device: torch.device | str = "cpu", *,
     if config.model.init_from is not None:
         model = spec.build(config.model, device, True)
         if not meta:
-            model.to_empty(device=device)
+            model.materialize(device)
             spec.load_hf([model], config.model.init_from, config.model, None)
     else:
         torch.manual_seed(config.train.seed)

@@ -54,3 +54,22 @@ def test_import_into_layout_equals_one_device(hf_dir: str, name: str) -> None:
     assert diff["max_rel_dloss"] <= REL_TOL, diff
     assert diff["max_rel_dgrad_norm"] <= REL_TOL, diff
     assert run.steps[-1].loss < run.steps[0].loss
+
+
+def test_tied_embedding_imports_into_dp_shard2(tmp_path) -> None:
+    """The small Qwen3.5 models tie the LM head to the embedding: FSDP2 keeps one parameter."""
+    import torch
+    import transformers as tf
+    from _hf_tiny import COMMON
+
+    torch.manual_seed(9)
+    hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**COMMON, intermediate_size=48,
+                                                    tie_word_embeddings=True))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    hf.save_pretrained(str(tmp_path))
+    cfg = train_config(str(tmp_path), world=2, dp_shard=2)
+    run = TrainResult.from_dict(run_ranks(train_worker, 2, timeout_s=300, args=([cfg],))[0][0])
+    diff = compare_runs(run, train_single(config_from_dict(cfg)))
+    assert diff["max_rel_dloss"] <= REL_TOL and diff["max_rel_dgrad_norm"] <= REL_TOL, diff

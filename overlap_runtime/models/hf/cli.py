@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="tensor dtype written (default: the imported checkpoint's, else "
                         "float32)")
-    parser.add_argument("--max-shard-size", type=float, default=5.0, metavar="GB",
+    parser.add_argument("--max-shard-size", type=float, default=5.0, metavar="GIB",
                         help="largest safetensors shard in GiB (also the export's memory)")
 
 
