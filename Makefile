@@ -8,7 +8,7 @@
 PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS     ?= dev,triton,viz,data,tensorboard
+EXTRAS     ?= dev,triton,viz,data,tensorboard,hf
 PYTEST_ARGS ?=
 
 BIN   := $(VENV)/bin

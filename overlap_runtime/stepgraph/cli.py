@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML training configuration (see configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="DOTTED.FIELD=VALUE",
                         help="override one field, validated like the YAML (repeatable)")
+    parser.add_argument("--model", metavar="CONFIG_JSON",
+                        help="a Hugging Face Qwen3.5 config.json (or its directory): the model "
+                        "architecture of the simulation, replacing the YAML's (e.g. "
+                        "configs/hf/Qwen3.5-35B-A3B.json); only the config is read")
     parser.add_argument("--profile", default="h200", choices=PROFILES,
                         help="machine profile (default h200)")
     parser.add_argument("--gpus-per-node", type=int, default=8,
@@ -56,6 +60,17 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202
     return prof
 
 
+def _with_hf_model(config, path: str):  # noqa: ANN001, ANN202
+    """``config`` with the architecture of the Hugging Face config at ``path`` (the YAML's
+    architecture fields dropped; its backends and kernel choices kept)."""
+    from overlap_runtime.models.hf import ARCHITECTURE_FIELDS
+    from overlap_runtime.trainer.config import config_from_dict
+
+    data = config.model_dump(mode="json", exclude_unset=True)
+    model = {k: v for k, v in data.get("model", {}).items() if k not in ARCHITECTURE_FIELDS}
+    return config_from_dict({**data, "model": {**model, "init_from": path}}, f"--model {path}")
+
+
 def run(args: argparse.Namespace) -> int:
     from overlap_runtime.trainer.config import apply_overrides, load_config
 
@@ -63,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config)
+        if args.model:
+            config = _with_hf_model(config, args.model)
         if args.set:
             config = apply_overrides(config, list(args.set),
                                      f"{args.config} with " + " ".join(f"--set {a}" for a in args.set))

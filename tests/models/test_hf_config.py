@@ -106,3 +106,21 @@ def test_tied_embedding_imports_and_matches_transformers(tmp_path: Path) -> None
     with torch.no_grad():
         a, b = ours(ids), hf(ids).logits
     assert ((a - b).norm() / b.norm()) <= 1e-5
+
+
+def test_simulate_takes_a_published_config(capsys) -> None:
+    from overlap_runtime.cli import main
+
+    root = Path(__file__).parents[2]
+    rc = main(["simulate", str(root / "configs" / "sim_moe_h200.yaml"), "--model",
+               str(root / "configs" / "hf" / "Qwen3.5-35B-A3B.json"),
+               "--set", "train.accelerator.pp=4", "--set", "train.pipeline.microbatches=8"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.startswith("pp4 x") and "step " in out and "peak memory" in out
+    # the YAML's own model would not have 40 layers: the architecture is the config.json's
+    rc = main(["simulate", str(root / "configs" / "sim_moe_h200.yaml"), "--model",
+               str(root / "configs" / "hf" / "Qwen3.5-35B-A3B.json"),
+               "--set", "model.num_hidden_layers=8"])
+    assert rc == 2
+    assert "model.num_hidden_layers=8" in capsys.readouterr().err
