@@ -35,6 +35,7 @@ EXAMPLES = {
     "attention_context_parallel.py": 2,
     "dualpipev_deferred_w.py": 2,
     "train_4d.py": 8,
+    "hf_finetune_export.py": 4,
 }
 RUN_TIMEOUT_S = 240
 # `testing` is the test harness, not a user API
