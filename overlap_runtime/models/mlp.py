@@ -48,7 +48,9 @@ def build_mlp(config: "Qwen3_5Config") -> nn.Module:
             config.num_experts,
             config.num_experts_per_tok,
             shared_ffn_hidden=config.shared_expert_intermediate_size,
-            aux_loss_coef=config.moe_aux_loss_coef,
+            # pooled over the model: the forward's RouterStatsPool carries the coefficient
+            aux_loss_coef=(config.moe_aux_loss_coef if config.moe_aux_loss_pooling == "per_layer"
+                           else 0.0),
             shared_expert_gate=config.shared_expert_gate,
             renormalize_top1=config.router_renormalize_top1,
         )

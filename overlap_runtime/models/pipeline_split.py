@@ -89,6 +89,10 @@ class Qwen3_5Stage(nn.Module):
         self.embed_tokens = model.embed_tokens if self.is_first else None
         # Keys are the global layer indices, so parameter names equal the model's.
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_range})
+        if model.config.mlp == "moe" and model.config.moe_aux_loss_pooling == "model":
+            raise ValueError("model.moe_aux_loss_pooling='model' pools over every MoE layer of "
+                             "one forward: a pipeline stage holds only some of them (use "
+                             "'per_layer' with pp > 1)")
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
 

@@ -151,6 +151,10 @@ class Qwen3_5Config(BaseModel):
     moe_intermediate_size: int = Field(32, ge=1)
     shared_expert_intermediate_size: int | None = None
     moe_aux_loss_coef: float = Field(0.0, ge=0)
+    moe_aux_loss_pooling: Literal["per_layer", "model"] = Field(
+        "per_layer", description="the load-balancing loss: 'per_layer' (each MoE call's own "
+        "statistic) or 'model' (one statistic over every MoE layer of the forward, Hugging "
+        "Face's router_aux_loss_coef form; pp == 1)")
     shared_expert_gate: bool = Field(
         False, description="gate the shared expert per token by sigmoid(Linear(hidden -> 1)) "
         "(Qwen3.5-MoE); needs shared_expert_intermediate_size")
@@ -267,21 +271,23 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.mlp = build_mlp(config)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, router_pool: Any = None) -> torch.Tensor:
         """``[B, S, hidden]`` (and ``position_ids [S]`` / ``[B, S]`` int64) -> ``[B, S, hidden]``.
 
         ``cu_seqlens``: packed documents, the mixers reset at their boundaries (module
-        docstring). With ``activation_checkpoint`` set, only the layer's input is kept for
+        docstring). ``router_pool``: the forward's pooled load-balancing statistics
+        (``moe.pooled_aux``), for an MoE feed-forward. With ``activation_checkpoint`` set, only the layer's input is kept for
         backward and the layer is recomputed there.
         """
         if self.activation_checkpoint and torch.is_grad_enabled():
             return torch_checkpoint.checkpoint(
-                self._block, hidden_states, position_ids, cu_seqlens, use_reentrant=False
+                self._block, hidden_states, position_ids, cu_seqlens, router_pool,
+                use_reentrant=False
             )
-        return self._block(hidden_states, position_ids, cu_seqlens)
+        return self._block(hidden_states, position_ids, cu_seqlens, router_pool)
 
     def _block(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+               cu_seqlens: torch.Tensor | None = None, router_pool: Any = None) -> torch.Tensor:
         x = self.input_layernorm(hidden_states)
         if self.linear_attn is not None:
             mixed = self.linear_attn(x, cu_seqlens=cu_seqlens)
@@ -289,6 +295,8 @@ class Qwen3_5DecoderLayer(nn.Module):
             assert self.self_attn is not None
             mixed = self.self_attn(x, position_ids, cu_seqlens=cu_seqlens)
         h = hidden_states + mixed
+        if router_pool is not None:
+            return h + self.mlp(self.post_attention_layernorm(h), router_pool=router_pool)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -388,6 +396,11 @@ class Qwen3_5ForCausalLM(nn.Module):
                 position_ids = document_positions(cu_seqlens, b, local * self.cp_size)[
                     :, start:start + local]
         h = self.embed_tokens(input_ids)
+        pool = None
+        if self.config.mlp == "moe" and self.config.moe_aux_loss_pooling == "model":
+            from overlap_runtime.moe.pooled_aux import RouterStatsPool
+
+            pool = RouterStatsPool(self.config.moe_aux_loss_coef)
         for layer in self.layers:
-            h = layer(h, position_ids, cu_seqlens)
+            h = layer(h, position_ids, cu_seqlens, pool)
         return self.lm_head(self.norm(h))

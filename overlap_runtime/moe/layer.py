@@ -37,6 +37,7 @@ from torch import nn
 from .dispatcher import AllToAllTokenDispatcher
 from .experts import ExpertBackend, FeedForward, GroupedExperts
 from .load_stats import ExpertLoadStats
+from .pooled_aux import attach_pooled_aux
 from .router import TopKRouter, attach_aux_loss
 
 __all__ = ["MoE"]
@@ -104,8 +105,8 @@ class MoE(nn.Module):
     def num_experts(self) -> int:
         return self.router.num_experts
 
-    def forward(self, x: torch.Tensor, return_aux: bool = False
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, return_aux: bool = False,
+                router_pool: Any = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[..., H]`` -> same shape and dtype (and the aux loss, fp32 scalar, if asked).
 
         A float64 layer computes in float64 throughout: router softmax, scores, aux loss and the
@@ -113,6 +114,10 @@ class MoE(nn.Module):
 
         ``x`` is read again by the shared expert after the combine is launched: it must not be
         modified in place by anyone until the layer returns.
+
+        ``router_pool``: a per-forward :class:`~overlap_runtime.moe.pooled_aux.RouterStatsPool`:
+        this layer's counts join the load-balancing loss pooled over every MoE layer of the
+        forward (Hugging Face's form) instead of its own ``aux_loss_coef`` term.
         """
         if x.shape[-1] != self.hidden:
             raise ValueError(f"MoE: last dim of x is {x.shape[-1]}, expected hidden={self.hidden}")
@@ -134,6 +139,11 @@ class MoE(nn.Module):
             routed = d.combine(y, meta)
             out = routed + self._timed("shared_expert", lambda: self._shared(x_flat))
         out = attach_aux_loss(out.view(x.shape), routing.aux_loss)
+        if router_pool is not None:
+            counts = torch.bincount(routing.top_indices.reshape(-1),
+                                    minlength=self.num_experts).to(routing.probs.dtype)
+            router_pool.add(id(self), counts, routing.num_tokens)
+            out = attach_pooled_aux(out, routing.probs, router_pool)
         return (out, routing.aux_loss) if return_aux else out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:

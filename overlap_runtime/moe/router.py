@@ -45,11 +45,14 @@ class RoutingResult:
             (differentiable).
         aux_loss: scalar, the scores' dtype, the load-balancing loss already multiplied by its
             coefficient.
+        probs: ``[N, E]`` the full softmax (differentiable; the pooled loss of
+            ``moe.pooled_aux`` reads it).
     """
 
     top_indices: torch.Tensor
     top_scores: torch.Tensor
     aux_loss: torch.Tensor
+    probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +103,7 @@ class TopKRouter(nn.Module):
         scores, indices = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize and (self.top_k > 1 or self.renormalize_top1):
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        return RoutingResult(indices, scores, self.aux_loss(probs, indices))
+        return RoutingResult(indices, scores, self.aux_loss(probs, indices), probs)
 
     def aux_loss(self, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """``coef * E * sum_e f_e P_e`` from ``probs [N, E]`` (fp32 or float64) and ``indices

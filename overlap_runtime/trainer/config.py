@@ -409,6 +409,10 @@ def _pipeline_problems(config: "TrainConfig") -> list[str]:
     if config.data.batch_size % pl.microbatches:
         out.append(f"train.pipeline.microbatches={pl.microbatches} must divide data.batch_size="
                    f"{config.data.batch_size} (a microbatch is batch_size / microbatches rows)")
+    if m.mlp == "moe" and m.moe_aux_loss_pooling == "model":
+        out.append("model.moe_aux_loss_pooling='model' with train.accelerator.pp > 1: the loss "
+                   "pools every MoE layer of one forward, a pipeline stage holds only some; use "
+                   "'per_layer'")
     if m.tie_word_embeddings:
         out.append("model.tie_word_embeddings=true with train.accelerator.pp > 1: the embedding "
                    "(first stage) and the LM head (last stage) would share one parameter across "

@@ -153,3 +153,32 @@ def test_five_step_trajectory_against_a_plain_transformers_loop(tmp_path) -> Non
     errs = [abs(a - b) / abs(b) for a, b in zip(ref, losses)]
     assert max(errs) <= TOL, (ref, losses)
     assert losses[-1] < losses[0]
+
+
+def test_pooled_aux_loss_gradient_equals_transformers(tmp_path) -> None:
+    """``moe_aux_loss_pooling: model`` is transformers' ``router_aux_loss_coef * aux`` pooled
+    over the layers (``output_router_logits=True``): every router gradient of the loss
+    ``CE + coef * aux`` agrees (the CE alone is checked above; a large coefficient makes the
+    aux term dominate the router gradients)."""
+    from _hf_tiny import hf_model
+
+    coef = 5.0
+    hf = hf_model("moe", seed=10)
+    hf.config.router_aux_loss_coef = coef
+    hf.router_aux_loss_coef = coef
+    hf.save_pretrained(str(tmp_path))
+    config = config_from_dict(train_config(str(tmp_path), model={
+        "moe_aux_loss_coef": coef, "moe_aux_loss_pooling": "model"}))
+    ours = build_model(config)
+    ids = torch.randint(0, 272, (2, 80), generator=torch.Generator().manual_seed(11))
+    out = hf(ids, labels=ids, output_router_logits=True)
+    hf.zero_grad()
+    out.loss.backward()
+    logits = ours(ids)
+    (ce_sum(logits[:, :-1], ids[:, 1:]) / ids[:, 1:].numel()).backward()
+    params = dict(hf.named_parameters())
+    for i in range(4):
+        name = f"layers.{i}.mlp.router.gate.weight"
+        ref = params[f"model.layers.{i}.mlp.gate.weight"].grad
+        err = rel_l2(dict(ours.named_parameters())[name].grad, ref)
+        assert err <= 1e-5, (name, err)
