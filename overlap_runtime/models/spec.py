@@ -105,7 +105,7 @@ def _export_qwen3_5(name: str, value: torch.Tensor, config: Any,
 
 
 def _flops_qwen3_5(config: Any, seq_len: int, tokens: int) -> float:
-    from overlap_runtime.trainer.flops import train_flops_per_step
+    from overlap_runtime.models.flops import train_flops_per_step
 
     return train_flops_per_step(config, seq_len, tokens)
 

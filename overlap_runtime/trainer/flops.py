@@ -1,4 +1,4 @@
-"""Model FLOPs per training step and MFU (model FLOPs utilisation) on known accelerators.
+"""Model FLOPs per training step (``models.flops``, the model spec's count) and MFU (model FLOPs utilisation) on known accelerators.
 
 Formula (the model's useful work, not what a kernel happens to execute)::
 
@@ -29,7 +29,7 @@ import re
 
 import torch
 
-from overlap_runtime.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from overlap_runtime.models.flops import active_parameters, train_flops_per_step
 
 __all__ = ["PEAK_BF16_FLOPS", "active_parameters", "device_peak_flops", "mfu",
            "train_flops_per_step"]
@@ -63,36 +63,6 @@ def device_peak_flops(device: torch.device | str, name: str | None = None) -> fl
         if re.search(pattern, name):
             return peak
     return None
-
-
-def active_parameters(model: Qwen3_5Config) -> int:
-    """``N_active`` of the module doc, counted on a meta-device copy of the model."""
-    with torch.device("meta"):
-        m = Qwen3_5ForCausalLM(model)
-    embed = m.embed_tokens.weight
-    total = 0.0
-    seen: set[int] = set()
-    for name, p in m.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p is embed and not model.tie_word_embeddings:
-            continue  # a lookup; a tied embedding is counted once, as the LM head
-        share = model.num_experts_per_tok / model.num_experts if ".experts." in name else 1.0
-        total += p.numel() * share
-    return int(round(total))
-
-
-def train_flops_per_step(model: Qwen3_5Config, seq_len: int, tokens: int) -> float:
-    """Model FLOPs of one training step over ``tokens`` tokens in sequences of ``seq_len``."""
-    per_token = 6.0 * active_parameters(model)
-    for kind in model.layer_types:
-        if kind == "full_attention":
-            per_token += 6.0 * seq_len * model.num_attention_heads * model.head_dim
-        else:
-            per_token += (18.0 * model.linear_key_head_dim * model.linear_value_head_dim
-                          * model.linear_num_value_heads)
-    return per_token * tokens
 
 
 def mfu(flops_per_step: float, step_time_s: float, devices: int,

@@ -25,7 +25,8 @@ from overlap_runtime.moe.layer import MoE
 from overlap_runtime.moe.load_stats import ExpertLoadStats
 from overlap_runtime.pipeline.exec_trace import ExecutionTrace
 from overlap_runtime.trainer.config import TrainConfig
-from overlap_runtime.trainer.flops import device_peak_flops, train_flops_per_step
+from overlap_runtime.models.spec import get_model_spec
+from overlap_runtime.trainer.flops import device_peak_flops
 from overlap_runtime.trainer.metrics import MetricsStream, make_writers
 from overlap_runtime.trainer.profiling import ProfilerWindow
 from overlap_runtime.trainer.progress import Progress, resolve_progress_mode
@@ -100,7 +101,8 @@ class RunObserver:
                                  resume_step)
                     if rank == 0 else [],
                     every, total, device, distributed,
-                    train_flops_per_step(config.model, config.data.seq_len, tokens),
+                    get_model_spec("qwen3_5").flops_per_step(config.model, config.data.seq_len,
+                                                               tokens),
                     device_peak_flops(device), world,
                     _count_moe_loads(config, modules), overlap_trace)
             if rank == 0 and log is not None:

@@ -2,6 +2,9 @@
 per-rank import into any layout and export of our checkpoints.
 
 Import needs ``safetensors`` only; ``transformers`` is never imported by the runtime.
+
+May import ``torch`` (and ``torch.distributed.checkpoint`` / ``torch.distributed.tensor`` to read
+checkpoints and shards), ``safetensors`` (lazily) and ``overlap_runtime.models``.
 """
 
 from .config import (ARCHITECTURE_FIELDS, HFConfigError, architecture_conflicts, config_from_hf,
