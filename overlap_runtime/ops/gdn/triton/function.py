@@ -79,7 +79,7 @@ from .common import CHUNK, choose_segments
 from .fwd_output import output_kernel
 from .fwd_prepare import kkt_solve, wy_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
-from .fused_fwd import fused_summaries, fused_walk
+from .fused_fwd import FusedConfig, fused_summaries, fused_walk
 from .l2norm import l2norm_apply, l2norm_forward, l2norm_group_backward
 from .varlen import VarlenLayout, varlen_layout
 
@@ -97,11 +97,6 @@ __all__ = [
     "gdn_backward",
     "ScanMeta",
 ]
-
-
-# the fused forward's diagonal-block inverse (fused_fwd.py): forward substitution (False) or
-# the doubling product (True)
-INV_DOUBLING = False
 
 
 def _block(key_dim: int, value_dim: int) -> int:
@@ -349,7 +344,8 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 beta: torch.Tensor, h0: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
                 num_segments: int | None, link: StateLink | None = None,
                 cu_seqlens: torch.Tensor | None = None, recompute_w: bool = False,
-                fused: bool = False, save: bool = True, inv_doubling: bool = INV_DOUBLING
+                fused: bool = False, save: bool = True,
+                fused_config: FusedConfig | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...] | None,
                            "ScanMeta"]:
     """The forward kernels (module docstring) without autograd.
@@ -366,7 +362,7 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             formed on chip, one summary launch and one walk launch) instead of the kernel chain;
             the same ``saved`` set, written by the walk. ``save=False`` (fused only): nothing
             for a backward is written and ``saved`` is None (inference, no autograd).
-        inv_doubling: the fused kernel's diagonal-block inverse (fused_fwd.py).
+        fused_config: the fused kernel's launch choices (None: fused_fwd.DEFAULT_CONFIG).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final [B, HV, K, V] fp32, saved tensors, meta)``:
@@ -378,7 +374,7 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         layout = _varlen(q, v, num_segments, link, cu_seqlens)
     if fused:
         return _fused_forward(q, k, v, g, beta, h0, scale, use_qk_l2norm, num_segments, link,
-                              layout, recompute_w, save, inv_doubling)
+                              layout, recompute_w, save, fused_config)
     if not save:
         raise ValueError("gdn_forward(save=False) needs fused=True: the kernel chain always "
                          "writes the saved tensors")
@@ -435,7 +431,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    beta: torch.Tensor, h0: torch.Tensor | None, scale: float,
                    use_qk_l2norm: bool, num_segments: int | None, link: StateLink | None,
                    layout: VarlenLayout | None, recompute_w: bool, save: bool,
-                   inv_doubling: bool
+                   config: FusedConfig | None
                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...] | None,
                               "ScanMeta"]:
     """:func:`gdn_forward` by the fused kernel: segment summaries from the raw inputs (when
@@ -453,12 +449,12 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         tables = (layout.chunks, layout.segments)
     meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
     rows = _rows(bh, ns, layout)
-    block = _block(key_dim, value_dim)
+    config = FusedConfig() if config is None else config
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps
     if meta.chained or wants_maps:
         m_seg, s_seg = fused_summaries(q, k, v, g, beta, use_qk_l2norm, ns, per_segment,
-                                       num_chunks, rows, tables, block, inv_doubling)
+                                       num_chunks, rows, tables, config)
     if link is not None:
         if wants_maps:
             link.segment_maps(m_seg, s_seg)
@@ -472,8 +468,8 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         seg_init = _entering(h0_flat, bh, layout)
     del s_seg
     res = fused_walk(q, k, v, g, beta, seg_init, scale, use_qk_l2norm, ns, per_segment,
-                     num_chunks, rows, tables, block, inv_doubling, save,
-                     save_w=not recompute_w)
+                     num_chunks, rows, tables, save, save_w=not recompute_w,
+                     config=config)
     h_end = res["h_end"]
     if layout is None:
         final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)

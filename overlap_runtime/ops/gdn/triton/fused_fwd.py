@@ -44,6 +44,8 @@ transposes are of the normalised keys, built from loaded data.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -52,7 +54,37 @@ from .common import CHUNK, GATE_FLOOR, chunk_span, gate_floor, mm, mm_f32x3, mma
 from .fwd_prepare import _kkt_block, _store_block, _store_gamma, _unit_lower_inverse
 from .l2norm import L2NORM_EPS
 
-__all__ = ["fused_fwd_kernel", "fused_summaries", "fused_walk"]
+__all__ = ["FusedConfig", "DEFAULT_CONFIG", "fused_fwd_kernel", "fused_summaries", "fused_walk"]
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Launch choices of the fused forward (results equal up to rounding across them).
+
+    Attributes:
+        inv_doubling: the diagonal-block inverse by the doubling product (else substitution).
+        walk_warps, walk_stages / summary_warps, summary_stages: ``num_warps``,
+            ``num_stages`` of the output walk / the summary launch.
+        block: state columns per program (None: ``min(64, K, V)``).
+    """
+
+    inv_doubling: bool = False
+    walk_warps: int = 8
+    walk_stages: int = 1
+    summary_warps: int = 8
+    summary_stages: int = 1
+    block: int | None = None
+
+    def columns(self, key_dim: int, value_dim: int) -> int:
+        """State columns per program; raises naming the rule when they do not tile V."""
+        block = min(64, key_dim, value_dim) if self.block is None else self.block
+        if value_dim % block or key_dim % block:
+            raise ValueError(f"FusedConfig.block={block} must divide K={key_dim} and "
+                             f"V={value_dim}")
+        return block
+
+
+DEFAULT_CONFIG = FusedConfig()
 
 _ = GATE_FLOOR  # the floor is applied by gate_floor (common.py)
 
@@ -318,22 +350,22 @@ def _launch(grid, q, k, v, g, beta, outs: dict, tables, scale: float, num_chunks
 def fused_summaries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, use_qk_l2norm: bool, num_segments: int,
                     per_segment: int, num_chunks: int, rows: tuple[int, int],
-                    tables: tuple[torch.Tensor | None, torch.Tensor | None], block: int,
-                    inv_doubling: bool, num_warps: int = 8, num_stages: int = 1
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    tables: tuple[torch.Tensor | None, torch.Tensor | None],
+                    config: FusedConfig = DEFAULT_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     """Affine summary ``(M [*rows, K, K], S [*rows, K, V])`` fp32 of every segment from zero,
     all in parallel, from the raw inputs (summary mode of :func:`fused_fwd_kernel`).
 
     ``rows``: ``(B * HV, NS)`` dense, ``(NS, HV)`` with varlen ``tables`` (chunk table,
-    segment table; ``(None, None)`` dense); ``block``: state columns per program."""
+    segment table; ``(None, None)`` dense)."""
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     m = torch.empty(*rows, key_dim, key_dim, device=q.device, dtype=torch.float32)
     s = torch.empty(*rows, key_dim, value_dim, device=q.device, dtype=torch.float32)
+    block = config.columns(key_dim, value_dim)
     grid = ((key_dim + value_dim) // block, num_segments, batch * num_value_heads)
     _launch(grid, q, k, v, g, beta, {"dummy": m, "m": m, "s": s}, tables, 1.0, num_chunks,
-            per_segment, num_segments, block, True, use_qk_l2norm, False, False, inv_doubling,
-            num_warps, num_stages)
+            per_segment, num_segments, block, True, use_qk_l2norm, False, False,
+            config.inv_doubling, config.summary_warps, config.summary_stages)
     return m, s
 
 
@@ -341,8 +373,8 @@ def fused_walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                beta: torch.Tensor, seg_init: torch.Tensor | None, scale: float,
                use_qk_l2norm: bool, num_segments: int, per_segment: int, num_chunks: int,
                rows: tuple[int, int], tables: tuple[torch.Tensor | None, torch.Tensor | None],
-               block: int, inv_doubling: bool, save: bool, save_w: bool = True,
-               num_warps: int = 8, num_stages: int = 1) -> dict[str, torch.Tensor | None]:
+               save: bool, save_w: bool = True, config: FusedConfig = DEFAULT_CONFIG
+               ) -> dict[str, torch.Tensor | None]:
     """Every segment's output walk from its entering state (output mode).
 
     Args:
@@ -372,8 +404,9 @@ def fused_walk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                                 dtype=k.dtype) if save_w else None)
         out["q_rstd"] = torch.empty(batch, seq_len, heads, **f32) if use_qk_l2norm else None
         out["k_rstd"] = torch.empty(batch, seq_len, heads, **f32) if use_qk_l2norm else None
+    block = config.columns(key_dim, value_dim)
     grid = (value_dim // block, num_segments, batch * num_value_heads)
     _launch(grid, q, k, v, g, beta, {"dummy": out["h_end"], "h_init": seg_init, **out}, tables,
             scale, num_chunks, per_segment, num_segments, block, False, use_qk_l2norm, save,
-            save_w, inv_doubling, num_warps, num_stages)
+            save_w, config.inv_doubling, config.walk_warps, config.walk_stages)
     return out
