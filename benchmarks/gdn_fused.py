@@ -102,7 +102,8 @@ def make_row(name: str, device: torch.device, seed: int = 0
     return x, cu
 
 
-def impl(name: str, config: FusedConfig | None = None) -> Callable:
+def impl(name: str, config: FusedConfig | None = None, segments: int | None = None
+         ) -> Callable:
     """``fn(q, k, v, g, beta, h0, cu) -> (o, final)``."""
     if name == "fla":
         import fla.ops.common.chunk_o as chunk_o
@@ -119,7 +120,8 @@ def impl(name: str, config: FusedConfig | None = None) -> Callable:
         return run
     if name == "fused_cfg":
         def run(q, k, v, g, beta, h0, cu):
-            o, final, _, _ = gdn_forward(q, k, v, g, beta, h0, q.shape[-1] ** -0.5, True, None,
+            o, final, _, _ = gdn_forward(q, k, v, g, beta, h0, q.shape[-1] ** -0.5, True,
+                                         segments,
                                          cu_seqlens=cu, fused=True, save=False,
                                          fused_config=config)
             return o, final
@@ -248,24 +250,28 @@ def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None,
     return out
 
 
+# name: (launch choices, segments per sequence or None for the default)
 VARIANTS = {
-    "subst_w8": FusedConfig(),
-    "dbl_w8": FusedConfig(inv_doubling=True),
-    "dbl_w4": FusedConfig(inv_doubling=True, walk_warps=4, summary_warps=4),
-    "subst_w4": FusedConfig(walk_warps=4, summary_warps=4),
-    "dbl_w8_s2": FusedConfig(inv_doubling=True, walk_stages=2, summary_stages=2),
+    "subst_w8": (FusedConfig(), None),
+    "dbl_w8": (FusedConfig(inv_doubling=True), None),
+    "dbl_w4": (FusedConfig(inv_doubling=True, walk_warps=4, summary_warps=4), None),
+    "dbl_w8_ns8": (FusedConfig(inv_doubling=True), 8),
+    "dbl_w8_ns2": (FusedConfig(inv_doubling=True), 2),
+    "dbl_w8_b128": (FusedConfig(inv_doubling=True, block=128), None),
+    "subst_w4": (FusedConfig(walk_warps=4, summary_warps=4), None),
+    "dbl_w8_s2": (FusedConfig(inv_doubling=True, walk_stages=2, summary_stages=2), None),
 }
 
 
 def variants(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     rows = []
     x, cu = make_row("b1_32k", device)
-    for name, cfg in VARIANTS.items():
+    for name, (cfg, segments) in VARIANTS.items():
         if over_budget(args):
             break
         try:
             t0 = time.time()
-            r = timing(impl("fused_cfg", cfg), x, cu, backward=False)
+            r = timing(impl("fused_cfg", cfg, segments), x, cu, backward=False)
             row = {"variant": name, **r, "first_call_s": time.time() - t0}
         except Exception as error:  # noqa: BLE001
             traceback.print_exc()
