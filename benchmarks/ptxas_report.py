@@ -4,6 +4,7 @@
     python benchmarks/ptxas_report.py --workload gdn_varlen
     python benchmarks/ptxas_report.py --workload conv
     python benchmarks/ptxas_report.py --workload walks
+    python benchmarks/ptxas_report.py --workload gdn_fused
 
 (1) A child process runs the workload under ``TRITON_INTERPRET=1`` with
 ``InterpretedFunction.run`` wrapped (the interpreter replaces each ``@triton.jit`` kernel by an
@@ -173,6 +174,28 @@ def run_gdn(varlen: bool) -> None:
     _gdn_case(2, 4, cu, GDNKernelOptions(num_segments=2, recompute_w=True))
 
 
+def run_gdn_fused() -> None:
+    """The fused forward (ops/gdn/triton/fused_fwd.py), K = V = 128, H = 2 / HV = 4, dense
+    T = 128: alone (nothing saved) and through the backward (the saved set), with 2 segments
+    (summary launch + walk); both diagonal-block inverses, 8 and 4 warps."""
+    import torch
+
+    from overlap_runtime.ops.gdn import GDNKernelOptions
+    from overlap_runtime.ops.gdn.triton.function import gdn_forward
+    from overlap_runtime.ops.gdn.triton.fused_fwd import FusedConfig
+
+    _gdn_case(2, 4, None, GDNKernelOptions(num_segments=2, fused_forward=True))
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 128, 2, 128, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(1, 128, 4, 128, generator=gen).bfloat16()
+    g = -torch.rand(1, 128, 4, generator=gen)
+    beta = torch.rand(1, 128, 4, generator=gen).bfloat16()
+    for config in (FusedConfig(inv_doubling=True), FusedConfig(walk_warps=4, summary_warps=4),
+                   FusedConfig(inv_doubling=True, walk_warps=4, summary_warps=4)):
+        gdn_forward(q, k, v, g, beta, None, 128 ** -0.5, True, 2, fused=True, save=False,
+                    fused_config=config)
+
+
 def run_conv() -> None:
     """Causal conv + SiLU forward + backward, bf16, B = 1, T = 128, C = 256, K = 4, with and
     without doc_positions and left (every combination)."""
@@ -209,7 +232,7 @@ def run_walks() -> None:
 
 WORKLOADS: dict[str, Callable[[], None]] = {
     "gdn": lambda: run_gdn(False), "gdn_varlen": lambda: run_gdn(True), "conv": run_conv,
-    "walks": run_walks}
+    "walks": run_walks, "gdn_fused": run_gdn_fused}
 
 
 def capture(workload: Callable[[], None]) -> list[Launch]:

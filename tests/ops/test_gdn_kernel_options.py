@@ -23,6 +23,7 @@ NAMES = ("q", "k", "v", "g", "beta")
     ({"num_segments": 2.0}, TypeError, r"num_segments=2.0 must be an int or None, got float"),
     ({"recompute_w": 1}, TypeError, r"recompute_w=1 must be a bool or None, got int"),
     ({"recompute_w": "yes"}, TypeError, r"recompute_w='yes' must be a bool or None, got str"),
+    ({"fused_forward": 1}, TypeError, r"fused_forward=1 must be a bool or None, got int"),
 ])
 def test_invalid_values_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -42,6 +43,8 @@ def test_options_are_frozen():
     # an explicit False is a set option too: refused on eager, never ignored
     ("eager", GDNKernelOptions(recompute_w=False),
      r"backend='eager': recompute_w=False applies to backend='triton' only"),
+    ("eager", GDNKernelOptions(fused_forward=True),
+     r"backend='eager': fused_forward=True applies to backend='triton' only"),
 ])
 def test_an_option_of_another_backend_is_refused(backend, options, match):
     x = make_inputs(1, 10, 1, 2, 8, 8, dtype=torch.float32, requires_grad=False)
@@ -64,6 +67,9 @@ def test_options_configure_the_backend():
     assert TritonBackend().recompute_w is False  # the default saves w
     kept = TritonBackend(num_segments=2).with_options(GDNKernelOptions(recompute_w=True))
     assert (kept.num_segments, kept.recompute_w) == (2, True)
+    assert TritonBackend().fused_forward is False  # the kernel chain unless asked
+    fused = kept.with_options(GDNKernelOptions(fused_forward=True))
+    assert (fused.num_segments, fused.recompute_w, fused.fused_forward) == (2, True, True)
     default = EagerBackend()
     assert default.with_options(GDNKernelOptions()) is default
 

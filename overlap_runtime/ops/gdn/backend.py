@@ -142,18 +142,23 @@ class TritonBackend(GDNBackend):
     ``NotImplementedError`` naming the rule; ``forward`` runs the kernels' autograd Function.
     ``num_segments`` fixes how many segments the state scan splits each sequence into
     (None: chosen from the machine); ``recompute_w`` leaves the WY factor w out of the saved
-    tensors and forms it again in the backward (less memory, one more launch).
+    tensors and forms it again in the backward (less memory, one more launch);
+    ``fused_forward`` runs the fused forward kernel (triton/fused_fwd.py) instead of the chain.
     """
 
     name = "triton"
 
-    def __init__(self, num_segments: int | None = None, recompute_w: bool = False) -> None:
+    def __init__(self, num_segments: int | None = None, recompute_w: bool = False,
+                 fused_forward: bool = False) -> None:
         if num_segments is not None and num_segments < 1:
             raise ValueError(f"num_segments={num_segments} must be >= 1 or None")
         if not isinstance(recompute_w, bool):
             raise TypeError(f"recompute_w={recompute_w!r} must be a bool")
+        if not isinstance(fused_forward, bool):
+            raise TypeError(f"fused_forward={fused_forward!r} must be a bool")
         self.num_segments = num_segments
         self.recompute_w = recompute_w
+        self.fused_forward = fused_forward
 
     def check(self, q, k, v, g, beta, *, initial_state, chunk_size,  # noqa: D102
               cu_seqlens=None) -> None:
@@ -163,11 +168,13 @@ class TritonBackend(GDNBackend):
 
     def with_options(self, options: GDNKernelOptions) -> "TritonBackend":  # noqa: D102
         options.check_backend(self.name)
-        if options.num_segments is None and options.recompute_w is None:
+        if (options.num_segments is None and options.recompute_w is None
+                and options.fused_forward is None):
             return self
         return TritonBackend(
             self.num_segments if options.num_segments is None else options.num_segments,
-            self.recompute_w if options.recompute_w is None else options.recompute_w)
+            self.recompute_w if options.recompute_w is None else options.recompute_w,
+            self.fused_forward if options.fused_forward is None else options.fused_forward)
 
     def forward(self, q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm, chunk_size,
                 cu_seqlens=None):
@@ -180,6 +187,8 @@ class TritonBackend(GDNBackend):
         extra: dict = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if self.recompute_w:
             extra["recompute_w"] = True
+        if self.fused_forward:
+            extra["fused_forward"] = True
         return chunk_gated_delta_rule_triton(
             q, k, v, g, beta, scale, initial_state, use_qk_l2norm, self.num_segments, **extra
         )

@@ -16,9 +16,10 @@ from dataclasses import dataclass, fields
 __all__ = ["GDNKernelOptions"]
 
 # option name -> the backend it applies to
-_APPLIES_TO = {"block_chunks": "eager", "num_segments": "triton", "recompute_w": "triton"}
+_APPLIES_TO = {"block_chunks": "eager", "num_segments": "triton", "recompute_w": "triton",
+               "fused_forward": "triton"}
 # option name -> the type of its values (bool options take exactly True/False)
-_BOOL_OPTIONS = frozenset({"recompute_w"})
+_BOOL_OPTIONS = frozenset({"recompute_w", "fused_forward"})
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,17 @@ class GDNKernelOptions:
             K = 128, bf16) and the backward forms it again from the saved inverse (one more
             w-only ``wy_fwd`` launch, about 2-3% of forward+backward at 8K; results bit for bit
             the same). Default False: w is saved (docs/gdn.md, "Triton backend"). A bool.
+        fused_forward: triton only. True: the forward runs the fused kernel
+            (``ops/gdn/triton/fused_fwd.py``: the WY factors, residuals and outputs formed on
+            chip, the state held across chunks) instead of the five-kernel chain; it writes
+            the same saved set for the backward, and nothing but o and the final state when
+            no gradient is wanted. Default False (docs/benchmarks.md has the timings). A bool.
     """
 
     block_chunks: int | None = None
     num_segments: int | None = None
     recompute_w: bool | None = None
+    fused_forward: bool | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -79,6 +79,7 @@ from .common import CHUNK, choose_segments
 from .fwd_output import output_kernel
 from .fwd_prepare import kkt_solve, wy_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
+from .fused_fwd import FusedConfig, fused_summaries, fused_walk
 from .l2norm import l2norm_apply, l2norm_forward, l2norm_group_backward
 from .varlen import VarlenLayout, varlen_layout
 
@@ -342,8 +343,10 @@ def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
 def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, h0: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
                 num_segments: int | None, link: StateLink | None = None,
-                cu_seqlens: torch.Tensor | None = None, recompute_w: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...],
+                cu_seqlens: torch.Tensor | None = None, recompute_w: bool = False,
+                fused: bool = False, save: bool = True,
+                fused_config: FusedConfig | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...] | None,
                            "ScanMeta"]:
     """The forward kernels (module docstring) without autograd.
 
@@ -355,6 +358,11 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             h0 and the final state are then ``[N, HV, K, V]``.
         recompute_w: leave w out of ``saved``; :func:`gdn_backward` forms it again from the
             saved Ainv (one w-only ``wy_fwd`` launch, bitwise the same w).
+        fused: run the fused forward (fused_fwd.py: the WY factors, residuals and outputs
+            formed on chip, one summary launch and one walk launch) instead of the kernel chain;
+            the same ``saved`` set, written by the walk. ``save=False`` (fused only): nothing
+            for a backward is written and ``saved`` is None (inference, no autograd).
+        fused_config: the fused kernel's launch choices (None: fused_fwd.DEFAULT_CONFIG).
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final [B, HV, K, V] fp32, saved tensors, meta)``:
@@ -364,6 +372,12 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     layout = None
     if cu_seqlens is not None:
         layout = _varlen(q, v, num_segments, link, cu_seqlens)
+    if fused:
+        return _fused_forward(q, k, v, g, beta, h0, scale, use_qk_l2norm, num_segments, link,
+                              layout, recompute_w, save, fused_config)
+    if not save:
+        raise ValueError("gdn_forward(save=False) needs fused=True: the kernel chain always "
+                         "writes the saved tensors")
     prep = prepare(q, k, v, g, beta, use_qk_l2norm, None if layout is None else layout.chunks)
     kn, w, u, gamma = prep["kn"], prep["w"], prep["u"], prep["gamma"]
     batch, seq_len, heads, key_dim = kn.shape
@@ -411,6 +425,64 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     saved = (q, k, v, g, beta, prep["q_rstd"], prep["k_rstd"], gamma, prep["ainv"],
              None if recompute_w else w, m_seg, states, v_new)
     return o, final, saved, meta
+
+
+def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, h0: torch.Tensor | None, scale: float,
+                   use_qk_l2norm: bool, num_segments: int | None, link: StateLink | None,
+                   layout: VarlenLayout | None, recompute_w: bool, save: bool,
+                   config: FusedConfig | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...] | None,
+                              "ScanMeta"]:
+    """:func:`gdn_forward` by the fused kernel: segment summaries from the raw inputs (when
+    the sequence is split), the chain and the state hooks as the kernel chain runs them, then
+    one walk that writes o (and, with ``save``, the saved tensors of the kernel chain)."""
+    batch, seq_len, heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[2], v.shape[3]
+    bh = batch * num_value_heads
+    if layout is None:
+        num_chunks = triton.cdiv(seq_len, CHUNK)
+        ns, per_segment = _layout(q, v, num_segments, link.min_segments if link else 1)
+        tables: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    else:
+        num_chunks, ns, per_segment = layout.num_chunks, layout.num_segments, 0
+        tables = (layout.chunks, layout.segments)
+    meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
+    rows = _rows(bh, ns, layout)
+    config = FusedConfig() if config is None else config
+    m_seg = s_seg = None
+    wants_maps = link is not None and link.wants_segment_maps
+    if meta.chained or wants_maps:
+        m_seg, s_seg = fused_summaries(q, k, v, g, beta, use_qk_l2norm, ns, per_segment,
+                                       num_chunks, rows, tables, config)
+    if link is not None:
+        if wants_maps:
+            link.segment_maps(m_seg, s_seg)
+        h0 = link.entering_state()
+    h0_flat = None if h0 is None else h0.reshape(-1, key_dim, value_dim)
+    if meta.chained:
+        final_flat, seg_init = chain(m_seg, s_seg, h0_flat, store_segments=True, layout=layout)
+        if link is not None:
+            link.leaving_state(final_flat.reshape(batch, num_value_heads, key_dim, value_dim))
+    else:
+        seg_init = _entering(h0_flat, bh, layout)
+    del s_seg
+    res = fused_walk(q, k, v, g, beta, seg_init, scale, use_qk_l2norm, ns, per_segment,
+                     num_chunks, rows, tables, save, save_w=not recompute_w,
+                     config=config)
+    h_end = res["h_end"]
+    if layout is None:
+        final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)
+    else:
+        final = (h_end if layout.single else final_flat).reshape(-1, num_value_heads, key_dim,
+                                                                   value_dim)
+    if link is not None and ns == 1:
+        link.leaving_state(final)
+    saved = None
+    if save:
+        saved = (q, k, v, g, beta, res["q_rstd"], res["k_rstd"], res["gamma"], res["ainv"],
+                 res["w"], m_seg, res["states"], res["v_new"])
+    return res["o"], final, saved, meta
 
 
 def _recompute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -542,13 +614,13 @@ class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
                 use_qk_l2norm: bool, num_segments: int | None,
-                cu_seqlens: torch.Tensor | None = None, recompute_w: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: torch.Tensor | None = None, recompute_w: bool = False,
+                fused_forward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
         o, final, saved, meta = gdn_forward(q, k, v, g, beta, h0, scale, use_qk_l2norm,
                                             num_segments, cu_seqlens=cu_seqlens,
-                                            recompute_w=recompute_w)
+                                            recompute_w=recompute_w, fused=fused_forward)
         ctx.save_for_backward(*saved)
         ctx.meta = meta
         ctx.has_initial_state = initial_state is not None
@@ -561,7 +633,7 @@ class TritonChunkGatedDeltaRuleFunction(torch.autograd.Function):
                  ) -> tuple[torch.Tensor | None, ...]:
         dq, dk, dv, dg, dbeta, dh0 = gdn_backward(ctx.saved_tensors, ctx.meta, do, dht)
         dh0 = dh0.to(ctx.state_dtype) if ctx.has_initial_state else None
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 
 
 def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -569,7 +641,7 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   initial_state: torch.Tensor | None = None,
                                   use_qk_l2norm: bool = True, num_segments: int | None = None,
                                   cu_seqlens: torch.Tensor | None = None,
-                                  recompute_w: bool = False
+                                  recompute_w: bool = False, fused_forward: bool = False
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton chunked gated delta rule (inputs are not validated here: use
     ``chunk_gated_delta_rule(..., backend="triton")``).
@@ -584,11 +656,23 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             at every offset, initial_state and the final state are ``[N, HV, K, V]``.
         recompute_w: do not save w ``[B, T, HV, K]`` for the backward, form it again there
             (one more ``wy_fwd`` launch, w only; same results bit for bit).
+        fused_forward: the forward runs the fused kernel (fused_fwd.py) instead of the kernel
+            chain; the backward is the same. When no gradient is wanted (grad mode off, or no
+            input requires grad) it writes nothing for a backward: o and the final state only.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``, differentiable
         (final_state ``[N, HV, K, V]`` with ``cu_seqlens``).
     """
+    inputs = (q, k, v, g, beta, initial_state)
+    wants_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                                 for x in inputs)
+    if fused_forward and not wants_grad:
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+        o, final, _, _ = gdn_forward(q, k, v, g, beta, h0, scale, use_qk_l2norm, num_segments,
+                                     cu_seqlens=cu_seqlens, fused=True, save=False)
+        return o, final
     return TritonChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, initial_state, scale,
                                                    use_qk_l2norm, num_segments, cu_seqlens,
-                                                   recompute_w)
+                                                   recompute_w, fused_forward)

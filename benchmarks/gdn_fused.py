@@ -1,0 +1,372 @@
+"""The fused GDN forward against the kernel chain and flash-linear-attention, in one process.
+
+Usage (on the GPU machine, fla-core 0.6.0 installed from the wheels, gpu/README.md):
+    PYTHONPATH=$PWD python3 benchmarks/gdn_fused.py [--parts accuracy variants table profile]
+        [--rows b1_8k b1_16k b1_32k ...] [--budget-s 420]
+
+Implementations (bf16, K = V = 128, l2norm in the op, random initial states, fp32 g):
+``fla`` (fla-core 0.6.0 ``chunk_gated_delta_rule``, Hopper guard lifted for timing only),
+``chain`` (our Triton backend, the five-kernel forward), ``fused`` (our Triton backend with
+``fused_forward=True``: fused_fwd.py; under ``no_grad`` it writes nothing for a backward).
+
+Parts, in order (each row guarded: a failure is printed and the rest runs; no new row starts
+once ``--budget-s`` seconds have passed):
+* ``accuracy``: rel-L2 against the float64 eager backend at full size: forward (o, final
+  state) of every implementation at B=1 T=8K H=32 and T=32K H=16/HV=32, and the packed 64K row;
+  forward and every gradient of ``chain`` and ``fused`` (and fla's, guard lifted) at B=1 T=8K
+  H=16/HV=32.
+* ``variants``: forward-only medians of the fused kernel's launch choices at B=1 T=32K H=32.
+* ``table``: forward (no_grad) and forward+backward medians (``do_bench``, median) and peak
+  memory of fla / chain / fused in the issue's rows.
+* ``profile``: per-kernel device times of one forward (no_grad) of chain, fused and fla at
+  B=1 T=32K H=32.
+Prints markdown tables last; writes ``$OUT/gdn_fused.json`` when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from overlap_runtime.ops.gdn import chunk_gated_delta_rule  # noqa: E402
+from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
+    chunk_gated_delta_rule_triton, gdn_forward)
+from overlap_runtime.ops.gdn.triton.fused_fwd import FusedConfig  # noqa: E402
+from overlap_runtime.testing import rel_l2  # noqa: E402
+
+MiB = 2**20
+NAMES = ("q", "k", "v", "g", "beta", "h0")
+START = time.time()
+
+# name: (B, T, H, HV, packed documents or 0)
+ROWS = {
+    "b1_8k": (1, 8192, 32, 32, 0),
+    "b1_16k": (1, 16384, 32, 32, 0),
+    "b1_32k": (1, 32768, 32, 32, 0),
+    "b8_4k_h32": (8, 4096, 32, 32, 0),
+    "b8_4k_gqa": (8, 4096, 16, 32, 0),
+    "b1_32k_gqa": (1, 32768, 16, 32, 0),
+    "b1_64k_gqa": (1, 65536, 16, 32, 0),
+    "packed_64k": (1, 65536, 16, 32, 20),
+    "b1_8k_gqa": (1, 8192, 16, 32, 0),  # the gradient check's row
+}
+TABLE_ROWS = [r for r in ROWS if r != "b1_8k_gqa"]
+
+
+def documents(tokens: int, count: int, low: int, high: int, seed: int) -> list[int]:
+    """``count`` lengths, log-uniform in ``[low, high]``, rescaled to sum to ``tokens``."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.exp(math.log(low) + torch.rand(count, generator=gen)
+                    * (math.log(high) - math.log(low)))
+    lens = (raw / raw.sum() * tokens).round().long().clamp(min=1)
+    lens[-1] += tokens - int(lens.sum())
+    return lens.tolist()
+
+
+def make_row(name: str, device: torch.device, seed: int = 0
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    batch, seq_len, heads, value_heads, docs = ROWS[name]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device)
+
+    cu = None
+    states = batch
+    if docs:
+        lens = documents(seq_len, docs, 290, 12567, seed)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device,
+                          dtype=torch.int32)
+        states = len(lens)
+    x = {
+        "q": randn(batch, seq_len, heads, 128).bfloat16(),
+        "k": randn(batch, seq_len, heads, 128).bfloat16(),
+        "v": randn(batch, seq_len, value_heads, 128).bfloat16(),
+        "g": F.logsigmoid(randn(batch, seq_len, value_heads) + 2.0),
+        "beta": torch.sigmoid(randn(batch, seq_len, value_heads)).bfloat16(),
+        "h0": randn(states, value_heads, 128, 128),
+    }
+    return x, cu
+
+
+def impl(name: str, config: FusedConfig | None = None, segments: int | None = None
+         ) -> Callable:
+    """``fn(q, k, v, g, beta, h0, cu) -> (o, final)``."""
+    if name == "fla":
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+
+        # fla 0.6.0 refuses its gated backward on Hopper with triton in [3.4, 3.7.1)
+        # (gpu/README.md); lifted for timing, its gradients are reported, not trusted
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+
+        def run(q, k, v, g, beta, h0, cu):
+            return fla_gdn(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
+                           output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           cu_seqlens=cu)
+        return run
+    if name == "fused_cfg":
+        def run(q, k, v, g, beta, h0, cu):
+            o, final, _, _ = gdn_forward(q, k, v, g, beta, h0, q.shape[-1] ** -0.5, True,
+                                         segments,
+                                         cu_seqlens=cu, fused=True, save=False,
+                                         fused_config=config)
+            return o, final
+        return run
+    fused = name == "fused"
+
+    def run(q, k, v, g, beta, h0, cu):
+        return chunk_gated_delta_rule_triton(q, k, v, g, beta, q.shape[-1] ** -0.5, h0, True,
+                                             None, cu_seqlens=cu, fused_forward=fused)
+    return run
+
+
+def over_budget(args: argparse.Namespace) -> bool:
+    return time.time() - START > args.budget_s
+
+
+def reference(x: dict[str, torch.Tensor], cu: torch.Tensor | None, grads: bool,
+              do: torch.Tensor | None = None, dh: torch.Tensor | None = None
+              ) -> dict[str, torch.Tensor]:
+    """float64 eager backend: o, final state (and input gradients with ``grads``)."""
+    leaves = {n: t.detach().double().requires_grad_(grads) for n, t in x.items()}
+    with torch.set_grad_enabled(grads):
+        o, h = chunk_gated_delta_rule(*(leaves[n] for n in NAMES[:5]), initial_state=leaves["h0"],
+                                      output_final_state=True, cu_seqlens=cu, backend="eager")
+        out = {"o": o.detach(), "final": h.detach()}
+        if grads:
+            torch.autograd.backward((o, h), (do.double(), dh.double()))
+            out.update({"d" + n: leaves[n].grad for n in NAMES})
+    return out
+
+
+def run_impl(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None, grads: bool,
+             do: torch.Tensor | None = None, dh: torch.Tensor | None = None
+             ) -> dict[str, torch.Tensor]:
+    leaves = {n: t.detach().clone().requires_grad_(grads) for n, t in x.items()}
+    with torch.set_grad_enabled(grads):
+        o, h = fn(*(leaves[n] for n in NAMES), cu)
+        out = {"o": o.detach(), "final": h.detach()}
+        if grads:
+            torch.autograd.backward((o, h), (do, dh))
+            out.update({"d" + n: leaves[n].grad for n in NAMES})
+    return out
+
+
+def accuracy(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    fwd_cases = [("b1_8k", ("fla", "chain", "fused", "fused_dbl")),
+                 ("b1_32k_gqa", ("fla", "chain", "fused", "fused_dbl")),
+                 ("packed_64k", ("fla", "chain", "fused"))]
+    for case, names in fwd_cases:
+        if over_budget(args):
+            break
+        try:
+            x, cu = make_row(case, device, seed=11)
+            ref = reference(x, cu, grads=False)
+            for name in names:
+                fn = (impl("fused_cfg", FusedConfig(inv_doubling=True)) if name == "fused_dbl"
+                      else impl(name))
+                got = run_impl(fn, x, cu, grads=False)
+                row = {"case": case, "impl": name, "pass": "fwd",
+                       **{t: rel_l2(got[t], ref[t]) for t in ("o", "final")},
+                       "finite": all(bool(torch.isfinite(v).all()) for v in got.values())}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            del ref, x
+        except Exception as error:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"case": case, "error": f"{type(error).__name__}: {error}"})
+        torch.cuda.empty_cache()
+    # gradients: the fused forward's saved set through the unchanged backward
+    for case in ("b1_8k_gqa",):
+        if over_budget(args):
+            break
+        try:
+            x, cu = make_row(case, device, seed=12)
+            gen = torch.Generator(device=device).manual_seed(13)
+            do = torch.randn(x["v"].shape, generator=gen, device=device).bfloat16()
+            dh = torch.randn(x["h0"].shape, generator=gen, device=device)
+            ref = reference(x, cu, True, do, dh)
+            for name in ("fla", "chain", "fused"):
+                got = run_impl(impl(name), x, cu, True, do, dh)
+                row = {"case": case, "impl": name, "pass": "fwd+bwd",
+                       **{t: rel_l2(got[t], ref[t]) for t in got},
+                       "finite": all(bool(torch.isfinite(v).all()) for v in got.values())}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        except Exception as error:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"case": case, "error": f"{type(error).__name__}: {error}"})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None,
+           backward: bool = True) -> dict[str, float]:
+    from triton.testing import do_bench
+
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    args = [leaves[n] for n in NAMES]
+    grads = list(leaves.values())
+    with torch.no_grad():
+        fn(*args, cu)  # compile outside the timings
+        t_fwd = do_bench(lambda: fn(*args, cu), warmup=25, rep=100, return_mode="median")
+    out = {"fwd_ms": t_fwd}
+    if not backward:
+        return out
+    o, h = fn(*args, cu)
+    do, dh = torch.randn_like(o), torch.randn_like(h)
+
+    def fwd_bwd() -> None:
+        o, h = fn(*args, cu)
+        torch.autograd.backward((o, h), (do, dh))
+
+    fwd_bwd()
+    torch.cuda.synchronize()
+    for t in grads:
+        t.grad = None
+    del o, h
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / MiB
+    out["fwd_bwd_ms"] = do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=grads,
+                                 return_mode="median")
+    return out
+
+
+# name: (launch choices, segments per sequence or None for the default)
+VARIANTS = {
+    "subst_w8": (FusedConfig(), None),
+    "dbl_w8": (FusedConfig(inv_doubling=True), None),
+    "dbl_w4": (FusedConfig(inv_doubling=True, walk_warps=4, summary_warps=4), None),
+    "dbl_w8_ns8": (FusedConfig(inv_doubling=True), 8),
+    "dbl_w8_ns2": (FusedConfig(inv_doubling=True), 2),
+    "dbl_w8_b128": (FusedConfig(inv_doubling=True, block=128), None),
+    "subst_w4": (FusedConfig(walk_warps=4, summary_warps=4), None),
+    "dbl_w8_s2": (FusedConfig(inv_doubling=True, walk_stages=2, summary_stages=2), None),
+}
+
+
+def variants(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    x, cu = make_row("b1_32k", device)
+    for name, (cfg, segments) in VARIANTS.items():
+        if over_budget(args):
+            break
+        try:
+            t0 = time.time()
+            r = timing(impl("fused_cfg", cfg, segments), x, cu, backward=False)
+            row = {"variant": name, **r, "first_call_s": time.time() - t0}
+        except Exception as error:  # noqa: BLE001
+            traceback.print_exc()
+            row = {"variant": name, "error": f"{type(error).__name__}: {error}"}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for case in args.rows:
+        if over_budget(args):
+            print(f"budget: {case} and later rows skipped", flush=True)
+            break
+        x, cu = make_row(case, device)
+        row: dict[str, Any] = {"case": case}
+        for name in ("fla", "chain", "fused"):
+            try:
+                row[name] = timing(impl(name), x, cu)
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                row[name] = {"error": f"{type(error).__name__}: {error}"}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def profile(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
+    from _timing import profile_kernels
+
+    out = {}
+    x, cu = make_row("b1_32k", device)
+    args_ = [x[n] for n in NAMES]
+    for name in ("chain", "fused", "fla"):
+        if over_budget(args):
+            break
+        fn = impl(name)
+        with torch.no_grad():
+            text = profile_kernels(lambda: fn(*args_, cu), device, iters=3, top=12)
+        print(f"--- {name}, forward, B=1 T=32K H=32\n{text}", flush=True)
+        out[name] = text
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", nargs="+", default=["accuracy", "variants", "table", "profile"],
+                   choices=["accuracy", "variants", "table", "profile"])
+    p.add_argument("--rows", nargs="+", default=TABLE_ROWS, choices=list(ROWS))
+    p.add_argument("--budget-s", type=float, default=420.0)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    results: dict[str, Any] = {}
+    for part in args.parts:
+        if over_budget(args):
+            print(f"budget: part {part} skipped", flush=True)
+            continue
+        results[part] = globals()[part](args, device)
+        print(f"[{time.time() - START:.0f} s] {part} done", flush=True)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gdn_fused.json").write_text(json.dumps(results, indent=1))
+    if "accuracy" in results:
+        print("\n| case | impl | pass | rel-L2 vs float64 |")
+        print("| --- | --- | --- | --- |")
+        for r in results["accuracy"]:
+            errs = ", ".join(f"{k} {v:.1e}" for k, v in r.items()
+                             if isinstance(v, float))
+            print(f"| {r.get('case')} | {r.get('impl')} | {r.get('pass')} | "
+                  f"{errs or r.get('error')} |")
+    if "variants" in results:
+        print("\n| variant (B=1 T=32K H=32) | fwd ms |")
+        print("| --- | --- |")
+        for r in results["variants"]:
+            print(f"| {r['variant']} | {r.get('fwd_ms', r.get('error'))} |")
+    if "table" in results:
+        print("\n| case | fla fwd | chain fwd | fused fwd | fused/fla fwd | fla f+b | chain f+b "
+              "| fused f+b | fused/fla f+b | peak MiB fla / chain / fused |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in results["table"]:
+            def get(n: str, k: str) -> float:
+                return r.get(n, {}).get(k, float("nan"))
+            print(f"| {r['case']} | {get('fla', 'fwd_ms'):.2f} | {get('chain', 'fwd_ms'):.2f} | "
+                  f"{get('fused', 'fwd_ms'):.2f} | "
+                  f"{get('fused', 'fwd_ms') / get('fla', 'fwd_ms'):.2f} | "
+                  f"{get('fla', 'fwd_bwd_ms'):.2f} | {get('chain', 'fwd_bwd_ms'):.2f} | "
+                  f"{get('fused', 'fwd_bwd_ms'):.2f} | "
+                  f"{get('fused', 'fwd_bwd_ms') / get('fla', 'fwd_bwd_ms'):.2f} | "
+                  f"{get('fla', 'peak_mib'):.0f} / {get('chain', 'peak_mib'):.0f} / "
+                  f"{get('fused', 'peak_mib'):.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""Cases of tests/ops/test_gdn_triton_fused.py, run as ``python _gdn_triton_fused_cases.py
+CASE`` in a child process with ``TRITON_INTERPRET=1`` (as _gdn_triton_cases.py, for the same
+reason). Prints ``RESULT {"errors": {name: rel-L2}, "tolerance": float, ...}``.
+
+The fused forward (ops/gdn/triton/fused_fwd.py) against the float64 token recurrence (run per
+sequence for packed inputs): without gradients (nothing saved: o and the final state) for both
+diagonal-block inverses and with one and several scan segments (the summary mode and the
+chain); with gradients (the fused walk writes the saved set, the unchanged backward reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+torch.set_num_threads(1)
+
+from _gdn_util import make_inputs, rel_l2, upcast  # noqa: E402
+from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule  # noqa: E402
+from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
+    chunk_gated_delta_rule_triton, gdn_forward)
+from overlap_runtime.ops.gdn.triton.fused_fwd import FusedConfig  # noqa: E402
+
+NAMES = ("q", "k", "v", "g", "beta")
+STATE = "initial_state"
+
+# (lengths or None, T, H, HV, K, V, dtype, initial_state, l2norm, tolerance)
+# lengths: packed sequences (B = 1, cu_seqlens); None: one dense sequence of T tokens.
+# fp32 at the dense Triton cases' bound (1e-5), bf16 at theirs (4e-2, the interpreter truncates
+# fp32 -> bf16 casts).
+CASES = {
+    # value heads sharing a key head; a partial last chunk
+    "fp32_gqa": (None, 150, 1, 2, 16, 16, torch.float32, True, True, 1e-5),
+    # one value head per key head (dk's norm backward inside wy_kkt_bwd), no initial state
+    "fp32_heads_no_state": (None, 130, 2, 2, 32, 16, torch.float32, False, True, 1e-5),
+    # no l2norm in the op (pre-normalised keys)
+    "fp32_no_norm": (None, 100, 1, 2, 16, 32, torch.float32, True, False, 1e-5),
+    # packed: shorter than a chunk, equal, one past, two chunks and a bit; an empty sequence
+    "fp32_packed": ((1, 63, 0, 64, 65, 130), 0, 1, 2, 16, 16, torch.float32, True, True, 1e-5),
+    "bf16_gqa": (None, 192, 1, 2, 32, 32, torch.bfloat16, True, True, 4e-2),
+}
+
+
+def _inputs(case: str) -> tuple[dict, torch.Tensor | None, list[int] | None]:
+    lengths, seq_len, heads, value_heads, key_dim, value_dim, dtype, with_state, l2, _ = (
+        CASES[case])
+    offsets = None
+    if lengths is not None:
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        seq_len = offsets[-1]
+    x = make_inputs(1, seq_len, heads, value_heads, key_dim, value_dim, dtype=dtype, seed=7,
+                    decay_shift=3.0)
+    if not l2:  # unnormalised keys make (I + A) ill conditioned: pre-normalise
+        for name in ("q", "k"):
+            raw = x[name].detach().double()
+            x[name] = (raw / raw.norm(dim=-1, keepdim=True)).to(dtype).requires_grad_()
+    states = 1 if offsets is None else len(offsets) - 1
+    h0 = torch.randn(states, value_heads, key_dim, value_dim,
+                     generator=torch.Generator().manual_seed(8))
+    x[STATE] = h0.requires_grad_() if with_state else None
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+    return x, cu, offsets
+
+
+def _reference(x: dict, offsets: list[int] | None, l2: bool, do: torch.Tensor,
+               dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """float64 recurrence per sequence: (o, final states, input gradients)."""
+    ref = {n: (None if t is None else t.detach().double().requires_grad_())
+           for n, t in x.items()}
+    offsets = offsets or [0, x["q"].shape[1]]
+    value_heads, key_dim, value_dim = x["v"].shape[2], x["q"].shape[3], x["v"].shape[3]
+    outs, finals = [], []
+    for i in range(len(offsets) - 1):
+        a, b = offsets[i], offsets[i + 1]
+        h0 = None if ref[STATE] is None else ref[STATE][i:i + 1]
+        if a == b:
+            finals.append(h0 if h0 is not None else torch.zeros(
+                1, value_heads, key_dim, value_dim, dtype=torch.float64))
+            continue
+        o, h = recurrent_gated_delta_rule(*(ref[n][:, a:b] for n in NAMES), initial_state=h0,
+                                          use_qk_l2norm=l2)
+        outs.append(o)
+        finals.append(h)
+    o_ref, h_ref = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    ((o_ref * do).sum() + (h_ref * dh).sum()).backward()
+    grads = {"d" + n: t.grad for n, t in ref.items() if t is not None}
+    return o_ref.detach(), h_ref.detach(), grads
+
+
+def run_case(case: str) -> dict:
+    tol, l2 = CASES[case][-1], CASES[case][-2]
+    x, cu, offsets = _inputs(case)
+    key_dim = x["q"].shape[3]
+    gen = torch.Generator().manual_seed(9)
+    num_states = 1 if offsets is None else len(offsets) - 1
+    do = torch.randn(x["v"].shape, generator=gen, dtype=torch.float64)
+    dh = torch.randn(num_states, x["v"].shape[2], key_dim, x["v"].shape[3], generator=gen,
+                     dtype=torch.float64)
+    o_ref, h_ref, g_ref = _reference(x, offsets, l2, do, dh)
+    errors, finite = {}, True
+    inputs = [x[n].detach() for n in NAMES]
+    h0 = None if x[STATE] is None else x[STATE].detach()
+    # forward alone (nothing saved): one segment and three (summaries + chain), both inverses
+    for segments in (1, 3):
+        for doubling in (False, True):
+            with torch.no_grad():
+                o, h, saved, _ = gdn_forward(*inputs, h0, key_dim ** -0.5, l2, segments,
+                                             cu_seqlens=cu, fused=True, save=False,
+                                             fused_config=FusedConfig(inv_doubling=doubling))
+            assert saved is None
+            tag = f"ns{segments}_{'dbl' if doubling else 'subst'}"
+            errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
+            finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
+    # forward + backward through the autograd Function: the fused walk writes the saved set
+    for segments, recompute_w in ((1, False), (2, True)):
+        leaves = {n: (None if t is None else t.detach().clone().requires_grad_())
+                  for n, t in x.items()}
+        o, h = chunk_gated_delta_rule_triton(*(leaves[n] for n in NAMES), key_dim ** -0.5,
+                                             leaves[STATE], l2, segments, cu_seqlens=cu,
+                                             recompute_w=recompute_w, fused_forward=True)
+        ((o.double() * do).sum() + (h.double() * dh).sum()).backward()
+        tag = f"grad_ns{segments}"
+        errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
+        for n, t in leaves.items():
+            if t is not None:
+                errors[f"d{n}_{tag}"] = rel_l2(t.grad, g_ref["d" + n])
+                finite &= bool(torch.isfinite(t.grad).all())
+    return {"errors": errors, "tolerance": tol, "finite": finite}
+
+
+def errors_name_the_rule(case: str) -> dict:
+    """Misuse raises, naming the value and the rule."""
+    x = make_inputs(1, 64, 1, 1, 32, 32, dtype=torch.float32, requires_grad=False)
+    raised = {}
+    try:
+        gdn_forward(*(x[n] for n in NAMES), None, 0.25, True, None, fused=True, save=False,
+                    fused_config=FusedConfig(block=24))
+        raised["block"] = "no error"
+    except ValueError as error:
+        raised["block"] = str(error)
+    try:
+        gdn_forward(*(x[n] for n in NAMES), None, 0.25, True, None, save=False)
+        raised["chain_no_save"] = "no error"
+    except ValueError as error:
+        raised["chain_no_save"] = str(error)
+    return {"raised": raised}
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    result = run_case(name) if name in CASES else errors_name_the_rule(name)
+    print("RESULT " + json.dumps(result))
