@@ -7,6 +7,10 @@ joins the group with ``launch.init_from_env``. Rank 0 prints one progress line p
 grad norm, tokens/s). ``--compare-single`` then trains the single-device baseline on the same
 data and prints the largest loss and grad-norm differences; ``--metrics PATH`` (or
 ``train.metrics``) writes everything as JSON.
+
+Errors are raised, never printed here: ``overlap_runtime.cli`` prints each as one line with its
+exit code (``overlap_runtime.failure``). What can fail before a rank starts is checked first
+(:func:`_check_before_ranks`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 

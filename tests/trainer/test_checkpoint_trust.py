@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import os
 import pickle
 import shutil
@@ -32,7 +31,6 @@ import torch.distributed.checkpoint as dcp
 from overlap_runtime.testing import run_ranks
 from overlap_runtime.trainer import TrainResult, config_from_dict, train_single
 from overlap_runtime.trainer.checkpoint import CheckpointError, list_checkpoints
-from overlap_runtime.trainer.ckpt_dir import recover
 from overlap_runtime.trainer.manifest import verify_checkpoint, write_manifest
 
 CP_MODES = {"linear_attention_cp_mode": "p2p", "full_attention_cp_mode": "ring"}
