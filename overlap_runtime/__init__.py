@@ -23,7 +23,8 @@ architecture.md has the map and tests/schedules/test_import_graph.py checks it):
 - ``models``: the Qwen3.5-style hybrid decoder and its parallelisation
 - ``trainer``: ``ParallelDims``, the YAML config and the training loop; ``stepgraph`` (same
   layer): one task graph per training step, validated before the run, checked after it
-- ``cli``, ``demo``, ``info``: the ``overlap-runtime`` command and its subcommands
+- ``cli``, ``demo``, ``info``: the ``overlap-runtime`` command and its subcommands;
+  ``failure``: how the command reports an error (one line, an exit code, a log file)
 """
 
 __version__ = "0.1.0"

@@ -46,12 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; a failure prints one line and returns its exit code
+    (:mod:`overlap_runtime.failure`: 2 for a configuration, data or checkpoint error, 1 for a
+    runtime fault), its traceback going to a log file the line names."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(exc, (SystemExit, GeneratorExit)):
+            raise
+        from overlap_runtime.failure import report_failure
+
+        return report_failure(exc, args.command, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ leaves orphans:
 * nothing outlives a SIGKILLed parent: ranks carry ``PR_SET_PDEATHSIG`` and close their inherited
   copy of the forkserver's "alive" pipe, so the forkserver (the ranks' parent) sees EOF and exits
   when the parent dies, which kills the ranks; the ranks' stack files are unlinked temporary files
-  passed by descriptor, so no path is left on disk.
+  passed by descriptor, so no path is left on disk; and the forkserver, exiting after its
+  launcher died, removes the launcher's multiprocessing directory (``pymp-*``, holding the
+  forkserver's socket), which only the launcher's clean exit would have removed
+  (:func:`_forkserver_removes_dead_launchers_temp_dir`).
 
 Children start from a forkserver that has already imported torch, torch.distributed's DTensor,
 FSDP2 and DCP and this package's stack (never triton: :mod:`overlap_runtime.rank_start`), so a
@@ -31,12 +34,15 @@ parent's in the ranks (:mod:`overlap_runtime.rank_start`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import faulthandler
 import io
 import multiprocessing.connection as mpc
 import multiprocessing.reduction as mp_reduction
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -44,7 +50,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +60,9 @@ from overlap_runtime.platform import (DeviceUnavailableError, backend_for, devic
                                       resolve_device, set_device)
 
 DEFAULT_SPAWN_TIMEOUT_S = 300.0
+#: ``<launcher pid>:<launcher's pymp dir>``, set while the forkserver starts (and only then)
+LAUNCHER_TEMP_ENV = "OVERLAP_RUNTIME_LAUNCHER_TEMP_DIR"
+_LAUNCHER_GONE_WAIT_S = 2.0  # how long the exiting forkserver waits to see its launcher gone
 DEFAULT_STORE_HOST = "127.0.0.1"
 STORE_HOST_ENV = "OVERLAP_RUNTIME_STORE_HOST"
 _SETTLE_S = 1.0  # after a first failure, how long a death may take to be seen (see spawn)
@@ -396,6 +405,88 @@ def _host_store(host: str, timeout_s: float) -> tuple[Any, str]:
     return store, wildcard.get(bound, bound)
 
 
+#: Descriptors a spawned job needs per rank, in the parent and in each rank: the parent holds
+#: a pipe end, a stack file and a process sentinel per rank (3); each rank holds a socket to
+#: every peer of its gloo group and one to the store (world_size + a few). A margin covers
+#: everything else a process has open.
+FDS_PER_RANK = 4
+FD_MARGIN = 256
+
+
+@contextlib.contextmanager
+def _launcher_temp_dir_told() -> Iterator[None]:
+    """While the forkserver may start: :data:`LAUNCHER_TEMP_ENV` names this process and its
+    multiprocessing temporary directory, for the forkserver to remove if this process dies."""
+    from multiprocessing import util
+
+    saved = os.environ.get(LAUNCHER_TEMP_ENV)
+    os.environ[LAUNCHER_TEMP_ENV] = f"{os.getpid()}:{util.get_temp_dir()}"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(LAUNCHER_TEMP_ENV, None)
+        else:
+            os.environ[LAUNCHER_TEMP_ENV] = saved
+
+
+def _remove_if_launcher_gone(directory: str, launcher: int, server: int) -> None:
+    """At the forkserver's exit: remove ``directory`` if the launcher is gone (the forkserver
+    was re-parented), waiting at most ``_LAUNCHER_GONE_WAIT_S`` for the kernel to re-parent it.
+    A launcher still alive (it stopped its forkserver) keeps its directory."""
+    if os.getpid() != server:  # a rank forked from the server inherited this handler
+        return
+    deadline = time.monotonic() + _LAUNCHER_GONE_WAIT_S
+    while os.getppid() == launcher and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if os.getppid() != launcher:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _forkserver_removes_dead_launchers_temp_dir() -> None:
+    """In the forkserver (which imports this module at start, ``rank_start``): arrange to
+    remove the launcher's ``pymp-*`` directory when the server exits because the launcher died.
+
+    multiprocessing removes that directory in the launcher's exit handlers, which a SIGKILL
+    skips; the forkserver outlives its launcher by the moment it takes to see EOF on its "alive"
+    pipe, and exits normally then (its exit handlers do run). Only the launcher's direct child
+    that finds :data:`LAUNCHER_TEMP_ENV` naming its parent registers (the forkserver); the
+    variable is cleared so that nothing started later inherits it.
+    """
+    spec = os.environ.pop(LAUNCHER_TEMP_ENV, None)
+    if not spec:
+        return
+    pid, _, directory = spec.partition(":")
+    if not pid.isdigit() or not directory or os.getppid() != int(pid):
+        return
+    atexit.register(_remove_if_launcher_gone, directory, int(pid), os.getpid())
+
+
+_forkserver_removes_dead_launchers_temp_dir()
+
+
+def check_open_files(world_size: int) -> None:
+    """Raise ValueError before any rank starts when ``world_size`` ranks would run out of file
+    descriptors (``RLIMIT_NOFILE``'s soft limit: EMFILE halfway through the spawn otherwise).
+
+    The need is ``FDS_PER_RANK * world_size + FD_MARGIN``; the soft limit is not raised here
+    (``ulimit -n`` is the user's choice).
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = FDS_PER_RANK * world_size + FD_MARGIN
+    if soft != resource.RLIM_INFINITY and need > soft:
+        raise ValueError(
+            f"world_size={world_size} ranks need about {need} open files ({FDS_PER_RANK} per "
+            f"rank: pipes and stack files here, a socket to every peer in each rank) but this "
+            f"process may open {soft} (RLIMIT_NOFILE; hard limit "
+            f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}): use fewer ranks or "
+            f"raise the limit (ulimit -n)")
+
+
 def check_world(device: str, world_size: int) -> None:
     """Raise before any rank starts when ``world_size`` ranks on ``device`` cannot run here.
 
@@ -403,12 +494,14 @@ def check_world(device: str, world_size: int) -> None:
     devices of that kind must exist; CPU ranks need nothing.
 
     Raises:
-        ValueError: ``world_size < 1``.
+        ValueError: ``world_size < 1``, or more ranks than file descriptors allow
+            (:func:`check_open_files`).
         DeviceUnavailableError: the kind is not available, or has fewer devices than ranks
             (naming the kind and both counts).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_open_files(world_size)
     if device_kind(device) == "cpu":
         return
     try:
@@ -471,7 +564,8 @@ def spawn(
     store, store_addr = _host_store(
         store_host or os.environ.get(STORE_HOST_ENV) or DEFAULT_STORE_HOST, timeout_s
     )
-    expected_parent = rank_start.expected_parent(ctx.get_start_method())
+    with _launcher_temp_dir_told():  # read by a forkserver started now
+        expected_parent = rank_start.expected_parent(ctx.get_start_method())
     package_dir, python_env = rank_start.package_dir(), rank_start.python_env()
     # Unlinked files (O_TMPFILE on Linux): no path exists, so none can outlive a killed parent.
     stack_files = [tempfile.TemporaryFile(prefix="overlap_runtime_spawn_")

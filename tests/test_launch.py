@@ -277,6 +277,11 @@ def _sigkilled_parent(tmp_path: Path) -> None:
                              f"(ranks {ranks}, forkserver {servers})")
     left = sorted(p.name for p in tmp_dir.glob("overlap_runtime_spawn_*"))
     assert left == [], f"spawn left temporary directories behind: {left}"
+    deadline = time.monotonic() + 5.0  # the exiting forkserver removes the parent's pymp-*
+    while (left := sorted(p.name for p in tmp_dir.glob("pymp-*"))) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], f"multiprocessing's directory of the killed parent was left: {left}"
 
 
 def _listening_addresses(port: int) -> list[str]:

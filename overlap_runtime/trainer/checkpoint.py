@@ -1,4 +1,5 @@
-"""Checkpoint and resume with ``torch.distributed.checkpoint`` (DCP), complete or invisible.
+"""Checkpoint and resume with ``torch.distributed.checkpoint`` (DCP): complete or invisible,
+verified before it is read, one run per directory.
 
 What a checkpoint holds (one DCP checkpoint directory, ``<checkpoint.dir>/step-00000005``):
 
@@ -11,19 +12,31 @@ What a checkpoint holds (one DCP checkpoint directory, ``<checkpoint.dir>/step-0
   ``num_experts / ep`` consecutive experts and FSDP2 shards those again, so no single DTensor
   describes the global ``[E, ...]`` tensor; per-expert rows do, under any ep x efsdp split;
 - ``train.*``: the step, the LR scheduler, the data position (``dataset.state_dict()``), the
-  layout it was saved under, and ``rng.rank<r>.*`` RNG states per rank.
+  layout it was saved under, and ``rng.rank<r>.*`` RNG states per rank;
+- ``config.json`` (the model and layout, for tools) and ``manifest.json`` (every file's size and
+  SHA-256, written last: ``trainer.manifest``).
 
 DCP reads each rank's slices of every saved tensor whatever layout wrote them, so a checkpoint
 saved under one layout loads under another (``cp2 -> cp4``, ``pp2 x ep2 -> pp1``, or into the
 single-device baseline); RNG states are restored only under the same world size and layout.
 
-**Complete or invisible.** Every rank writes into ``.tmp-step-00000005``; DCP's coordinator writes
-``.metadata`` only after every rank's data is written, and rank 0 then renames the directory to
-``step-00000005`` (an atomic rename on one filesystem) and fsyncs the parent. A run killed at any
-point of a save leaves at most a ``.tmp-*`` directory, which resume ignores and the next run's
-rank 0 deletes. ``async_save`` stages the state to host memory, writes in a background thread
-over a separate gloo group, and commits when that finishes (waited for, with
-``checkpoint.timeout_s``, before the next save and at the end of the run).
+**Complete or invisible.** Every rank writes into ``.tmp-step-00000005`` and hashes the files it
+wrote; DCP's coordinator writes ``.metadata`` only after every rank's data is written; rank 0
+then writes ``manifest.json`` and renames the directory to ``step-00000005`` (replacing an older
+copy without a moment where neither exists: ``trainer.ckpt_dir``). A run killed at any point of
+a save leaves at most a ``.tmp-*`` directory, which resume ignores and the next run's rank 0
+deletes. ``async_save`` stages the state to host memory, writes in a background thread over a
+separate gloo group, and commits when that finishes (waited for, with ``checkpoint.timeout_s``,
+before the next save and at the end of the run).
+
+**Verified, and never executed.** Rank 0 alone decides what to resume (``checkpoint.resume``),
+verifies every file of it against its manifest before anything is read (falling back, for
+``latest`` / ``auto``, to the newest checkpoint that verifies, said in one line) and hands the
+choice to every rank (a bounded collective), so all ranks load the same step. The load itself
+unpickles nothing outside an allow-list (``trainer.ckpt_reader``).
+
+**One run per directory.** Rank 0 holds an exclusive lock on ``checkpoint.dir`` from start-up
+to the end of the run (``trainer.ckpt_lock``); a second run is refused naming the holder.
 
 ``OVERLAP_RUNTIME_CHECKPOINT_FAULT=step=<s>,rank=<r>`` (tests only) kills rank ``r`` with SIGKILL
 after it has written its data of the save at step ``s`` and before the checkpoint is committed.
@@ -34,112 +47,49 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-import shutil
 import signal
 import time
+import warnings
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import warnings
-
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
 from overlap_runtime.moe.experts import GroupedExperts
+from overlap_runtime.trainer.ckpt_dir import (TMP_PREFIX, checkpoint_step, choose_resume,
+                                              commit_directory, latest_checkpoint,
+                                              list_checkpoints, prune, recover, resolve_resume,
+                                              step_dir_name)
+from overlap_runtime.trainer.ckpt_lock import DirectoryLock
+from overlap_runtime.trainer.ckpt_reader import SafeFileSystemReader, SafeLoadPlanner
+from overlap_runtime.trainer.errors import CheckpointError
+from overlap_runtime.trainer.manifest import (MANIFEST_NAME, verify_checkpoint, write_manifest,
+                                              write_part)
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
     "FAULT_ENV",
+    "MANIFEST_NAME",
     "checkpoint_step",
     "list_checkpoints",
     "latest_checkpoint",
     "resolve_resume",
     "step_dir_name",
+    "verify_checkpoint",
 ]
 
 FAULT_ENV = "OVERLAP_RUNTIME_CHECKPOINT_FAULT"
-_STEP_RE = re.compile(r"^step-(\d{8})$")
-_TMP_PREFIX = ".tmp-"
 _EXPERT_SEP = "/expert"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or resumed; the message names the path and the rule."""
-
-
-def step_dir_name(step: int) -> str:
-    """``step-00000005``: the directory of the checkpoint taken after ``step`` optimizer steps."""
-    return f"step-{step:08d}"
-
-
-def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints under ``directory`` as ``(step, path)``, oldest first.
-
-    Complete: named ``step-NNNNNNNN`` (committed by rename) and holding DCP's ``.metadata``.
-    ``.tmp-*`` directories of an interrupted save are never listed.
-    """
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    out = []
-    for child in d.iterdir():
-        m = _STEP_RE.match(child.name)
-        if m and child.is_dir() and (child / ".metadata").is_file():
-            out.append((int(m.group(1)), child))
-    return sorted(out)
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``directory`` (None: none)."""
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
-
-
-def resolve_resume(config: Any) -> Path | None:
-    """The checkpoint that ``checkpoint.resume`` names (None: start fresh); reads only the
-    filesystem, so launchers check it before starting ranks.
-
-    ``None``: start fresh, and refuse a ``checkpoint.dir`` that already holds checkpoints (they
-    would be overwritten); ``"latest"``: the newest complete one (error if none); ``"auto"``: the
-    newest if any, else fresh; another string: that checkpoint directory.
-
-    Raises:
-        CheckpointError: naming the field and the path.
-    """
-    d = Path(config.dir) if config.dir is not None else None
-    if config.resume is None:
-        if d is not None and (found := latest_checkpoint(d)) is not None:
-            raise CheckpointError(
-                f"checkpoint.dir={str(d)!r} already holds checkpoints (newest {found.name}): "
-                f"resume with --resume (checkpoint.resume: latest or auto) or choose another "
-                f"checkpoint.dir")
-        return None
-    if config.resume in ("latest", "auto"):
-        found = latest_checkpoint(d) if d is not None else None
-        if found is None and config.resume == "latest":
-            raise CheckpointError(f"checkpoint.resume=latest: no complete checkpoint in "
-                                  f"checkpoint.dir={str(d)!r}")
-        return found
-    path = Path(config.resume)
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"checkpoint.resume={config.resume!r}: not a complete checkpoint "
-                              f"(no .metadata in it)")
-    return path
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The step of a checkpoint directory named ``step-NNNNNNNN`` (None: another name)."""
-    m = _STEP_RE.match(path.name)
-    return int(m.group(1)) if m else None
 
 
 class _Parts(nn.Module):
@@ -231,8 +181,24 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-class _FaultWriter(dcp.FileSystemWriter):
-    """A FileSystemWriter that SIGKILLs this process after writing its data (tests only)."""
+class _HashingWriter(dcp.FileSystemWriter):
+    """A FileSystemWriter that hashes the files this rank wrote, right after writing them
+    (``trainer.manifest.write_part``): the ranks hash their shares in parallel."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        super().__init__(path)
+        self.rank = rank
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fut = super().write_data(plan, planner)
+        results = fut.wait()
+        write_part(Path(self.path), self.rank,
+                   {r.storage_data.relative_path for r in results})
+        return fut
+
+
+class _FaultWriter(_HashingWriter):
+    """A writer that SIGKILLs this process after writing its data (tests only)."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         fut = super().write_data(plan, planner)
@@ -250,6 +216,23 @@ def _fault_for(step: int, rank: int) -> bool:
         return int(fields["step"]) == step and int(fields["rank"]) == rank
     except (KeyError, ValueError):
         raise CheckpointError(f"{FAULT_ENV}={spec!r}: expected 'step=<s>,rank=<r>'") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for what DCP raised: a :class:`CheckpointError` of ours inside its
+    ``CheckpointException`` (which derives from ``BaseException``, not ``Exception``) as is,
+    otherwise each failing rank's exception type and first line."""
+    if isinstance(exc, CheckpointException):
+        parts = []
+        for rank, (inner, _) in sorted(exc.failures.items()):
+            if isinstance(inner, CheckpointError):
+                return str(inner)
+            parts.append(f"rank {rank}: {_reason(inner)}")
+        return "; ".join(parts) or "CheckpointException without failures"
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0] if first else ''}".rstrip(": ")
 
 
 @dataclass(frozen=True)
@@ -278,7 +261,9 @@ class Checkpointer:
             collective, DCP's ``no_dist``).
 
     Collective: every rank of the default process group (if one is initialised) constructs it
-    and calls :meth:`resume`, :meth:`after_step` and :meth:`close` in the same order.
+    and calls :meth:`resume`, :meth:`after_step` and :meth:`close` in the same order. Rank 0
+    holds ``checkpoint.dir``'s lock from construction to :meth:`close` / :meth:`release` (also
+    released when a method raises, and when the process ends).
     """
 
     def __init__(self, config: Any, modules: list[nn.Module], optimizer: torch.optim.Optimizer,
@@ -302,27 +287,70 @@ class Checkpointer:
         self.world = dist.get_world_size() if self.distributed else 1
         self._experts = _expert_modules(self.model)
         self._pending: tuple[Any, int, Path, float] | None = None
+        self._lock: DirectoryLock | None = None
+        self._resumed_from: Path | None = None
         self._async_pg = None
         if config.async_save and self.distributed:
             # DCP's background thread runs its own collectives: never on the training group.
             self._async_pg = dist.new_group(backend="gloo")
-        if self.dir is not None and self.rank == 0:
+        try:
+            notes = self._from_rank0(self._take_directory)
+        except BaseException:
+            self.release()
+            raise
+        for line in notes:
+            self.log(line)
+
+    # ---- rank 0 decides, every rank learns it ----------------------------------------------
+
+    def _take_directory(self) -> list[str]:
+        """Rank 0: create ``checkpoint.dir``, lock it, tidy what an interrupted run left."""
+        if self.dir is None:
+            return []
+        try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            for child in self.dir.iterdir():  # leftovers of an interrupted save
-                if child.name.startswith(_TMP_PREFIX):
-                    shutil.rmtree(child, ignore_errors=True)
-        self._barrier()
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint.dir={str(self.dir)!r} cannot be created: "
+                                  f"{exc.strerror}") from None
+        self._lock = DirectoryLock(self.dir)
+        try:
+            return recover(self.dir)
+        except OSError as exc:
+            self.release()
+            raise CheckpointError(f"checkpoint.dir={str(self.dir)!r}: cannot clear what an "
+                                  f"interrupted run left: {exc}") from None
+
+    def _from_rank0(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on rank 0 alone, its JSON-able result (or its error, raised as the same
+        :class:`CheckpointError` on every rank) handed to every rank by two all-gathers bounded
+        by ``checkpoint.timeout_s`` (so every rank waits for rank 0 at most that long)."""
+        if not self.distributed:
+            return fn()
+        if self.rank == 0:
+            try:
+                payload = {"ok": fn()}
+            except Exception as exc:  # noqa: BLE001 - handed to every rank, then raised
+                payload = {"error": _reason(exc)}
+            blob = json.dumps(payload).encode()
+        else:
+            blob = b""
+        from overlap_runtime.ops import comm
+
+        with torch.no_grad():
+            size = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
+            sizes = comm.all_gather(size, 0, None, self.config.timeout_s).cpu()
+            longest = int(sizes.max())
+            buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+            if blob:
+                buf[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            rows = comm.all_gather(buf.to(self.device), 0, None, self.config.timeout_s)
+        first = bytes(rows.view(self.world, -1)[0, :int(sizes[0])].cpu().tolist())
+        payload = json.loads(first.decode())
+        if "error" in payload:
+            raise CheckpointError(payload["error"])
+        return payload["ok"]
 
     # ---- state ---------------------------------------------------------------------------
-
-    def _barrier(self) -> None:
-        """Every rank reached this point (bounded: ``checkpoint.timeout_s``, then an error
-        naming the wait, never a hang)."""
-        if self.distributed:
-            from overlap_runtime.ops import comm
-
-            probe = torch.zeros(1, device=self.device)
-            comm.all_gather(probe, 0, None, self.config.timeout_s)
 
     def _model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
         msd, osd = get_state_dict(self.model, self.optimizer,
@@ -363,25 +391,33 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         """Write the checkpoint of ``step`` (sync: committed on return; async: staged, committed
-        when the background write finishes)."""
+        when the background write finishes).
+
+        Raises:
+            CheckpointError: the save failed on some rank (a full disk, an unwritable
+                directory), naming the step, the path and each failing rank's reason.
+        """
         assert self.dir is not None
         self._finish_pending()
         final = self.dir / step_dir_name(step)
-        tmp = self.dir / f"{_TMP_PREFIX}{final.name}"
+        tmp = self.dir / f"{TMP_PREFIX}{final.name}"
         msd, osd = self._model_optim()
         state = self._state(step, msd, osd, with_rng=True)
-        writer: dcp.FileSystemWriter = (_FaultWriter(tmp) if _fault_for(step, self.rank)
-                                        else dcp.FileSystemWriter(tmp))
+        writer = (_FaultWriter if _fault_for(step, self.rank) else _HashingWriter)(tmp, self.rank)
         t0 = time.perf_counter()
-        if self.config.async_save and self.distributed:
-            resp = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg)
-            fut = getattr(resp, "upload_completion", resp)
-            self._pending = (fut, step, tmp, t0)
-            self.log(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f} s, "
-                     f"writing in the background")
-            return
-        with _quiet_single_process():
-            dcp.save(state, storage_writer=writer, no_dist=not self.distributed)
+        try:
+            if self.config.async_save and self.distributed:
+                resp = dcp.async_save(state, storage_writer=writer, process_group=self._async_pg)
+                fut = getattr(resp, "upload_completion", resp)
+                self._pending = (fut, step, tmp, t0)
+                self.log(f"checkpoint: step {step} staged in {time.perf_counter() - t0:.2f} s, "
+                         f"writing in the background")
+                return
+            with _quiet_single_process():
+                dcp.save(state, storage_writer=writer, no_dist=not self.distributed)
+        except (Exception, CheckpointException) as exc:  # DCP's derives from BaseException
+            raise CheckpointError(f"rank {self.rank}: cannot save the checkpoint of step {step} "
+                                  f"to {tmp}: {_reason(exc)}") from exc
         self._commit(step, tmp, final, t0)
 
     def _finish_pending(self) -> None:
@@ -396,71 +432,109 @@ class Checkpointer:
                 raise CheckpointError(
                     f"rank {self.rank}: the asynchronous save of step {step} to {tmp} did not "
                     f"finish within checkpoint.timeout_s={self.config.timeout_s} s") from None
+            except (Exception, CheckpointException) as exc:
+                raise CheckpointError(f"rank {self.rank}: the asynchronous save of step {step} "
+                                      f"to {tmp} failed: {_reason(exc)}") from exc
         assert self.dir is not None
         self._commit(step, tmp, self.dir / step_dir_name(step), t0)
 
     def _commit(self, step: int, tmp: Path, final: Path, t0: float) -> None:
-        """Rank 0 renames the finished directory into place and prunes old checkpoints (DCP's
-        ``.metadata`` exists once any rank's save returns: it is written after every rank's
-        data)."""
+        """Rank 0 writes ``config.json`` and the manifest, renames the finished directory into
+        place and prunes old checkpoints (DCP's ``.metadata`` exists once any rank's save
+        returns: it is written after every rank's data, and every rank hashed its files
+        before that)."""
         if self.rank != 0:
             return
         if not (tmp / ".metadata").is_file():
             raise CheckpointError(f"checkpoint of step {step}: {tmp}/.metadata is missing after "
                                   f"the save returned")
-        if self.model_config is not None:
-            (tmp / "config.json").write_text(json.dumps(
-                {"model": self.model_config, "layout": self.layout, "world_size": self.world,
-                 "step": step}, indent=2))
-        if final.exists():  # an earlier run's checkpoint of the same step
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fd = os.open(final.parent, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self.log(f"checkpoint: step {step} saved to {final} in {time.perf_counter() - t0:.2f} s")
-        keep = self.config.keep_last
-        if keep is not None:
-            for _, old in list_checkpoints(final.parent)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            if self.model_config is not None:
+                (tmp / "config.json").write_text(json.dumps(
+                    {"model": self.model_config, "layout": self.layout,
+                     "world_size": self.world, "step": step}, indent=2))
+            t_hash = time.perf_counter()
+            write_manifest(tmp)
+            hashed = time.perf_counter() - t_hash
+            commit_directory(tmp, final)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint of step {step}: cannot commit {tmp} as {final}: "
+                                  f"{exc}") from None
+        self.log(f"checkpoint: step {step} saved to {final} in {time.perf_counter() - t0:.2f} s "
+                 f"(manifest {hashed:.2f} s)")
+        if self.config.keep_last is not None:
+            protect = {self._resumed_from} if self._resumed_from is not None else set()
+            prune(final.parent, step, self.config.keep_last, protect)
 
     def close(self) -> None:
-        """Wait for (and commit) an asynchronous save still in flight."""
-        self._finish_pending()
+        """Wait for (and commit) an asynchronous save still in flight, then release the
+        directory's lock."""
+        try:
+            self._finish_pending()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Release ``checkpoint.dir``'s lock without committing anything (idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # ---- resume --------------------------------------------------------------------------
 
     def resolve_resume(self) -> Path | None:
-        """The checkpoint ``checkpoint.resume`` names (see :func:`resolve_resume`)."""
+        """The checkpoint ``checkpoint.resume`` names, from the filesystem alone (see
+        :func:`~overlap_runtime.trainer.ckpt_dir.resolve_resume`)."""
         return resolve_resume(self.config)
+
+    def _choose(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        path, lines = choose_resume(self.config)
+        # absolute: every rank loads this directory, whatever its working directory
+        return {"path": None if path is None else os.path.abspath(path), "lines": lines,
+                "verify_s": time.perf_counter() - t0}
 
     def resume(self) -> ResumeInfo | None:
         """Load the checkpoint ``checkpoint.resume`` names into the model, optimizer, scheduler
-        and dataset; returns where training continues (None: a fresh start)."""
-        path = self.resolve_resume()
-        if path is None:
-            return None
-        t0 = time.perf_counter()
-        no_dist = not self.distributed
-        train = self._train_state(0)
+        and dataset; returns where training continues (None: a fresh start).
+
+        Rank 0 chooses and verifies the checkpoint; every rank loads that one.
+
+        Raises:
+            CheckpointError: nothing to resume, a checkpoint that does not verify or does not
+                fit this model / layout / data (the lock is released first).
+        """
+        try:
+            return self._resume()
+        except BaseException:
+            self.release()
+            raise
+
+    def _load(self, state: dict[str, Any], path: Path, what: str) -> None:
+        reader = SafeFileSystemReader(path)  # reads .metadata through the allow-list first
         try:
             with _quiet_single_process():
-                dcp.load({"train": train}, checkpoint_id=path, no_dist=no_dist)
-        except Exception as exc:
-            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                         no_dist=not self.distributed)
+        except (Exception, CheckpointException) as exc:  # DCP's derives from BaseException
+            raise CheckpointError(f"checkpoint {path}: {what}: {_reason(exc)}") from exc
+
+    def _resume(self) -> ResumeInfo | None:
+        t0 = time.perf_counter()
+        choice = self._from_rank0(self._choose)
+        for line in choice["lines"]:
+            self.log(line)
+        if choice["path"] is None:
+            return None
+        path = Path(choice["path"])
+        train = self._train_state(0)
+        self._load({"train": train}, path, "cannot read its training state")
         self._check_compatible(train, path)
         same_layout = train["layout"] == self.layout and train["world_size"] == self.world
         msd, osd = self._model_optim()  # initialises the optimizer state (a zero-lr step)
         state = self._state(0, msd, osd, with_rng=same_layout)
         state.pop("train")
-        try:
-            with _quiet_single_process():
-                dcp.load(state, checkpoint_id=path, no_dist=no_dist)
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint {path} does not fit this model / layout: "
-                                  f"{exc}") from exc
+        self._load(state, path, "does not fit this model / layout")
         # DCP copies tensors in place (the per-expert views write into msd / osd's storage)
         # but *replaces* non-tensor values (the optimizer's lr, betas...) in the dict it loaded
         for whole, loaded in ((msd, state["model"]), (osd, state["optim"])):
@@ -484,10 +558,12 @@ class Checkpointer:
                                       f"position is step {position}")
         if same_layout:
             _set_rng_state(state["rng"][f"rank{self.rank}"], self.device)
+        self._resumed_from = path
         self.log(f"checkpoint: resumed from {path} (step {step}"
                  + ("" if same_layout else f", saved under {train['layout']} on "
                     f"{train['world_size']} ranks: resharded, RNG states not restored")
-                 + f") in {time.perf_counter() - t0:.2f} s")
+                 + f") in {time.perf_counter() - t0:.2f} s (verified in "
+                 f"{choice['verify_s']:.2f} s)")
         return ResumeInfo(step, path, same_layout)
 
     def _check_compatible(self, train: dict[str, Any], path: Path) -> None:

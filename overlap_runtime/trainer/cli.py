@@ -7,6 +7,10 @@ joins the group with ``launch.init_from_env``. Rank 0 prints one progress line p
 grad norm, tokens/s). ``--compare-single`` then trains the single-device baseline on the same
 data and prints the largest loss and grad-norm differences; ``--metrics PATH`` (or
 ``train.metrics``) writes everything as JSON.
+
+Errors are raised, never printed here: ``overlap_runtime.cli`` prints each as one line with its
+exit code (``overlap_runtime.failure``). What can fail before a rank starts is checked first
+(:func:`_check_before_ranks`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,15 +83,11 @@ def _report(config: Any, result: Any, baseline: Any, metrics_path: str | None) -
         print(f"metrics written to {path}", flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
+def _config(args: argparse.Namespace) -> Any:
+    """The validated configuration with the command line's overrides; any problem (a field, a
+    device count, a half-set torchrun environment) is a ConfigError."""
     from overlap_runtime.launch import check_world, launched_by_torchrun
-    from overlap_runtime.trainer.checkpoint import (CheckpointError, checkpoint_step,
-                                                    resolve_resume)
     from overlap_runtime.trainer.config import ConfigError, apply_overrides, load_config
-    from overlap_runtime.trainer.cp_config import describe_cp_modes
-    from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
 
     try:
         config = load_config(args.config)
@@ -104,29 +103,67 @@ def run(args: argparse.Namespace) -> int:
         if not launched_by_torchrun():  # ranks spawned here: enough devices, before any starts
             check_world(config.train.accelerator.device,
                         config.train.accelerator.resolved_world_size)
-    except (ValueError, RuntimeError) as exc:  # ConfigError too: one line, exit 2, no rank
-        print("error: " + " ".join(ln.strip() for ln in str(exc).splitlines()), file=sys.stderr)
-        return 2
+    except ConfigError:
+        raise
+    except (ValueError, RuntimeError) as exc:  # DeviceUnavailableError, a torchrun half-set
+        raise ConfigError(str(exc)) from exc
+    return config
+
+
+def _check_before_ranks(config: Any, metrics_path: str | None,
+                        resume_and_lock: bool = True) -> None:
+    """What can fail before any rank starts, checked now: the metrics file can be written, the
+    checkpoint to resume exists (and has steps left), no other run holds ``checkpoint.dir``
+    (``resume_and_lock``: under torchrun, rank 0 checks those two itself), and the data files'
+    first records read (naming file and line)."""
+    from overlap_runtime.trainer.checkpoint import (CheckpointError, checkpoint_step,
+                                                    resolve_resume)
+    from overlap_runtime.trainer.ckpt_lock import check_unlocked
+    from overlap_runtime.trainer.config import ConfigError
+    from overlap_runtime.trainer.config_run import check_output_path
+    from overlap_runtime.trainer.documents import check_first_records
+
+    if metrics_path:
+        try:
+            check_output_path("--metrics" if metrics_path != config.train.metrics
+                              else "train.metrics", metrics_path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if resume_and_lock:
+        resume_from = resolve_resume(config.checkpoint)
+        done = checkpoint_step(resume_from) if resume_from is not None else None
+        if done is not None and done >= config.train.steps:
+            raise CheckpointError(f"{resume_from} is at step {done} and train.steps="
+                                  f"{config.train.steps}: nothing left to train (raise "
+                                  f"train.steps)")
+        if config.checkpoint.dir is not None:
+            check_unlocked(config.checkpoint.dir)
+    if config.data.files is not None:
+        check_first_records(config.data)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``overlap-runtime train``. Errors are raised (``overlap_runtime.cli`` prints each as one
+    line: ConfigError, CheckpointError and DataError exit 2, a rank's runtime fault 1)."""
+    import torch
+
+    from overlap_runtime.launch import launched_by_torchrun
+    from overlap_runtime.trainer.cp_config import describe_cp_modes
+    from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
+
+    config = _config(args)
     metrics_path = args.metrics or config.train.metrics
     acc = config.train.accelerator
     log = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
 
-    try:
-        torchrun = launched_by_torchrun()
-    except RuntimeError as exc:  # RANK, WORLD_SIZE, LOCAL_RANK only partly set
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if torchrun:
+    if launched_by_torchrun():
         import torch.distributed as dist
 
         from overlap_runtime.launch import init_from_env
 
+        _check_before_ranks(config, metrics_path, resume_and_lock=False)  # rank 0 does those
         ctx = init_from_env(acc.device)
-        try:
-            result = train_distributed(config, ctx.device, log)
-        except (ConfigError, CheckpointError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        result = train_distributed(config, ctx.device, log)
         dist.barrier()
         if ctx.rank != 0:
             dist.destroy_process_group()  # every rank leaves the group (torchrun aborts otherwise)
@@ -136,16 +173,7 @@ def run(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         return 0
 
-    try:  # before any rank starts: the checkpoint to resume from exists and has steps left
-        resume_from = resolve_resume(config.checkpoint)
-        done = checkpoint_step(resume_from) if resume_from is not None else None
-        if done is not None and done >= config.train.steps:
-            raise CheckpointError(f"{resume_from} is at step {done} and train.steps="
-                                  f"{config.train.steps}: nothing left to train (raise "
-                                  f"train.steps)")
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    _check_before_ranks(config, metrics_path)
     dims = acc.parallel_dims()
     print(f"spawning {acc.resolved_world_size} {acc.device} ranks: {dims.describe()}, "
           f"dp={dims.dp}, cp modes (GDN/attention or per layer)="

@@ -83,8 +83,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from overlap_runtime.context_parallel.gdn.common import TRITON_CHUNK
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config
-from overlap_runtime.trainer.config_run import (CheckpointConfig, MetricsConfig,
-                                                ProfilingConfig, _Strict)
+from overlap_runtime.trainer.config_yaml import DuplicateKeyError, load_yaml
+from overlap_runtime.trainer.config_run import (MAX_TIMEOUT_S, CheckpointConfig,
+                                                MetricsConfig, ProfilingConfig, _Strict,
+                                                check_output_path)
 from overlap_runtime.trainer.cp_config import (HierarchicalCPConfig, cp_mode_problems,
                                                modes_of_kind)
 from overlap_runtime.trainer.parallel_dims import ParallelDims
@@ -133,7 +135,7 @@ class AcceleratorConfig(_Strict):
     hierarchical_cp: HierarchicalCPConfig | None = None
     full_attention_cp_modes: list[str] | None = None  # per layer: trainer.cp_config
     linear_attention_cp_modes: list[str] | None = None
-    comm_timeout_s: float | None = Field(None, gt=0)
+    comm_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
 
     @property
     def resolved_world_size(self) -> int:
@@ -271,7 +273,8 @@ class OptimizerConfig(_Strict):
     """AdamW (``optimizer``) with linear warmup to a constant ``lr``."""
 
     name: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-3, gt=0)
+    # AdamW moves every weight by about lr per step: above 1 no run converges
+    lr: float = Field(1e-3, gt=0, le=1.0, allow_inf_nan=False)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -293,7 +296,9 @@ class TrainSection(_Strict):
     """The ``train`` block: loop length, seed, precision, checkpointing, layout."""
 
     steps: int = Field(20, ge=1)
-    seed: int = 0
+    # the data's generators are seeded with seed * 1_000_003 + step, which must fit torch's
+    # 64-bit seed for any number of steps a run takes
+    seed: int = Field(0, ge=0, lt=2**32)
     activation_checkpoint: bool = False
     compile: bool = False  # torch.compile the elementwise pieces (layers.compile)
     precision: Literal["fp32", "bf16"] = "fp32"
@@ -304,6 +309,13 @@ class TrainSection(_Strict):
     metrics: str | None = None
     accelerator: AcceleratorConfig = AcceleratorConfig()
     pipeline: PipelineConfig = PipelineConfig()
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_writable(cls, path: str | None) -> str | None:
+        if path is not None:
+            check_output_path("train.metrics", path)
+        return path
 
 
 def _profiling_problems(config: "TrainConfig") -> list[str]:
@@ -568,9 +580,10 @@ def config_from_dict(data: dict[str, Any], source: str = "(dict)") -> TrainConfi
 
 def _override_value(text: str) -> Any:
     """A ``--set`` value: YAML scalar / list syntax (``3``, ``true``, ``null``, ``[2, 2]``), with
-    ``1e-4``-style floats (plain YAML reads them as strings) taken as floats."""
-    value = yaml.safe_load(text) if text.strip() else ""
-    if isinstance(value, str):
+    unquoted ``1e-4``-style floats (plain YAML reads them as strings) taken as floats; a quoted
+    value (``'"2024"'``) stays the string it quotes."""
+    value = _load_yaml(text, "--set value") if text.strip() else ""
+    if isinstance(value, str) and text.strip()[:1] not in ("'", '"'):
         try:
             return float(value)
         except ValueError:
@@ -616,6 +629,16 @@ def apply_overrides(config: TrainConfig, assignments: list[str],
     return config_from_dict(data, source)
 
 
+def _load_yaml(text: str, source: str) -> Any:
+    """``text`` parsed as YAML (safe types, duplicate keys refused); errors name ``source``."""
+    try:
+        return load_yaml(text, source)
+    except DuplicateKeyError as exc:
+        raise ConfigError(str(exc)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {exc}") from None
+
+
 def load_config(path: str | Path) -> TrainConfig:
     """Read and validate a YAML configuration file (see the module docstring).
 
@@ -625,12 +648,9 @@ def load_config(path: str | Path) -> TrainConfig:
     p = Path(path)
     try:
         text = p.read_text()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read training configuration {p}: {exc}") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+    data = _load_yaml(text, str(p)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping (model, data, optimizer, train)")
     return config_from_dict(data, str(p))

@@ -14,7 +14,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["CheckpointConfig", "MetricsConfig", "ProfilingConfig"]
+__all__ = ["CheckpointConfig", "MAX_TIMEOUT_S", "MetricsConfig", "ProfilingConfig",
+           "check_output_path"]
+
+#: The longest wait a configuration may ask for: one week. Every wait of the runtime is
+#: bounded; ``inf`` (or a number too large for a deadline) would make one unbounded.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class _Strict(BaseModel):
@@ -33,7 +38,10 @@ class CheckpointConfig(_Strict):
     memory first). ``resume``: None (fresh; a ``dir`` that already holds checkpoints is an
     error), ``latest`` (the newest in ``dir``; error if none), ``auto`` (the newest if any, else
     fresh) or the path of one checkpoint directory. ``timeout_s``: the longest wait for an
-    asynchronous save to finish.
+    asynchronous save to finish, and for rank 0 to verify the checkpoint to resume.
+    ``require_manifest``: refuse to resume a checkpoint without a ``manifest.json`` (one saved by
+    an older version); False loads it unverified, saying so (docs/training.md, "Trusting a
+    checkpoint").
     """
 
     dir: str | None = None
@@ -42,7 +50,15 @@ class CheckpointConfig(_Strict):
     async_save: bool = False
     save_final: bool = True
     resume: str | None = None
-    timeout_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    require_manifest: bool = True
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_writable(cls, path: str | None) -> str | None:
+        if path is not None:
+            _check_output_dir("checkpoint.dir", path, "dir")
+        return path
 
     @model_validator(mode="after")
     def _needs_dir(self) -> "CheckpointConfig":
@@ -58,11 +74,13 @@ class CheckpointConfig(_Strict):
 
 
 def _check_output_dir(field: str, path: str, what: str) -> None:
-    """``path``'s directory exists or can be created: its nearest existing ancestor is a
-    writable directory (nothing is created at load)."""
+    """``path`` (``what``: a ``file`` or a ``dir``) can be written: it is a writable directory,
+    or its nearest existing ancestor is one (nothing is created at load)."""
     target = Path(path).expanduser()
     if what == "file" and target.is_dir():
         raise ValueError(f"{field}={path!r} is a directory; it must name a file")
+    if what == "file" and target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"{field}={path!r} exists and is not writable")
     if what == "dir" and target.exists() and not target.is_dir():
         raise ValueError(f"{field}={path!r} exists and is not a directory")
     d = target.parent if what == "file" else target
@@ -73,8 +91,15 @@ def _check_output_dir(field: str, path: str, what: str) -> None:
         raise ValueError(f"{field}={path!r}: its directory cannot be created ({d} is not a "
                          f"directory)")
     if not os.access(d, os.W_OK | os.X_OK):
-        raise ValueError(f"{field}={path!r}: its directory cannot be created ({d} is not "
-                         f"writable)")
+        verb = "is not writable" if d == target else f"cannot be created ({d} is not writable)"
+        raise ValueError(f"{field}={path!r} {verb}" if d == target else
+                         f"{field}={path!r}: its directory {verb}")
+
+
+def check_output_path(field: str, path: str) -> None:
+    """Raise ValueError naming ``field`` unless the file ``path`` can be written (its directory
+    exists writable or can be created); for command-line paths such as ``--metrics``."""
+    _check_output_dir(field, path, "file")
 
 
 class MetricsConfig(_Strict):

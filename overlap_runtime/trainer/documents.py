@@ -27,6 +27,13 @@ larger corpora need pre-tokenised shards (not implemented).
 
 ``datasets`` and ``tokenizers`` are imported only when a JSONL/Parquet file or a tokenizer file
 is used; a missing one raises ImportError naming ``pip install overlap_runtime[data]``.
+
+A file that cannot be read is a :class:`~overlap_runtime.trainer.errors.DataError` naming the file
+and, where there is one, the line (JSONL, text) or row (Parquet). :func:`check_first_records`
+reads the first records of every file (the first 100 lines or rows, the first MiB of text)
+before any rank starts, so the common mistakes - an empty file, a file that is not UTF-8, a
+malformed JSON line, a corrupt Parquet file, a missing or non-string text field - are one line
+from the launcher instead of a failure inside every rank.
 """
 
 from __future__ import annotations
@@ -44,13 +51,16 @@ from typing import Any, Protocol
 import torch
 
 from overlap_runtime.trainer.byte_tokenizer import ByteTokenizer
+from overlap_runtime.trainer.errors import DataError
 
 __all__ = [
     "FORMAT_EXTENSIONS",
     "ByteTokenizer",
+    "DataError",
     "DataTokenizer",
     "HFTokenizer",
     "TokenizedDocuments",
+    "check_first_records",
     "file_fingerprint",
     "load_tokenizer",
     "read_documents",
@@ -190,14 +200,142 @@ def _load_hf(path: str, size: int, mtime_ns: int) -> HFTokenizer:
     return HFTokenizer(Path(path))
 
 
+_FIRST_LINES = 100       # JSONL lines / Parquet rows read per file before the ranks start
+_FIRST_BYTES = 1 << 20   # bytes of a text file decoded before the ranks start
+
+
+def _not_utf8(path: Path, data: bytes, exc: UnicodeDecodeError, line0: int = 0) -> DataError:
+    line = line0 + data[:exc.start].count(b"\n") + 1
+    return DataError(f"data.files: {str(path)!r} line {line} is not UTF-8 text ({exc.reason} at "
+                     f"byte {exc.start})")
+
+
 def _text_documents(path: Path) -> list[str]:
+    data = path.read_bytes()
     try:
-        text = path.read_text("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"data.files: {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
-                         f"{exc.start})") from None
+        raise _not_utf8(path, data, exc) from None
     text = text.replace("\r\n", "\n")
     return [block.strip() for block in _BLANK_LINES.split(text)]
+
+
+def _jsonl_problem(path: Path, text_field: str, max_lines: int | None) -> str | None:
+    """The first problem of JSONL file ``path`` within its first ``max_lines`` non-blank lines
+    (None: all), naming the line; None when those lines are objects holding a string
+    ``text_field``. A file starting with ``[`` (one JSON array, which ``datasets`` also reads)
+    is only checked for UTF-8 here."""
+    import codecs
+    import json
+
+    name = repr(str(path))
+    seen = 0
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+        if head.lstrip()[:1] == b"[":
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(head)
+            except UnicodeDecodeError as exc:
+                return str(_not_utf8(path, head, exc))
+            return None
+        f.seek(0)
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            seen += 1
+            if max_lines is not None and seen > max_lines:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return (f"data.files: {name} line {number} is not UTF-8 text ({exc.reason} at "
+                        f"byte {exc.start} of the line)")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return (f"data.files: {name} line {number} is not valid JSON ({exc.msg} at "
+                        f"column {exc.colno})")
+            if not isinstance(record, dict):
+                return (f"data.files: {name} line {number} is a JSON "
+                        f"{type(record).__name__}, not an object (one object per line)")
+            if text_field not in record:
+                return (f"data.text_field={text_field!r} is not a field of {name} line {number} "
+                        f"(fields: {', '.join(map(str, record)) or 'none'})")
+            if not isinstance(record[text_field], str):
+                return (f"data.text_field={text_field!r}: {name} line {number} holds "
+                        f"{type(record[text_field]).__name__}, not a string")
+    if seen == 0:
+        return f"data.files: {name} is empty (no JSON line)"
+    return None
+
+
+def _parquet_problem(path: Path, text_field: str, max_rows: int) -> str | None:
+    """The first problem of Parquet file ``path``: unreadable footer, ``text_field`` missing or
+    not a string column, no rows, or a null among its first ``max_rows`` values."""
+    pq = require_extra("pyarrow.parquet", f"data.files: {str(path)!r}")
+    import pyarrow as pa
+
+    name = repr(str(path))
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError... for a corrupt file
+        return f"data.files: {name} is not a readable Parquet file ({type(exc).__name__}: {exc})"
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        return (f"data.text_field={text_field!r} is not a field of {name} (fields: "
+                f"{', '.join(schema.names)})")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        return f"data.text_field={text_field!r}: column of {name} is {kind}, not a string"
+    if pf.metadata.num_rows == 0:
+        return f"data.files: {name} is empty (no row)"
+    try:
+        first = next(pf.iter_batches(batch_size=max_rows, columns=[text_field]))
+    except Exception as exc:
+        return f"data.files: {name}: cannot read its first rows ({type(exc).__name__}: {exc})"
+    for row, value in enumerate(first.column(0).to_pylist()):
+        if not isinstance(value, str):
+            return (f"data.text_field={text_field!r}: row {row} of {name} holds "
+                    f"{type(value).__name__}, not a string")
+    return None
+
+
+def _text_problem(path: Path) -> str | None:
+    """The first MiB of text file ``path`` is UTF-8 and the file holds a non-blank line."""
+    import codecs
+
+    with open(path, "rb") as f:
+        head = f.read(_FIRST_BYTES)
+        whole = not f.read(1)
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(head, final=whole)
+    except UnicodeDecodeError as exc:
+        return str(_not_utf8(path, head, exc))
+    if whole and not text.strip():
+        return f"data.files: {str(path)!r} is empty (no document)"
+    return None
+
+
+def check_first_records(data: Any) -> None:
+    """Read the first records of every file of ``data.files`` (``DataConfig``): the first 100
+    JSONL lines / Parquet rows, the first MiB of text; raise on the first problem.
+
+    Raises:
+        DataError: naming the file and the line or row (module docstring).
+    """
+    fmt, paths = resolve_files(data.files, data.format)
+    for path in paths:
+        try:
+            if fmt == "text":
+                problem = _text_problem(path)
+            elif fmt == "jsonl":
+                problem = _jsonl_problem(path, data.text_field, _FIRST_LINES)
+            else:
+                problem = _parquet_problem(path, data.text_field, _FIRST_LINES)
+        except OSError as exc:
+            problem = f"data.files: cannot read {str(path)!r}: {exc.strerror}"
+        if problem is not None:
+            raise DataError(problem)
 
 
 def _hf_documents(fmt: str, paths: list[Path], text_field: str) -> list[str]:
@@ -209,25 +347,34 @@ def _hf_documents(fmt: str, paths: list[Path], text_field: str) -> list[str]:
     cache = tempfile.mkdtemp(prefix="overlap_runtime_data_")
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar per file and rank at start-up is noise
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are raised, named
     try:
         for path in paths:  # one file at a time: errors name the file
+            problem = (_jsonl_problem(path, text_field, _FIRST_LINES) if fmt == "jsonl"
+                       else _parquet_problem(path, text_field, _FIRST_LINES))
+            if problem is not None:
+                raise DataError(problem)
             try:
                 ds = datasets.load_dataset(builder, data_files=[str(path)], split="train",
                                            cache_dir=cache, keep_in_memory=True)
             except Exception as exc:
-                raise ValueError(f"data.files: cannot read {str(path)!r} as {fmt}: "
-                                 f"{type(exc).__name__}: {exc}") from None
+                # datasets names neither line nor row: find the first bad line ourselves
+                problem = _jsonl_problem(path, text_field, None) if fmt == "jsonl" else None
+                raise DataError(problem or f"data.files: cannot read {str(path)!r} as {fmt}: "
+                                f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
             if text_field not in ds.column_names:
-                raise ValueError(f"data.text_field={text_field!r} is not a field of "
-                                 f"{str(path)!r} (fields: {', '.join(ds.column_names)})")
+                raise DataError(f"data.text_field={text_field!r} is not a field of "
+                                f"{str(path)!r} (fields: {', '.join(ds.column_names)})")
             column = ds[text_field]
             for row, value in enumerate(column):
                 if not isinstance(value, str):
-                    raise ValueError(f"data.text_field={text_field!r}: row {row} of "
-                                     f"{str(path)!r} holds {type(value).__name__}, not a string")
+                    raise DataError(f"data.text_field={text_field!r}: row {row} of "
+                                    f"{str(path)!r} holds {type(value).__name__}, not a string")
             out.extend(column)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+        datasets.logging.set_verbosity(verbosity)
         if bars:
             datasets.enable_progress_bars()
     return out
@@ -249,7 +396,7 @@ def read_documents(fmt: str, paths: list[Path], text_field: str = "text") -> lis
         docs = _hf_documents(fmt, paths, text_field)
     docs = [d for d in docs if d.strip()]
     if not docs:
-        raise ValueError(f"data.files: no non-empty document in {len(paths)} {fmt} file(s)")
+        raise DataError(f"data.files: no non-empty document in {len(paths)} {fmt} file(s)")
     return docs
 
 

@@ -16,6 +16,11 @@ cause chain (its :class:`~overlap_runtime.pipeline.errors.ActionSite`); a failur
 pipeline step (``pp == 1``, the gradient-norm all-reduce) names rank and step only. The notes of
 the chain (e.g. the coordinator's "all-to-all ... on group ... (global ranks [2, 3]) in flight")
 follow on the next lines.
+
+The errors a user fixes rather than debugs derive from :class:`UserFacingError`:
+:class:`CheckpointError` (a checkpoint cannot be saved, verified or resumed) and
+:class:`DataError` (a data file cannot be read, naming the file and line). The command line
+prints them as one line and exits 2 (``overlap_runtime.failure``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,21 @@ from overlap_runtime.pipeline.errors import (
     root_cause,
 )
 
-__all__ = ["TrainStepError", "step_context"]
+__all__ = ["CheckpointError", "DataError", "TrainStepError", "UserFacingError", "step_context"]
+
+
+class UserFacingError(RuntimeError):
+    """An error whose message alone says what to fix (a file, a field, a path and the rule)."""
+
+
+class CheckpointError(UserFacingError):
+    """A checkpoint cannot be saved, verified or resumed; the message names the path and the
+    rule."""
+
+
+class DataError(UserFacingError, ValueError):
+    """A data file cannot be read; the message names the file and, where known, the line or
+    row."""
 
 
 def _notes(exc: BaseException) -> list[str]:

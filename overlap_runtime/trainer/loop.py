@@ -205,6 +205,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
     try:
         check = StepCheck(config, dims, (log or print) if rank == 0 else None)
     except BaseException:
+        ckpt.release()
         pm.close()
         raise
     ep_group = dims.mesh("ep").get_group() if dims.ep > 1 else None
@@ -253,6 +254,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
                      start_step=resumed.step if resumed else 0, after_step=ckpt.after_step)
         ckpt.close()
     finally:
+        ckpt.release()  # checkpoint.dir's lock, also when a step failed
         if observer is not None:
             observer.close()
         pm.close()
@@ -360,6 +362,7 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
                      start_step=resumed.step if resumed else 0, after_step=ckpt.after_step)
         ckpt.close()
     finally:
+        ckpt.release()  # checkpoint.dir's lock, also when a step failed
         observer.close()
     peak = platform.max_memory_allocated(device)
     return TrainResult(steps, 1, 1, 1, "single", parameter_count(model), peak)

@@ -180,7 +180,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("overlap_runtime.context_parallel",),
     ("overlap_runtime.models",),
     ("overlap_runtime.trainer", "overlap_runtime.stepgraph"),
-    ("overlap_runtime.cli", "overlap_runtime.demo", "overlap_runtime.info"),
+    ("overlap_runtime.cli", "overlap_runtime.demo", "overlap_runtime.info",
+     "overlap_runtime.failure"),
 ]
 
 

@@ -79,8 +79,9 @@ def test_cp2_resume_is_bitwise(cp2_runs: dict[str, Any]) -> None:
     assert {**first, **resumed} == straight
     g = grad_norms(cp2_runs["straight"])
     assert {**grad_norms(cp2_runs["first"]), **grad_norms(cp2_runs["resumed"])} == g
-    # interval 2 with keep_last 2 in the resumed run: 6, 8, 10 saved, the newest two kept
-    assert [s for s, _ in list_checkpoints(cp2_runs["sync_dir"])] == [8, 10]
+    # interval 2 with keep_last 2 in the resumed run: 6, 8, 10 saved, the newest two kept, and
+    # step 5, which the run resumed from (pruning never removes it)
+    assert [s for s, _ in list_checkpoints(cp2_runs["sync_dir"])] == [5, 8, 10]
 
 
 def test_cp2_async_save_resumes_bitwise(cp2_runs: dict[str, Any]) -> None:

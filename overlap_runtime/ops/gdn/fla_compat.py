@@ -5,7 +5,8 @@ Swapping ``from fla.ops.gated_delta_rule import chunk_gated_delta_rule`` for
 meaning: the same parameters in the same order with the same defaults (fla-core 0.6.0,
 ``fla/ops/gated_delta_rule/chunk.py``; ``tests/ops/test_gdn_fla_compat.py`` compares the
 signatures through ``ast`` on the wheel), the same return convention ``(o, final_state or None)``
-with o in q's dtype and the final state float32, and the same semantics:
+with o in q's dtype and the final state float32 (float64 when the state was computed in
+float64: float64 inputs stay float64 end to end, forward and backward), and the same semantics:
 
 * ``use_qk_l2norm_in_kernel=False`` by default: q and k are used as given (the project's own
   ``ops.gdn.chunk_gated_delta_rule`` defaults to ``use_qk_l2norm=True``);
@@ -146,7 +147,8 @@ def chunk_gated_delta_rule(
             ``transpose_state_layout`` (deprecated), ``head_first`` (refused).
 
     Returns:
-        ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 or None)``.
+        ``(o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] float32 (float64 for a
+        float64 state) or None)``.
     """
     unknown = sorted(set(kwargs) - set(_KNOWN_KWARGS))
     if unknown:
@@ -192,7 +194,9 @@ def chunk_gated_delta_rule(
         chunk_size=chunk_size, backend=backend, cu_seqlens=cu_seqlens, options=options,
     )
     if final_state is not None:
-        final_state = final_state.float()
+        # fla's state is float32; a float64 state stays float64 (never rounded, forward or
+        # backward: its gradient would reach k, v, g and beta rounded to float32 too)
+        final_state = final_state.to(torch.promote_types(final_state.dtype, torch.float32))
         if state_v_first:
             final_state = final_state.transpose(-1, -2).contiguous()
     return o.to(q.dtype), final_state
