@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from overlap_runtime.launch import init_from_env
-from overlap_runtime.models import export_checkpoint, read_checkpoint_tensors
 from overlap_runtime.trainer import (build_model, compare_runs, config_from_dict,
+                                     export_checkpoint, read_checkpoint_tensors,
                                      train_distributed, train_single)
 
 WORLD = 4

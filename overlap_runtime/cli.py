@@ -17,7 +17,7 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("overlap_runtime.demo", "train PP=2 x EP=2 with OVERLAP_B_F against its baseline "
              "(CPU ranks spawned here, or torchrun's)"),
-    "export": ("overlap_runtime.models.hf.cli", "write a checkpoint (any layout) as a Hugging "
+    "export": ("overlap_runtime.trainer.export_cli", "write a checkpoint (any layout) as a Hugging "
                "Face model directory (config.json + safetensors)"),
     "info": ("overlap_runtime.info", "print the platform: device kinds, counts, backends"),
     "schedule": ("overlap_runtime.schedules.cli", "build, check and simulate a pipeline schedule"),

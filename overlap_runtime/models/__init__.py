@@ -4,7 +4,7 @@ Composes ``overlap_runtime.layers`` (GatedDeltaNet, Qwen3_5Attention, RMSNorm, S
 ``overlap_runtime.moe.MoE`` into :class:`Qwen3_5ForCausalLM`, and puts it on meshes with
 ``context_parallel`` (:func:`parallelize_qwen3_5_cp`) and FSDP2 (:func:`apply_fsdp`). A
 :class:`ModelSpec` per family (:func:`get_model_spec`) is what the trainer asks; ``models.hf``
-imports Hugging Face checkpoints into any layout and exports ours back. The layer
+imports Hugging Face checkpoints into any layout (``trainer.hf_export`` exports ours back). The layer
 classes are imported from ``overlap_runtime.layers``.
 
 May import ``torch``, ``overlap_runtime.layers``, ``overlap_runtime.ops`` (``GDNKernelOptions``
@@ -21,7 +21,6 @@ from .parallelize import (
     parameter_count,
 )
 from .hf.config import config_from_hf, hf_config_from, read_hf_config
-from .hf.export import export_checkpoint, read_checkpoint_tensors
 from .hf.load import load_hf_weights
 from .spec import ModelSpec, get_model_spec, model_specs, register_model_spec
 from .qwen3_5 import (
@@ -37,12 +36,10 @@ __all__ = [
     "FULL_ATTENTION_CP_MODES",
     "ModelSpec",
     "config_from_hf",
-    "export_checkpoint",
     "get_model_spec",
     "hf_config_from",
     "load_hf_weights",
     "model_specs",
-    "read_checkpoint_tensors",
     "read_hf_config",
     "register_model_spec",
     "GDNKernelOptionsConfig",

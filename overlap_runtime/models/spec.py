@@ -2,7 +2,7 @@
 parallelised, counted and converted to and from Hugging Face.
 
 A :class:`ModelSpec` bundles those functions for one family; the trainer (``trainer.build``),
-the checkpoint export (``models.hf.export``) and the FLOP count ask the spec instead of naming
+the checkpoint export (``trainer.hf_export``) and the FLOP count ask the spec instead of naming
 the Qwen3.5 classes themselves. :func:`get_model_spec` looks a family up by name and
 :func:`register_model_spec` adds one (a user's family lives in the user's package)::
 

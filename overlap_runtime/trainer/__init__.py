@@ -40,6 +40,8 @@ _EXPORTS: dict[str, str] = {
     "StepMetrics": "loop",
     "TrainResult": "loop",
     "build_model": "build",
+    "export_checkpoint": "hf_export",
+    "read_checkpoint_tensors": "hf_export",
     "build_parallel_model": "build",
     "ParallelDims": "parallel_dims",
     "PipelineConfig": "config",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from .data_state import DataStateMismatch
     from .packed_dataset import PackedDataset
     from .build import build_model, build_parallel_model
+    from .hf_export import export_checkpoint, read_checkpoint_tensors
     from .parallel_dims import ParallelDims
     from .config import PipelineConfig
     from .errors import TrainStepError

@@ -21,7 +21,7 @@ safetensors = pytest.importorskip("safetensors")
 from _hf_tiny import save_hf, train_config, train_worker  # noqa: E402
 
 from overlap_runtime.cli import main as cli_main  # noqa: E402
-from overlap_runtime.models.hf.export import read_checkpoint_tensors  # noqa: E402
+from overlap_runtime.trainer.hf_export import read_checkpoint_tensors  # noqa: E402
 from overlap_runtime.testing import rel_l2, run_ranks  # noqa: E402
 from overlap_runtime.trainer import config_from_dict  # noqa: E402
 from overlap_runtime.trainer.build import build_model  # noqa: E402
@@ -65,6 +65,30 @@ def test_export_of_an_import_is_bitwise_the_original(tmp_path: Path, kind: str) 
         assert torch.equal(exported[key], value), key
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded at 0.0001 GiB
+
+
+def test_export_refuses_a_checkpoint_that_fails_verification(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "hf"
+    save_hf("dense", src, seed=6)
+    cfg = train_config(str(src))
+    cfg["checkpoint"] = {"dir": str(tmp_path / "ckpt")}
+    config = config_from_dict(cfg)
+    model = build_model(config)
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(config.checkpoint, [model], opt,
+                 torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                 build_dataset(config.data, 1, 0), layout="single", device=torch.device("cpu"),
+                 model_config=config.model.identity(), distributed=False).save(0)
+    step = latest_checkpoint(config.checkpoint.dir)
+    shard = sorted(step.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, same size
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli_main(["export", str(step), "--hf", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert shard.name in err, err
+    assert not (tmp_path / "out" / "config.json").exists()
 
 
 def test_trained_pp2_ep2_checkpoint_loads_in_transformers(tmp_path: Path) -> None:

@@ -9,6 +9,11 @@ its ``config.json`` the model; the export reads the tensors of one output shard 
 through ``torch.distributed.checkpoint`` in this one process (``no_dist``), so its memory is
 one shard (``--max-shard-size``), never the whole model.
 
+Nothing is read from a checkpoint before it is verified against its manifest
+(``trainer.manifest.verify_checkpoint``; ``allow_unverified=True`` reads one without a manifest,
+never one whose manifest disagrees), and ``.metadata`` is unpickled only through the allow-list
+reader of ``trainer.ckpt_reader``.
+
 Tensors are written in the dtype the weights came in (``model.hf_dtype``, recorded at import;
 ``--dtype`` overrides; float32 when neither): a model imported from bf16 safetensors, trained
 in fp32 master weights and exported is bf16 again, and an export of an import before any step
@@ -27,9 +32,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from overlap_runtime.models.hf.config import hf_config_from
+from overlap_runtime.trainer.ckpt_reader import SafeFileSystemReader, SafeLoadPlanner
+from overlap_runtime.trainer.errors import CheckpointError
+from overlap_runtime.trainer.manifest import verify_checkpoint
 
-__all__ = ["ExportError", "ExportReport", "export_checkpoint", "checkpoint_model_config",
-           "read_checkpoint_tensors"]
+__all__ = ["CheckpointError", "ExportError", "ExportReport", "export_checkpoint",
+           "checkpoint_model_config", "read_checkpoint_tensors"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT_RE = re.compile(r"^(.*)/expert(\d+)$")
@@ -69,13 +77,9 @@ def checkpoint_model_config(checkpoint: str | Path) -> Any:
 
 def _model_entries(checkpoint: Path) -> list[tuple[str, torch.Size, torch.dtype]]:
     """``(DCP key, size, dtype)`` of every model tensor of the checkpoint, in name order."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(str(checkpoint)).read_metadata()
-    except Exception as exc:  # DCP raises several types for a broken file
-        raise ExportError(f"cannot read the checkpoint metadata in {checkpoint}: {exc}") from None
+    metadata = SafeFileSystemReader(str(checkpoint)).read_metadata()
     out = []
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(_MODEL) and isinstance(md, TensorStorageMetadata):
@@ -92,14 +96,32 @@ def _load(checkpoint: Path, entries: list[tuple[str, torch.Size, torch.dtype]]
     state = {key: torch.empty(size, dtype=dtype) for key, size, dtype in entries}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint)),
+                 planner=SafeLoadPlanner(), no_dist=True)
     return state
 
 
-def read_checkpoint_tensors(checkpoint: str | Path, max_bytes: int = 2 ** 30
+def _verify(checkpoint: Path, allow_unverified: bool, log: Callable[[str], None] | None) -> None:
+    from overlap_runtime.trainer.manifest import MANIFEST_NAME
+
+    if allow_unverified and not (checkpoint / MANIFEST_NAME).exists():
+        if log is not None:
+            log(f"export: {checkpoint} has no manifest: read unverified (allow_unverified)")
+        return
+    verify_checkpoint(checkpoint)
+
+
+def read_checkpoint_tensors(checkpoint: str | Path, max_bytes: int = 2 ** 30, *,
+                            allow_unverified: bool = False
                             ) -> Iterator[tuple[str, int | None, torch.Tensor]]:
-    """``(our parameter name, expert or None, tensor)`` of every model tensor of a checkpoint,
-    read ``max_bytes`` at a time (a routed expert weight comes one global expert at a time)."""
+    """``(our parameter name, expert or None, tensor)`` of every model tensor of a checkpoint
+    (verified first), read ``max_bytes`` at a time (a routed expert weight comes one global
+    expert at a time).
+
+    Raises:
+        CheckpointError: the checkpoint fails verification (named file and rule).
+    """
+    _verify(Path(checkpoint), allow_unverified, None)
     entries = _model_entries(Path(checkpoint))
     for group in _groups(entries, lambda e: e[1].numel() * e[2].itemsize, max_bytes):
         for key, value in _load(Path(checkpoint), group).items():
@@ -126,7 +148,7 @@ def _groups(items: list[Any], size: Callable[[Any], int], limit: int) -> list[li
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
                       dtype: str | None = None, max_shard_bytes: int = 5 * 2 ** 30,
-                      verify: Callable[[Path], None] | None = None,
+                      allow_unverified: bool = False,
                       log: Callable[[str], None] | None = None) -> ExportReport:
     """Write the Hugging Face directory of ``checkpoint`` to ``out_dir`` (module docstring).
 
@@ -135,12 +157,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
         out_dir: created if missing; must not already hold a model.
         dtype: ``float32`` / ``bfloat16`` / ``float16``; None: ``model.hf_dtype`` or float32.
         max_shard_bytes: largest shard written (and read) at once.
-        verify: called with the checkpoint path before anything is read from it (e.g. the
-            checkpoint manifest check); None: no check.
+        allow_unverified: read a checkpoint that has no manifest (one whose manifest
+            disagrees is refused whatever this says).
 
     Raises:
-        ExportError: a checkpoint without a model config or tensors, an existing model in
-            ``out_dir``, an unknown dtype; HFConfigError: a model transformers cannot represent.
+        CheckpointError: the checkpoint fails verification; ExportError: a checkpoint without
+            a model config or tensors, an existing model in ``out_dir``, an unknown dtype;
+            HFConfigError: a model transformers cannot represent.
     """
     from safetensors.torch import save_file
 
@@ -149,8 +172,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     ckpt, out = Path(checkpoint), Path(out_dir)
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: no such checkpoint directory")
-    if verify is not None:
-        verify(ckpt)
+    _verify(ckpt, allow_unverified, log)
     config = checkpoint_model_config(ckpt)
     spec = get_model_spec("qwen3_5")
     hf_config = spec.hf_config_from(config)
