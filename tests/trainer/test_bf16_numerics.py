@@ -150,7 +150,15 @@ def test_gate_gradient_scales_sum_the_per_token_terms_of_the_gradient() -> None:
     signed = gate_gradient_scales(config, weights, step, signed=True)
     scales = gate_gradient_scales(config, weights, step)
     assert sorted(signed) == sorted(n for n in ref if n.endswith(("A_log", "dt_bias")))
+    # a sum of n fp32 terms in another order differs by at most n * eps * sum|terms| per head;
+    # the terms cancel by orders of magnitude, so a rel-L2 of the sum would measure the
+    # machine's summation order, not the terms
+    n = config.data.seq_len * config.data.batch_size * config.dp
+    eps = torch.finfo(torch.float32).eps
     for name, total in signed.items():
-        assert rel_l2(total, ref[name]) <= 1e-5, (
-            f"{name}: per-token terms sum to {total.tolist()}, autograd {ref[name].tolist()}")
+        bound = n * eps * scales[name]
+        assert bool(((total - ref[name]).abs() <= bound).all()), (
+            f"{name}: per-token terms sum to {total.tolist()}, autograd {ref[name].tolist()}, "
+            f"bound {bound.tolist()}")
+        assert rel_l2(total, ref[name]) <= 1e-3, name  # and they are the gradient, not noise
         assert bool((scales[name] >= ref[name].abs()).all()), name
