@@ -47,8 +47,8 @@ IS_CUDA = tl.constexpr(not INTERPRET.value and importlib.util.find_spec("torch_n
 def mm(a, b):
     """``a @ b`` with fp32 accumulation.
 
-    The interpreter multiplies the raw bit patterns of bfloat16 operands (triton-lang/triton
-    issue 11584, "not supported"), so under ``TRITON_INTERPRET=1`` the operands - already
+    The interpreter multiplies the raw bit patterns of bfloat16 operands (it does not support
+    bfloat16 ``tl.dot``), so under ``TRITON_INTERPRET=1`` the operands - already
     rounded to their storage dtype - are widened to fp32 first: the same products as the
     tensor-core path, which rounds nothing further.
     """
