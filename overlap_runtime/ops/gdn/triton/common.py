@@ -179,8 +179,8 @@ def choose_segments(num_chunks: int, programs_per_segment: int, device: torch.de
     each segment keeping at least 4 chunks (the summaries cost about one scan of the segment,
     so very short segments only add work). Two, not more: on an H200 (B*HV = 32, V = 128)
     (264 programs, 64 per segment) 4 segments ran forward+backward 7% faster than the 9 of a
-    four-per-SM target at 16K and 64K; 2, 16 and 32 were slower (docs/benchmarks.md, the
-    segment sweep).
+    four-per-SM target at 16K and 64K; 2, 16 and 32 were slower (docs/benchmarks_history.md,
+    the segment sweep).
     """
     target = 2 * num_sms(device)
     if programs_per_segment >= target or num_chunks < 8:
