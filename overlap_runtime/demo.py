@@ -17,7 +17,8 @@ baseline's (equal within :data:`TOL` relative; every parameter after the last st
 launch-order check on every EP group, the measured share of all-to-all time hidden behind the
 other thread's compute (last step's trace), the share the task-graph simulator predicts from node
 costs measured in the baseline's last step, and one merged Chrome trace (measured and predicted).
-The earlier hand-built PP x EP job is ``tests/moe/_pp_ep_job.py`` (tests/moe/test_moe_pp_ep.py).
+A PP x EP job built by hand, without the trainer: ``tests/moe/_pp_ep_job.py``
+(tests/moe/test_moe_pp_ep.py).
 """
 
 from __future__ import annotations
@@ -84,27 +85,6 @@ train:
     overlap_b_f: true
 """
 
-# Flags of the earlier demo (a hand-built model): its sizes now live in the YAML config.
-REMOVED_FLAGS: dict[str, str] = {
-    "--chunks": "train.pipeline.virtual_stages",
-    "--layers": "model.num_hidden_layers (and train.pipeline.layers_per_stage)",
-    "--microbatches": "train.pipeline.microbatches",
-    "--tokens": "data.seq_len",
-    "--hidden": "model.hidden_size",
-    "--experts": "model.num_experts",
-    "--top-k": "model.num_experts_per_tok",
-}
-
-
-class _RemovedFlag(argparse.Action):
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        field = REMOVED_FLAGS[option_string or ""]
-        parser.error(f"{option_string} was removed: the demo trains from a YAML config; set "
-                     f"{field} with --set {field.split()[0]}=VALUE, or in a copy of "
-                     f"{DEFAULT_CONFIG_NAME} passed with --config")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
                         help=f"YAML training config (default: the embedded {DEFAULT_CONFIG_NAME})")
@@ -124,8 +104,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before giving up: the spawned ranks' deadline, and every "
                              "communication wait when the config sets no "
                              "train.accelerator.comm_timeout_s (default 120)")
-    for flag in REMOVED_FLAGS:
-        parser.add_argument(flag, action=_RemovedFlag, nargs="?", help=argparse.SUPPRESS)
 
 
 # ----------------------------------------------------------------------------- configuration

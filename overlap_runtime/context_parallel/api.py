@@ -71,7 +71,7 @@ class ContextParallelCoreAttention(nn.Module):
         self.timeout_s = timeout_s
         self.backend = backend
 
-    #: Accepts ``cu_seqlens`` (packed documents, issue #23); layers check this flag.
+    #: Accepts ``cu_seqlens`` (packed documents); layers check this flag.
     supports_packed = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,

@@ -54,7 +54,7 @@ rank above ``src`` reads only chunk ``src``) and travels as that half.
 
 The diagonal block's backward is cut in two pieces of equal work (``q_hi x kv_lo`` unmasked;
 ``q_lo x kv_lo`` and ``q_hi x kv_hi`` causal): the first runs while the first K/V hop is in
-flight, the second after the last dK/dV hop is posted, which used to be exposed.
+flight, the second after the last dK/dV hop is posted, so that hop is hidden too.
 
 Communication per call (``P > 1``), per rank, counted in :class:`CommStats`:
 forward ``P-1`` sends and ``P-1`` receives (K/V packed in one tensor); backward ``P-1`` K/V

@@ -1,4 +1,5 @@
-"""Coordinated comm/compute overlap of a forward and a backward chunk (seed 001, direction B).
+"""Coordinated comm/compute overlap of a forward and a backward chunk on one rank: their
+all-to-alls take turns, each hidden behind the other chunk's compute.
 
 What a user needs: :class:`HookCoordinator` (the comm-token state machine; owns a
 :class:`CommSerializer`), :func:`sync_hook` (the A/B/C/D/D_LAST markers a layer places around

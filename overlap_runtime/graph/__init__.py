@@ -1,6 +1,6 @@
 """Task DAG: compute and communication tasks, validation, cost-model simulation, traces.
 
-Used today to validate (no deadlock, every send matched, one collective order) and simulate
+Used to validate (no deadlock, every send matched, one collective order) and simulate
 (cost model) graphs before anything runs; nothing here executes a graph. Modules, lowest first:
 ``intervals`` (the one home of interval arithmetic: union, measure, overlap, difference),
 ``tasks`` (``Task``, ``CommInfo``, lanes, ``TaskGraphData``), ``grid`` (rank x step text),

@@ -16,6 +16,9 @@ Everything else in a layer is token-wise and runs unchanged on a sequence shard.
 
 Packed documents (``segments``): the mixers take ``cu_seqlens`` and run each document alone
 (single device), so a packed row resets at its document boundaries.
+
+Helpers (``rope.apply_rotary``, ``rope.apply_partial_rotary``, ``segments.segments_of``,
+``segments.apply_per_segment``) are imported from their modules.
 """
 
 from overlap_runtime.layers.attention import Qwen3_5Attention, ReferenceAttention
@@ -23,8 +26,8 @@ from overlap_runtime.layers.core_attention import CoreAttention, HasCoreAttentio
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.layers.mlp import SwiGLU
 from overlap_runtime.layers.norm import RMSNorm, RMSNormGated
-from overlap_runtime.layers.rope import apply_partial_rotary, apply_rotary, rotary_dim_for
-from overlap_runtime.layers.segments import apply_per_segment, document_positions, segments_of
+from overlap_runtime.layers.rope import rotary_dim_for
+from overlap_runtime.layers.segments import document_positions
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, LocalGDNMixer, MixerInputs
 
 __all__ = [
@@ -40,10 +43,6 @@ __all__ = [
     "RMSNormGated",
     "ReferenceAttention",
     "SwiGLU",
-    "apply_partial_rotary",
-    "apply_per_segment",
-    "apply_rotary",
     "document_positions",
     "rotary_dim_for",
-    "segments_of",
 ]

@@ -114,7 +114,7 @@ class Qwen3_5Attention(nn.Module):
         if cu_seqlens is None:
             o = self.core_attention(q, k, v, causal=True, stats=stats)  # [B, S, H, D]
         else:
-            if getattr(self.core_attention, "supports_packed", False):  # CP core (issue #23)
+            if getattr(self.core_attention, "supports_packed", False):  # a CP core: global cu_seqlens
                 o = self.core_attention(q, k, v, causal=True, stats=stats, cu_seqlens=cu_seqlens)
             elif type(self.core_attention) is CoreAttention:
                 o = apply_per_segment(

@@ -1,7 +1,7 @@
 """The elementwise pieces of the Qwen3.5-style layers as pure functions, and their compiled form.
 
 On one H200 at 32K tokens these pieces, run eagerly, took about 40% of a training step of the
-4-layer hybrid (benchmarks/model_breakdown.py, docs/benchmarks.md): every one is a few passes
+4-layer hybrid (model_breakdown.py, docs/benchmarks_history.md): every one is a few passes
 over ``[B, T, C]`` activations with fp32 round trips. ``layers.compile.compile_elementwise`` puts
 ``torch.compile`` (regional compilation, as torchtitan compiles each block) on exactly these
 pieces, so each becomes one or two fused kernels forward and backward, while the GDN and

@@ -4,7 +4,7 @@ Token-wise (a token's output reads only that token), so it runs unchanged on a c
 sequence shard. The choice between SwiGLU and a mixture of experts is the model's
 (``models.mlp.build_mlp``), not this floor's.
 
-Activation memory (issue #29 item 5, ``benchmarks/activation_memory.py``): written as three
+Activation memory (``benchmarks/activation_memory.py`` measures it): written as three
 modules and two elementwise ops, autograd keeps four ``[.., intermediate]`` tensors per layer -
 ``gate(x)``, ``up(x)``, ``silu(gate(x))`` and the product (``down``'s input) - the largest share
 of the hybrid's saved activations (1.6 GB per layer at 32K tokens, intermediate 6144, bf16).

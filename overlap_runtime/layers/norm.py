@@ -1,7 +1,7 @@
 """Norms of the Qwen3.5-style layers: RMSNorm (pre-norms, final norm, q/k head norms) and the
 Gated DeltaNet output norm RMSNormGated.
 
-Activation memory (issue #29 item 5, ``benchmarks/activation_memory.py``): written as plain
+Activation memory (``benchmarks/activation_memory.py`` measures it): written as plain
 tensor ops in fp32, autograd keeps fp32 copies of the input (the cast, the normalised product,
 and for the gated norm the fp32 gate and its SiLU): 4-5 fp32 ``[..., D]`` tensors per norm where
 a bf16 model needs its bf16 input alone. Eagerly both norms therefore run as autograd Functions

@@ -38,8 +38,8 @@ The protocol (:class:`GDNSequenceMixer`)
     document start. ``cu_seqlens`` is global (over the ``B * T_global`` tokens of the whole
     rows, the same on every CP rank). :class:`LocalGDNMixer`: one conv over the rows with the
     taps before each document start dropped, the gates once, and one varlen GDN call over the
-    rows flattened (either backend, issue #22); the CP mixers override it (issue #23,
-    ``context_parallel/gdn/varlen.py``). The base class's default runs ``forward`` on each
+    rows flattened (either backend); the CP mixers override it
+    (``context_parallel/gdn/varlen.py``). The base class's default runs ``forward`` on each
     document alone (``apply_per_segment``), for a mixer without a varlen path.
 
 A mixer holds configuration only (immutable after construction). Everything one call needs

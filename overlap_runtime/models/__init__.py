@@ -16,15 +16,11 @@ from .parallelize import (
     FULL_ATTENTION_CP_MODES,
     apply_fsdp,
     build_dp_cp_mesh,
-    flat_data_mesh,
     parallelize_qwen3_5_cp,
     parameter_count,
 )
-from .hf.config import config_from_hf, hf_config_from, read_hf_config
-from .hf.load import load_hf_weights
 from .spec import ModelSpec, get_model_spec, model_specs, register_model_spec
 from .qwen3_5 import (
-    KERNEL_TUNING_FIELDS,
     GDNKernelOptionsConfig,
     LayerType,
     Qwen3_5Config,
@@ -35,22 +31,16 @@ from .qwen3_5 import (
 __all__ = [
     "FULL_ATTENTION_CP_MODES",
     "ModelSpec",
-    "config_from_hf",
     "get_model_spec",
-    "hf_config_from",
-    "load_hf_weights",
     "model_specs",
-    "read_hf_config",
     "register_model_spec",
     "GDNKernelOptionsConfig",
-    "KERNEL_TUNING_FIELDS",
     "LayerType",
     "Qwen3_5Config",
     "Qwen3_5DecoderLayer",
     "Qwen3_5ForCausalLM",
     "apply_fsdp",
     "build_dp_cp_mesh",
-    "flat_data_mesh",
     "parallelize_qwen3_5_cp",
     "parameter_count",
 ]

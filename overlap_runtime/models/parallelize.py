@@ -1,4 +1,4 @@
-"""Parallelising the Qwen3.5-style decoder: context parallelism and FSDP2 (seed 000, 5.1).
+"""Parallelising the Qwen3.5-style decoder: context parallelism and FSDP2.
 
 ``parallelize_qwen3_5_cp(model, cp_mesh, ...)`` puts every token mixer of the model on one 1-D CP
 mesh: the full-attention layers get :class:`~overlap_runtime.context_parallel.ContextParallel`
@@ -91,8 +91,8 @@ def parallelize_qwen3_5_cp(
         linear_attention_cp_mode: GDN CP algorithm, ``"ulysses"``, ``"p2p"``, ``"all_gather"``
             (any name of ``LINEAR_ATTENTION_CP_MODES``).
         linear_attention_gdn_backend: local GDN kernel, ``"eager"`` or ``"triton"``.
-        full_attention_cp_mode: full-attention CP algorithm, ``"ulysses"`` (default, seed 000:
-            the existing Ulysses path), ``"ring"``, ``"all_gather_kv"`` or ``"hierarchical"``
+        full_attention_cp_mode: full-attention CP algorithm, ``"ulysses"`` (default),
+            ``"ring"``, ``"all_gather_kv"`` or ``"hierarchical"``
             (needs ``hierarchical_cp_mesh``); always contiguous.
         timeout_s: bound on every CP communication wait (None: the comm default).
         layer_modes: one mode per decoder layer (``trainer.cp_config.layer_cp_modes``: a GDN

@@ -28,7 +28,7 @@ makes every layer reset at document boundaries - full attention causal within ea
 GDN conv and state restarting at each document - and, with ``position_ids=None``, RoPE positions
 restarting too (otherwise pass per-document positions). The eager single-device path (cp == 1,
 the whole model on one pipeline stage): each document runs through the mixers on its own, so the
-result equals running the documents separately. Under context parallelism (issue #23) the same
+result equals running the documents separately. Under context parallelism the same
 call takes this rank's contiguous shard and the *global* ``cu_seqlens`` (over the ``B * S`` tokens
 of the whole rows): the GDN mixers chain per-document state maps
 (``context_parallel/gdn/varlen.py``), attention masks by document (``varlen_attention.py``).

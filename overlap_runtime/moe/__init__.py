@@ -1,4 +1,5 @@
-"""Expert parallelism with comm/compute overlap (seed 001, directions A and B).
+"""Expert parallelism with comm/compute overlap: inside a layer (the shared expert behind the
+combine) and across a forward and a backward chunk (the HookCoordinator's OVERLAP_B_F).
 
 What a user builds with: the :class:`MoE` layer (router, experts, shared expert), the token
 dispatcher for custom layers (:class:`AllToAllTokenDispatcher` with its per-call

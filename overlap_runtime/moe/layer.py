@@ -1,6 +1,6 @@
 """MoE layer: router, routed experts over an all-to-all dispatcher, optional shared expert.
 
-Forward order (seed 001 section 4.3)::
+Forward order (the shared expert runs while the combine is in flight)::
 
     routing  = router(x)                                   compute
     permuted, tokens_per_expert, meta = dispatch(x, routing)        comm (A..B)
@@ -18,7 +18,7 @@ Timeline of one layer on one rank with a shared expert::
 
 Without a shared expert the layer calls the synchronous ``combine`` (start and wait back to
 back): no extra work, same collectives. ``overlap_shared_expert=False`` keeps a shared expert but
-runs it after the combine (the serial baseline of OV-D02).
+runs it after the combine (the serial baseline the overlapped order is measured against).
 
 The layer keeps no per-call state: the routing, the metadata and the partial combine are locals
 of ``forward``, so several microbatches may be inside the layer at once (in two threads).

@@ -1,4 +1,5 @@
-"""The OVERLAP_B_F custom function for ``PipelineSchedule`` (seed 001, direction B).
+"""The OVERLAP_B_F custom function for ``PipelineSchedule``: a backward and a forward chunk on
+two threads whose EP all-to-alls the HookCoordinator hands back and forth.
 
 ``ScheduleInterleaved1F1B(..., overlap_b_f=True)`` fuses, in the 1F1B steady state, the backward
 of microbatch i with the forward of microbatch i+1 into one compound step

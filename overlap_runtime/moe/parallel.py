@@ -6,7 +6,7 @@ contains MoE layers (a pipeline chunk): each MoE keeps the experts of its EP ran
 group. Everything else (router, shared expert) stays replicated.
 
 ``OverlapExpertParallel(coordinator).apply(chunk, ep_mesh)`` does the same and adds the sync
-hooks of seed 001 direction B around each layer's all-to-alls::
+hooks of the HookCoordinator around each layer's all-to-alls::
 
     A  dispatch(counts, tokens)  B    experts    C  combine  D   (D_LAST on the chunk's last MoE)
 

@@ -16,8 +16,6 @@ until a name is used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._lazy import lazy_exports
 
 _EXPORTS = {
@@ -51,18 +49,3 @@ __all__ = sorted(_EXPORTS)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .context import ActionContext, ActionFn
-    from .errors import (ActionSite, PipelineActionError, PipelineError, PipelinePeerFailed,
-                         PipelineTimeout)
-    from .deferred_w import DeferredLinear, DeferredWQueue
-    from .exec_trace import ExecutionTrace, gather_traces, measured_bubble, write_execution_trace
-    from .flush import FlushWhileWaiting
-    from .saved_memory import SavedTensorMeter
-    from .schedule import (PipelineSchedule, Schedule1F1B, ScheduleGPipe,
-                           ScheduleInterleaved1F1B)
-    from .stage import PipelineStage
-    from .tensor_meta import BoundaryMeta, TensorMeta
-    from .torch_interop import TorchInteropError, make_torch_overlap_f_b_callback

@@ -1,5 +1,6 @@
 """Deferred weight gradients: a per-rank W queue and a linear layer whose backward computes only
-dX (seed 001 section 2.3, "W/D split + deferred W queue").
+dX; the weight gradient waits in the queue until the schedule runs it (a W action, or a wait
+for a receive that it fills).
 
 A backward pass naturally has two parts: ``D`` (here ``I``), the input gradient that the previous
 stage waits for, and ``W``, the weight gradient that nobody needs before the optimizer step.

@@ -6,8 +6,8 @@ Per (sub-)action whose input comes from another rank (``ctx.input_recv``), while
 is still in flight (``ctx.recv_completed`` is False), it runs the queue's oldest tasks until the
 receive completes; then it runs the action. With ``defer_backward=True`` the full backwards of
 compound steps defer their weight gradients too (``ctx.backward(sub, defer_w=True)``), to be
-flushed in later windows (DualPipeV's steady state, seed 001 section 2.3: "flush in the a2a
-wait windows, drain in the cool-down").
+flushed in later windows (DualPipeV's steady state: W tasks fill the waits on communication,
+what is left drains in the cool-down).
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ modules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._lazy import lazy_exports
 
 _EXPORTS = {
@@ -51,15 +49,3 @@ __all__ = sorted(_EXPORTS)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .build import build_schedule
-    from .compile import CompiledSchedule, compile_schedule, compile_spec, validate_schedule
-    from .ir import Action, ActionKind, Schedule, dump_csv, load_csv, parse_action
-    from .kind import ScheduleKind
-    from .lowering import LoweringError, lower
-    from .registry import get_schedule_kind, register_schedule_kind, schedule_kinds
-    from .rules import ScheduleValidationError
-    from .spec import MAX_SCHEDULE_ACTIONS, ScheduleSpec, ScheduleTooLargeError
-    from .torch_csv import TableSpec, compile_table, load_torch_csv, to_torch_csv

@@ -53,7 +53,7 @@ def pair_backward_forward(schedule: Schedule) -> Schedule:
 
     In a 1F1B-style order a backward directly followed by a forward only happens in the
     steady state (warm-up has no backward, cool-down no forward), so this pairs exactly the
-    steady-state ``B_i`` with the next forward ``F_{i+1}`` (seed 001, section 2.2). Bubbles
+    steady-state ``B_i`` with the next forward ``F_{i+1}``. Bubbles
     (``None``) are dropped from the paired lists. Actions already compound stay as they are.
     """
     out: Schedule = {}

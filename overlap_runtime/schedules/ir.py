@@ -53,7 +53,7 @@ class ActionKind(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
-    OVERLAP_B_F = "OVERLAP_B_F"  #: backward of mb i with forward of mb i+1 (seed 001 section 2.2)
+    OVERLAP_B_F = "OVERLAP_B_F"  #: backward of mb i with forward of mb i+1, on two threads
     OVERLAP_F_B = "OVERLAP_F_B"  #: forward with backward (torch / DualPipeV order)
 
     def __str__(self) -> str:

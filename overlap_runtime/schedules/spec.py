@@ -60,7 +60,7 @@ class ScheduleSpec(BaseModel):
     - ``num_microbatches``: microbatches per step (torch's name ``n_microbatches`` is accepted
       as input).
     - ``overlap_b_f``: pair steady-state backward i with the next forward into one
-      ``OVERLAP_B_F`` step that runs on two threads (seed 001 section 2.2).
+      ``OVERLAP_B_F`` step that runs on two threads.
     - ``overlap_p2p`` (default True, as in every ``Schedule*`` constructor of
       :mod:`overlap_runtime.pipeline`): SEND/RECV on a comm lane beside compute; the runtime
       posts receives early and waits them just before their consumer. False: they block

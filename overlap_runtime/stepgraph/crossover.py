@@ -1,5 +1,5 @@
 """Where each context-parallel mode wins: one layer's predicted forward + backward per mode, CP
-size and local length, and the CP sizes at which the fastest mode changes (issue #24 item 4).
+size and local length, and the CP sizes at which the fastest mode changes.
 
 A layer is a one-layer model of the base configuration (its GDN or attention geometry, a 1-wide
 MLP so the mixer dominates), ``cp`` ranks of ``local_len`` tokens each (weak scaling: the global

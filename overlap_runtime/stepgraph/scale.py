@@ -361,7 +361,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
 
 def a2a_hidden_share(result: SimulationResult, paired_only: bool = True) -> float:
     """Share of the expert all-to-all time (``comm:ep`` tasks) during which the same rank
-    computes (seed 001's OV-B06 figure); ``paired_only``: only the all-to-alls of OVERLAP_B_F
+    computes; ``paired_only``: only the all-to-alls of OVERLAP_B_F
     steps (their action ran on the ``fwd``/``bwd`` lane)."""
     from overlap_runtime.graph.intervals import overlap, union
 

@@ -16,8 +16,6 @@ The names below are loaded on first use (PEP 562): ``overlap-runtime --help`` im
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
@@ -54,35 +52,6 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-if TYPE_CHECKING:
-    from .config import (
-        AcceleratorConfig,
-        ConfigError,
-        DataConfig,
-        OptimizerConfig,
-        TrainConfig,
-        TrainSection,
-        config_from_dict,
-        load_config,
-    )
-    from .data import VOCAB_SIZE, Batch, ByteTokenizer, TextDataset, build_dataset, load_corpus
-    from .data_state import DataStateMismatch
-    from .packed_dataset import PackedDataset
-    from .build import build_model, build_parallel_model
-    from .hf_export import export_checkpoint, read_checkpoint_tensors
-    from .parallel_dims import ParallelDims
-    from .config import PipelineConfig
-    from .errors import TrainStepError
-    from .loop import (
-        StepMetrics,
-        TrainResult,
-        compare_runs,
-        format_step,
-        spawn_training,
-        train_distributed,
-        train_single,
-    )
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -29,7 +29,7 @@ Packing (``data.packing``):
 Under context parallelism ``input_ids``, ``labels``, ``position_ids`` and
 ``document_position_ids`` are this rank's contiguous shard, while ``cu_seqlens`` and
 ``max_seqlen`` describe the rows' *whole* sequences (a CP implementation needs the global
-boundaries; issue #23).
+boundaries).
 """
 
 from __future__ import annotations

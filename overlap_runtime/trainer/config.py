@@ -27,7 +27,7 @@
       validate_step_graph: true   # stepgraph.compile_step proven deadlock-free before step 1
       check_conformance: false    # record step 1 and check it against the step graph
       step_graph_max_tasks: 500000 # a larger step graph is an error while validating (below)
-      accelerator:                # seed 000, 5.1
+      accelerator:                # the layout: world = pp x dp_replicate x dp_shard x cp
         device: cpu
         world_size: 4             # ranks `overlap-runtime train` spawns (torchrun: WORLD_SIZE)
         dp_replicate: 1           # HSDP replicas
@@ -238,7 +238,7 @@ def _data_problems(config: "TrainConfig") -> list[str]:
     ``model.vocab_size``; ``reset_at_document_boundaries`` needs pp == 1 and, for cp > 1, ring
     or ulysses full attention. The GDN takes ``cu_seqlens`` on either backend: for cp == 1 one
     masked conv and one varlen op call per layer (``layers.sequence_mixer.LocalGDNMixer``,
-    ``model.gdn_backend`` eager or triton, issue #22), for cp > 1 every GDN CP mode, the
+    ``model.gdn_backend`` eager or triton), for cp > 1 every GDN CP mode, the
     default prefix_scan included (``context_parallel/gdn/varlen.py``)."""
     from overlap_runtime.trainer.documents import load_tokenizer
 
@@ -254,7 +254,7 @@ def _data_problems(config: "TrainConfig") -> list[str]:
         if acc.pp > 1:
             out.append(f"{rule} is implemented for pp == 1 (the pipeline stages do not carry "
                        f"cu_seqlens); got train.accelerator.pp={acc.pp}")
-        if acc.cp > 1:  # issue #23: every GDN mode and backend, attention ring / ulysses
+        if acc.cp > 1:  # every GDN mode and backend; attention only ring / ulysses
             attn = modes_of_kind(acc, "full_attention")
             if attn - {"ring", "ulysses"}:
                 out.append(f"{rule} under cp={acc.cp} needs train.accelerator."
@@ -356,7 +356,7 @@ class TrainConfig(_Strict):
         if acc.tp > 1:
             if acc.cp > 1 and has_gdn:
                 errors.append(f"train.accelerator.tp={acc.tp}: linear-attention (GDN) context "
-                              f"parallelism needs tp == 1 (seed 000, 3.2); got cp={acc.cp}")
+                              f"parallelism needs tp == 1; got cp={acc.cp}")
             else:
                 errors.append(f"train.accelerator.tp={acc.tp}: tensor parallelism is not "
                               f"supported by this trainer yet (use tp: 1)")

@@ -1,5 +1,5 @@
 """bf16 training numerics: the noise floor of a trajectory, and per-tensor gradients at fixed
-weights (issue #25; docs/training.md, "bf16 numerics").
+weights (docs/training.md, "bf16 numerics").
 
 Two measurements, both against the single-device baseline of the trainer
 (:func:`~overlap_runtime.trainer.loop.train_single`):

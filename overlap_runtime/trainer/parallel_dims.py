@@ -36,7 +36,7 @@ Meshes by name (:meth:`ParallelDims.mesh`): ``"pp"``, ``"cp"``, ``"ep"``, ``"efs
 ``"cp_ring"`` and ``"cp_a2a"``.
 A size-1 dimension still gets its mesh, so code never branches on "is this dimension used".
 
-Validation (:meth:`ParallelDims.problems`) needs no process group, so the YAML loader reports every
+Validation (:meth:`ParallelDims.layout_problems`) needs no process group, so the YAML loader reports every
 broken rule at load time, naming the fields.
 """
 

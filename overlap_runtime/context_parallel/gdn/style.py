@@ -5,7 +5,7 @@
     LinearAttentionContextParallel(mode="p2p", backend="eager").apply(gdn_module, cp_mesh)
 
 ``mode`` picks the distributed algorithm, ``backend`` the local GDN implementation; they are
-orthogonal (seed 000, 5.4):
+orthogonal (every mode runs on either backend):
 
 ===============  =========================================  ==========  =====================
 mode             what crosses ranks                         eager       triton
@@ -95,8 +95,8 @@ class LinearAttentionContextParallel:
     Args:
         mode: ``"ulysses"``, ``"p2p"``, ``"all_gather"`` or ``"prefix_scan"``.
         backend: local GDN backend, ``"eager"`` or ``"triton"`` (no ``auto``).
-        tp_size: tensor-parallel degree of the layer; only 1 (linear-attention TP + CP is out
-            of scope, seed 000 3.2).
+        tp_size: tensor-parallel degree of the layer; only 1 (no mode splits a GDN layer's
+            heads over a tensor-parallel group as well as its sequence over the CP group).
         timeout_s: bound of every communication wait (None: ``comm.DEFAULT_TIMEOUT_S``).
 
     Raises:

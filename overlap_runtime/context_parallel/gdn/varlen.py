@@ -30,7 +30,7 @@ start, inside a shard or across the rank boundary.
 conv with ``doc_positions``, one varlen op call) on the full rows with the global ``cu_seqlens``.
 
 **Backends.** The pieces of all rows run as ONE varlen call of the plan's local op
-(``cu_seqlens`` over the rows flattened, :func:`packed_local_outputs`; issue #22):
+(``cu_seqlens`` over the rows flattened, :func:`packed_local_outputs`):
 ``backend="eager"`` or ``"triton"`` (a piece shorter than a chunk or not a multiple of 64 is a
 partial chunk, which the kernels mask). The continuing first pieces take ``H_in`` as their rows
 of the call's per-sequence ``initial_state`` (zeros for the other pieces) and its backward

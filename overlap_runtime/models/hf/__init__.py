@@ -10,7 +10,6 @@ checkpoints and shards), ``safetensors`` (lazily) and ``overlap_runtime.models``
 from .config import (ARCHITECTURE_FIELDS, HFConfigError, architecture_conflicts, config_from_hf,
                      hf_config_from, read_hf_config)
 from .load import HFLoadError, load_hf_weights
-from .state_dict import hf_source
 
 __all__ = ["ARCHITECTURE_FIELDS", "HFConfigError", "HFLoadError", "architecture_conflicts",
-           "config_from_hf", "hf_config_from", "hf_source", "load_hf_weights", "read_hf_config"]
+           "config_from_hf", "hf_config_from", "load_hf_weights", "read_hf_config"]

@@ -19,15 +19,6 @@ from __future__ import annotations
 
 from ..._lazy import lazy_exports
 
-__all__ = [
-    "CausalConvSiluFunction",
-    "MAX_KERNEL_SIZE",
-    "causal_conv_silu_backward",
-    "causal_conv_silu_forward",
-    "causal_conv_silu_triton",
-    "check_causal_conv_inputs",
-]
-
 _WHERE = {
     "CausalConvSiluFunction": "function",
     "causal_conv_silu_backward": "function",
@@ -36,5 +27,7 @@ _WHERE = {
     "MAX_KERNEL_SIZE": "capability",
     "check_causal_conv_inputs": "capability",
 }
+
+__all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -182,7 +182,7 @@ class TritonBackend(GDNBackend):
                    cu_seqlens=cu_seqlens)
         from .triton.function import chunk_gated_delta_rule_triton
 
-        # cu_seqlens and recompute_w are the kernels' keywords (issue #22, ops/gdn/triton);
+        # cu_seqlens and recompute_w are the kernels' keywords (ops/gdn/triton);
         # passed only when set, so a kernel version without them still runs every plain call
         extra: dict = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         if self.recompute_w:

@@ -9,7 +9,7 @@ a segment to the ordered product of its chunks::
 
 ``compose`` is associative but not commutative. :func:`summarize` builds every chunk's pair at
 once and composes them in a balanced tree (log2 N levels, each level one batched matmul), never as
-a second sequential scan (GDN_CP_NOTES.md). Everything here is plain PyTorch and differentiable
+a second sequential scan (N dependent steps where the tree has log2 N). Everything here is plain PyTorch and differentiable
 through autograd; the summaries are kept in fp32 (float64 for float64 inputs).
 
 Backward mirrors the chain with transposed maps: ``dH_in = M^T dH_out + dH_in_local``, where

@@ -15,17 +15,6 @@ from __future__ import annotations
 
 from ...._lazy import lazy_exports
 
-__all__ = [
-    "TritonChunkGatedDeltaRuleFunction",
-    "apply_summary",
-    "apply_summary_backward",
-    "check_triton_inputs",
-    "chunk_gated_delta_rule_triton",
-    "compose",
-    "output_state_grad",
-    "state_summary",
-]
-
 _WHERE = {
     "TritonChunkGatedDeltaRuleFunction": "function",
     "chunk_gated_delta_rule_triton": "function",
@@ -37,5 +26,7 @@ _WHERE = {
     "check_triton_inputs": "capability",
 }
 
+
+__all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE)

@@ -11,7 +11,7 @@ With ``h`` the state entering the chunk, ``dH`` the gradient of the state leavin
     dgamma (partial) = q . dq - k . dk  (+ the chunk-end terms on the last valid token)
 
 ``(P * Gamma)^T`` is formed by a second product ``v_new dO^T`` rather than transposing the
-cast result of a product (the Hopper miscompile pattern of gpu/README.md).
+cast result of a product (Triton miscompiles that transpose on Hopper; docs/gdn.md).
 
 Both take a ``VARLEN`` constexpr: chunk ``i_n`` is then the chunk table's (common.chunk_span).
 

@@ -65,7 +65,7 @@ def check_triton_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         _fail(f"initial_state dtype {initial_state.dtype} is not supported: use float32")
     # head dims below 64 give column blocks below 64: they run under the CPU interpreter (the
     # tests' sizes) and have never run on a GPU, where a forced block of 32 hit an illegal
-    # memory access (docs/benchmarks.md, issue #22 status): refused there
+    # memory access (docs/gdn.md): refused there
     interpreted = q.device.type == "cpu"
     allowed = SUPPORTED_HEAD_DIMS + (TEST_HEAD_DIMS if interpreted else ())
     for name, dim in (("K", q.shape[-1]), ("V", v.shape[-1])):

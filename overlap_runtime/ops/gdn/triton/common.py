@@ -47,8 +47,8 @@ IS_CUDA = tl.constexpr(not INTERPRET.value and importlib.util.find_spec("torch_n
 def mm(a, b):
     """``a @ b`` with fp32 accumulation.
 
-    The interpreter multiplies the raw bit patterns of bfloat16 operands (triton-lang/triton
-    issue 11584, "not supported"), so under ``TRITON_INTERPRET=1`` the operands - already
+    The interpreter multiplies the raw bit patterns of bfloat16 operands (it does not support
+    bfloat16 ``tl.dot``), so under ``TRITON_INTERPRET=1`` the operands - already
     rounded to their storage dtype - are widened to fp32 first: the same products as the
     tensor-core path, which rounds nothing further.
     """
@@ -179,8 +179,8 @@ def choose_segments(num_chunks: int, programs_per_segment: int, device: torch.de
     each segment keeping at least 4 chunks (the summaries cost about one scan of the segment,
     so very short segments only add work). Two, not more: on an H200 (B*HV = 32, V = 128)
     (264 programs, 64 per segment) 4 segments ran forward+backward 7% faster than the 9 of a
-    four-per-SM target at 16K and 64K; 2, 16 and 32 were slower (docs/benchmarks.md, the
-    segment sweep).
+    four-per-SM target at 16K and 64K; 2, 16 and 32 were slower (docs/benchmarks_history.md,
+    the segment sweep).
     """
     target = 2 * num_sms(device)
     if programs_per_segment >= target or num_chunks < 8:

@@ -12,7 +12,7 @@ Forward (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS`` segments):
     output                o                                               grid (V/BV, NT, B*HV)
 
 Saved for backward (per layer at T = 32K, B = 1, H = 16, HV = 32, K = V = 128, bf16, NS = 4;
-1.90 GB, 1.63 GB with ``recompute_w``, against 2.45 GB measured before issue #22's memory pass)::
+1.90 GB, 1.63 GB with ``recompute_w``)::
 
     q, k                  the raw inputs [B, T, H, K]                     2 x 134 MB
     q_rstd, k_rstd        fp32 1/norm [B, T, H] (with the norm)           2 x 2.1 MB

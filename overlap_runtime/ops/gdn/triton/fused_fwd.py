@@ -38,7 +38,7 @@ products; A is nilpotent of order 16 within a block). The doubling form carries 
 keys) times the product's rounding into Ainv, which the products then round to the input dtype
 anyway; both are checked against the float64 recurrence.
 
-No product's cast result is transposed (the Hopper miscompile, gpu/README.md): the only
+No product's cast result is transposed (Triton miscompiles that on Hopper): the only
 transposes are of the normalised keys, built from loaded data.
 """
 
