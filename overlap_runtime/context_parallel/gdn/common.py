@@ -74,14 +74,6 @@ class GDNCPPlan:
         """This process's rank in the CP group (read from the group on every call)."""
         return dist.get_rank(self.group)
 
-    def triton_kwargs(self) -> dict[str, Any]:
-        """``num_segments`` and ``recompute_w`` for the Triton op's ``gdn_forward`` (the
-        p2p chain and the prefix scan call it directly), from :attr:`options` (unset: the
-        machine's segment choice, w saved)."""
-        options = self.options if self.options is not None else GDNKernelOptions()
-        return {"num_segments": options.num_segments,
-                "recompute_w": bool(options.recompute_w)}
-
 
 class ContextParallelGDNMixer(GDNSequenceMixer):
     """Base of the CP sequence mixers: the CP boundary and the checks before any communication.
