@@ -29,7 +29,8 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.gdn import state_summary, tree_compose
 
-from .common import ContextParallelGDNMixer, GDNCPPlan, local_core_inputs
+from .common import ContextParallelGDNMixer, GDNCPPlan
+from .halo import local_core_inputs
 
 __all__ = ["gathered_initial_state", "AllGatherGDNMixer"]
 

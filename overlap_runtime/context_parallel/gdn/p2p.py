@@ -65,7 +65,8 @@ import torch
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops.gdn.state_link import StateLink
 
-from .common import ContextParallelGDNMixer, GDNCPPlan, local_core_inputs, post_recv, post_send
+from .common import ContextParallelGDNMixer, GDNCPPlan, post_recv, post_send
+from .halo import local_core_inputs
 from .state_passing import StatePassingGDN, local_backend, state_passing_gdn
 from .varlen import packed_shard_inputs
 

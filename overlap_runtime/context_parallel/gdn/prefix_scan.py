@@ -69,7 +69,8 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops.gdn import tree_compose
 from overlap_runtime.ops.gdn.state_link import StateLink
 
-from .common import ContextParallelGDNMixer, GDNCPPlan, local_core_inputs
+from .common import ContextParallelGDNMixer, GDNCPPlan
+from .halo import local_core_inputs
 from .scan_rounds import AffinePrefixRounds
 from .state_passing import StatePassingGDN, local_backend, state_passing_gdn
 from .varlen import packed_shard_inputs

@@ -23,10 +23,10 @@ several ranks passes through the one-piece ranks' ``M'``. The pieces' backward
 (:func:`packed_local_output_grads`) and the tail maps' (:func:`add_packed_tail_grads`) serve
 both links.
 
-**Conv halo.** The previous rank's last ``halo`` positions still travel (:class:`HaloExchange`),
+**Conv halo.** The previous rank's last ``halo`` positions still travel (``halo.HaloConv``),
 and the depthwise conv is computed tap by tap with each tap kept only where the tap's token is
-in the output token's document (:func:`document_causal_conv`), so no window crosses a document
-start, inside a shard or across the rank boundary.
+in the output token's document (``halo.DocumentConv``, the table's ``doc_ids``), so no window
+crosses a document start, inside a shard or across the rank boundary.
 
 **Ulysses** gathers whole rows per head group, so it runs the single-device packed path (one
 conv with ``doc_positions``, one varlen op call) on the full rows with the global ``cu_seqlens``.
@@ -47,26 +47,22 @@ shard does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.layers.segments import segments_of
 from overlap_runtime.ops.gdn import (
     GDNKernelOptions,
-    apply_summary,
-    apply_summary_backward,
     chunk_gated_delta_rule,
     state_summary,
 )
 
-from .common import GDNCPPlan, check_halo, post_recv, post_send
+from .common import GDNCPPlan
+from .halo import local_core_inputs
 
-__all__ = ["ShardTable", "shard_table", "HaloExchange", "document_causal_conv",
-           "packed_local_outputs", "packed_tail_maps", "packed_local_output_grads",
-           "add_packed_tail_grads", "packed_core_inputs", "packed_shard_inputs",
+__all__ = ["ShardTable", "shard_table", "packed_local_outputs", "packed_tail_maps",
+           "packed_local_output_grads", "add_packed_tail_grads", "packed_shard_inputs",
            "check_packed_call"]
 
 
@@ -145,96 +141,16 @@ def shard_table(cu_seqlens: torch.Tensor, batch: int, local_len: int, cp_size: i
     return ShardTable(local_len, tuple(rows), tuple(cont), doc)
 
 
-class HaloExchange(torch.autograd.Function):
-    """``x [B, L, C]`` -> the previous rank's last ``halo`` positions ``[B, halo, C]`` (zeros on
-    rank 0). Backward: the halo's gradient goes back to the previous rank and is added to the
-    last ``halo`` positions of ``x``'s gradient. Forward sends ``r -> r+1`` before the state
-    chain's ``H``; backward sends ``r+1 -> r`` after the chain's ``dH`` (autograd reaches the
-    conv after the chain), the same order as the unpacked p2p mode."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, halo: int, plan: GDNCPPlan) -> torch.Tensor:
-        rank, world = plan.rank, plan.cp_size
-        buf = x.new_zeros(x.shape[0], halo, x.shape[2])
-        recv = post_recv(buf, rank - 1, plan, "gdn packed halo") if rank > 0 else None
-        send = (post_send(x[:, -halo:].contiguous(), rank + 1, plan, "gdn packed halo")
-                if rank < world - 1 else None)
-        for h in (recv, send):
-            if h is not None:
-                h.wait()
-        ctx.plan, ctx.halo, ctx.shape = plan, halo, x.shape
-        return buf
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        plan: GDNCPPlan = ctx.plan
-        rank, world = plan.rank, plan.cp_size
-        grad_x = grad.new_zeros(ctx.shape)
-        tail = grad.new_zeros(grad.shape)
-        recv = (post_recv(tail, rank + 1, plan, "gdn packed halo gradient")
-                if rank < world - 1 else None)
-        send = (post_send(grad.contiguous(), rank - 1, plan, "gdn packed halo gradient")
-                if rank > 0 else None)
-        for h in (recv, send):
-            if h is not None:
-                h.wait()
-        grad_x[:, grad_x.shape[1] - ctx.halo:] = tail
-        return grad_x, None, None
-
-
-def document_causal_conv(layer: GatedDeltaNet, mixed_qkv: torch.Tensor, left: torch.Tensor,
-                         doc_ids: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise conv + SiLU whose windows stop at document starts.
-
-    Args:
-        mixed_qkv: ``[B, L, C]`` (C = conv_dim); left: ``[B, halo, C]`` positions before it.
-        doc_ids: ``[B, halo + L]`` document of every position of ``[left | mixed_qkv]``.
-
-    Returns:
-        ``[B, L, C]`` in mixed_qkv's dtype: tap ``j`` (lag ``halo - j * dilation``) adds
-        ``w[:, j] * x[t - lag]`` only where ``x[t - lag]`` is in ``t``'s document.
-    """
-    halo, dil = layer.conv_halo, layer.conv1d.dilation[0]
-    length = mixed_qkv.shape[1]
-    xp = torch.cat([left, mixed_qkv], dim=1)  # [B, halo + L, C]
-    weight = layer.conv1d.weight[:, 0, :]  # [C, kernel]
-    own = doc_ids[:, halo:]  # [B, L]
-    out = None
-    for j in range(layer.conv_kernel_size):
-        off = j * dil
-        x_tap = xp[:, off:off + length]
-        same = (doc_ids[:, off:off + length] == own).to(xp.device)[..., None]
-        term = torch.where(same, x_tap, 0.0) * weight[:, j]
-        out = term if out is None else out + term
-    return F.silu(out)
-
-
-def packed_core_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections,
-                       mask: torch.Tensor | None, table: ShardTable
-                       ) -> tuple[torch.Tensor, ...]:
-    """q, k ``[B, L, H, K]``, v ``[B, L, HV, V]``, g ``[B, L, HV]`` fp32, beta of this shard,
-    with the conv kept inside documents (halo from the previous rank)."""
-    check_halo(layer, proj.mixed_qkv.shape[1], plan)
-    halo = layer.conv_halo
-    if halo and plan.cp_size > 1:
-        left = HaloExchange.apply(proj.mixed_qkv, halo, plan)
-    else:
-        left = proj.mixed_qkv.new_zeros(proj.mixed_qkv.shape[0], halo, proj.mixed_qkv.shape[2])
-    conv = document_causal_conv(layer, proj.mixed_qkv, left, table.doc_ids)
-    q, k, v = layer.split_qkv(conv)
-    g, beta = layer.gates(proj.a, proj.b, mask=mask)
-    return q, k, v, g, beta
-
-
 def packed_shard_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections,
                         mask: torch.Tensor | None, cu_seqlens: torch.Tensor
                         ) -> tuple[ShardTable, tuple[torch.Tensor, ...]]:
-    """A packed call's checks (:func:`check_packed_call`), this shard's document pieces and
-    its core inputs (:func:`packed_core_inputs`): the prologue of every state-passing mode."""
+    """A packed call's checks (:func:`check_packed_call`), this shard's table and its core
+    inputs (``halo.local_core_inputs`` with the table's document ids: the conv stays inside
+    documents): the prologue of every state-passing mode."""
     batch, local_len = proj.mixed_qkv.shape[:2]
     check_packed_call(layer, plan, cu_seqlens, batch, local_len)
     table = shard_table(cu_seqlens, batch, local_len, plan.cp_size, plan.rank, layer.conv_halo)
-    return table, packed_core_inputs(layer, plan, proj, mask, table)
+    return table, local_core_inputs(layer, plan, proj, mask, table.doc_ids)
 
 
 def packed_local_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
