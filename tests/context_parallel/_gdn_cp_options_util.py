@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-import overlap_runtime.context_parallel.gdn.p2p as p2p_module
+import overlap_runtime.context_parallel.gdn.state_passing as state_passing_module
 import overlap_runtime.context_parallel.gdn.varlen as varlen_module
 import overlap_runtime.layers.gated_deltanet as layer_module
 from overlap_runtime.context_parallel import LinearAttentionContextParallel
@@ -31,7 +31,7 @@ MODES = ("ulysses", "p2p", "all_gather", "prefix_scan")
 #: Global document starts of the packed run (B = 1): one document crosses the rank boundary.
 CU_SEQLENS = (0, 5, 21, 2 * LOCAL)
 #: Where the GDN paths call ``chunk_gated_delta_rule`` from (each imports it by name).
-OP_HOMES = (layer_module, p2p_module, varlen_module)
+OP_HOMES = (layer_module, state_passing_module, varlen_module)
 
 
 def _layer(options: GDNKernelOptions | None, source: GatedDeltaNet | None) -> GatedDeltaNet:

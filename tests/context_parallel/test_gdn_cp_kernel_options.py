@@ -84,8 +84,11 @@ def test_triton_chain_and_scan_pass_the_options_to_the_op(
         monkeypatch: pytest.MonkeyPatch, mode: str, options: GDNKernelOptions | None,
         expected: dict[str, Any]) -> None:
     import overlap_runtime.ops.gdn.triton.function as kernels
-    from overlap_runtime.context_parallel.gdn.p2p import TritonStateChain
-    from overlap_runtime.context_parallel.gdn.prefix_scan import TritonPrefixScan
+    from overlap_runtime.context_parallel.gdn.p2p import ChainLink
+    from overlap_runtime.context_parallel.gdn.prefix_scan import ScanLink
+    from overlap_runtime.context_parallel.gdn.state_passing import (StatePassingGDN,
+                                                                    local_backend)
+    from overlap_runtime.context_parallel.gdn.varlen import ShardTable
 
     calls: list[dict[str, Any]] = []
 
@@ -104,8 +107,9 @@ def test_triton_chain_and_scan_pass_the_options_to_the_op(
     q, k = (torch.randn(1, 64, 2, 16, requires_grad=True) for _ in range(2))
     v = torch.randn(1, 64, 4, 16, requires_grad=True)
     g, beta = (torch.rand(1, 64, 4, requires_grad=True) for _ in range(2))
-    fn = TritonStateChain if mode == "p2p" else TritonPrefixScan
-    fn.apply(q, k, v, g, beta, plan, 0.25).sum().backward()
+    link = ChainLink if mode == "p2p" else ScanLink
+    StatePassingGDN.apply(q, k, v, g, beta, local_backend(plan, 0.25, 64),
+                          ShardTable.dense(1, 64), plan, link).sum().backward()
     assert calls == [{"args": (), **expected}], calls
 
 

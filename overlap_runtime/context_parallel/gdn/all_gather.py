@@ -29,7 +29,8 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.gdn import state_summary, tree_compose
 
-from .common import ContextParallelGDNMixer, GDNCPPlan, local_core_inputs
+from .common import ContextParallelGDNMixer, GDNCPPlan
+from .halo import local_core_inputs
 
 __all__ = ["gathered_initial_state", "AllGatherGDNMixer"]
 
@@ -82,10 +83,10 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         from .varlen import packed_local_outputs, packed_shard_inputs, packed_tail_maps
 
         plan = self.plan
-        pieces, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
-        m, s = packed_tail_maps(q, k, v, g, beta, pieces, layer.chunk_size)
+        table, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
+        m, s = packed_tail_maps(q, k, v, g, beta, table, layer.chunk_size)
         h_in, gathered = gathered_initial_state(m, s, plan)
-        o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, q.shape[-1] ** -0.5,
+        o = packed_local_outputs(q, k, v, g, beta, h_in, table, q.shape[-1] ** -0.5,
                                  layer.chunk_size, plan.backend, plan.options)
         # Always attached: a rank whose rows all start a document at its first token reads no
         # summary either, and the gather's backward collective must run on every rank.

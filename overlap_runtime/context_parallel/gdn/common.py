@@ -1,5 +1,5 @@
 """Shared pieces of GDN context parallelism: the plan, the CP mixers' base, point-to-point
-helpers, the halo conv.
+helpers, the checks every rank makes before a message.
 
 :class:`GDNCPPlan` is the immutable configuration one ``LinearAttentionContextParallel.apply``
 binds to a layer (mode, backend, process group, timeouts); the sequence mixer ``apply`` installs
@@ -15,15 +15,12 @@ recurrence and the causal conv run left to right, so rank ``r``'s tokens directl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
-from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
+from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, MixerInputs, check_layer_inputs
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.gdn import GDNKernelOptions
@@ -33,8 +30,6 @@ __all__ = [
     "ContextParallelGDNMixer",
     "post_recv",
     "post_send",
-    "halo_conv_qkv",
-    "local_core_inputs",
     "check_halo",
     "check_backend_before_comm",
     "check_ranks_agree_on_call",
@@ -73,14 +68,6 @@ class GDNCPPlan:
     def rank(self) -> int:
         """This process's rank in the CP group (read from the group on every call)."""
         return dist.get_rank(self.group)
-
-    def triton_kwargs(self) -> dict[str, Any]:
-        """``num_segments`` and ``recompute_w`` for the Triton op's ``gdn_forward`` (the
-        p2p chain and the prefix scan call it directly), from :attr:`options` (unset: the
-        machine's segment choice, w saved)."""
-        options = self.options if self.options is not None else GDNKernelOptions()
-        return {"num_segments": options.num_segments,
-                "recompute_w": bool(options.recompute_w)}
 
 
 class ContextParallelGDNMixer(GDNSequenceMixer):
@@ -253,133 +240,6 @@ def check_backend_before_comm(layer: GatedDeltaNet, hidden: torch.Tensor, plan: 
     check_triton_inputs(qk, qk, v, gb, beta, state, layer.chunk_size)
 
 
-def _post_halo(x: torch.Tensor, halo: int, plan: GDNCPPlan
-               ) -> tuple[torch.Tensor | None, Any, Any]:
-    """Post the halo exchange of a shard ``x [B, T, C]``: receive the previous rank's last
-    ``halo`` rows into a new ``[B, halo, C]`` buffer (None on rank 0) and send ours to the next
-    rank. Returns ``(buffer, recv, send)``; wait on ``recv`` before reading the buffer."""
-    recv = buf = send = None
-    if plan.rank > 0:
-        buf = x.new_empty(x.shape[0], halo, x.shape[2])
-        recv = post_recv(buf, plan.rank - 1, plan, "gdn halo conv forward (halo)")
-    if plan.rank < plan.cp_size - 1:
-        send = post_send(x[:, x.shape[1] - halo:].contiguous(), plan.rank + 1, plan,
-                         "gdn halo conv forward (halo)")
-    return buf, recv, send
-
-
-def _post_halo_grad(grad_left: torch.Tensor | None, like: torch.Tensor, halo: int,
-                    plan: GDNCPPlan) -> tuple[torch.Tensor | None, Any, Any]:
-    """Post the backward halo exchange: send ``grad_left [B, halo, C]`` (the gradient of the
-    rows received in forward) to the previous rank and receive the next rank's into a new
-    ``[B, halo, C]`` buffer shaped after ``like [B, *, C]``. Returns ``(tail, recv, send)``."""
-    send = recv = tail = None
-    if plan.rank > 0:
-        send = post_send(grad_left, plan.rank - 1, plan, "gdn halo conv backward (halo grad)")
-    if plan.rank < plan.cp_size - 1:
-        tail = like.new_empty(like.shape[0], halo, like.shape[-1])
-        recv = post_recv(tail, plan.rank + 1, plan, "gdn halo conv backward (halo grad)")
-    return tail, recv, send
-
-
-def _finish_halo_grad(grad_x: torch.Tensor, tail: torch.Tensor | None, recv: Any, send: Any,
-                      halo: int) -> None:
-    """Add the next rank's halo gradient to the last ``halo`` rows of ``grad_x [B, T, C]`` in
-    place, and wait for our own halo gradient to leave."""
-    if recv is not None:
-        recv.wait()
-        grad_x[:, grad_x.shape[1] - halo:] += tail
-    if send is not None:
-        send.wait()
-
-
-class _HaloCausalConv(torch.autograd.Function):
-    """Depthwise causal conv (pre-activation) of a shard whose left context is the previous
-    rank's last ``halo`` positions, exchanged point to point inside the op.
-
-    Forward: the shard goes into the conv's padded layout once (``F.pad``, the copy the
-    single-device conv makes too), the received halo fills the pad (rank 0: zeros, the causal
-    padding). Backward: ``convolution_backward`` gives the padded input's gradient; its first
-    ``halo`` positions go back to the previous rank, and the next rank's halo gradient is added
-    in place to the last ``halo`` positions. No concatenation of the shard with its halo and no
-    second full-size gradient to accumulate (a separate halo exchange followed by ``torch.cat``
-    cost two full-shard passes each way, ~2 ms per layer at 16K tokens on an H200).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dilation: int, halo: int,
-                plan: GDNCPPlan) -> torch.Tensor:
-        channels = x.shape[2]
-        buf, recv, send = _post_halo(x, halo, plan)
-        xp = F.pad(x.transpose(1, 2), (halo, 0))  # [B, C, halo + T]
-        if recv is not None:
-            recv.wait()
-            xp[:, :, :halo].copy_(buf.transpose(1, 2))
-        out = F.conv1d(xp, weight, None, 1, 0, dilation, channels)
-        if send is not None:
-            send.wait()
-        ctx.save_for_backward(xp, weight)
-        ctx.dilation, ctx.halo, ctx.plan = dilation, halo, plan
-        return out  # [B, C, T]
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        xp, weight = ctx.saved_tensors
-        plan: GDNCPPlan = ctx.plan
-        halo = ctx.halo
-        grad_xp, grad_w, _ = torch.ops.aten.convolution_backward(
-            grad_out.contiguous(), xp, weight, None, [1], [0], [ctx.dilation], False, [0],
-            weight.shape[0], [True, ctx.needs_input_grad[1], False])
-        tail, recv, send = _post_halo_grad(grad_xp[:, :, :halo].transpose(1, 2),
-                                           grad_xp.transpose(1, 2), halo, plan)
-        # [B, T, C] contiguous: the view starts ``halo`` elements in, and a misaligned strided
-        # gradient sends the projection's backward GEMMs to align-1 kernels (2x slower on an
-        # H200); the single-device conv's backward makes the same copy.
-        grad_x = grad_xp[:, :, halo:].transpose(1, 2).contiguous()
-        _finish_halo_grad(grad_x, tail, recv, send, halo)
-        return grad_x, grad_w, None, None, None
-
-
-class _HaloTritonConv(torch.autograd.Function):
-    """:class:`_HaloCausalConv` for ``conv_backend="triton"``: the same halo messages, and the
-    single-device Triton kernels (``ops.causal_conv``) with the received halo as ``left`` (rank
-    0: None, the causal padding), SiLU fused. Backward: the kernels' ``d_left`` goes back to the
-    previous rank and the next rank's halo gradient is added to the last ``halo`` rows of dx."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dilation: int, halo: int,
-                plan: GDNCPPlan) -> torch.Tensor:
-        from overlap_runtime.ops.causal_conv import (causal_conv_silu_forward,
-                                                     check_causal_conv_inputs)
-
-        # the kernels' rules before any message: the same shapes on every rank, so every rank
-        # raises here alike and no peer is left waiting
-        check_causal_conv_inputs(x, weight, None, dilation)
-        left, recv, send = _post_halo(x, halo, plan)
-        if recv is not None:
-            recv.wait()
-        out = causal_conv_silu_forward(x, weight, left, dilation)
-        if send is not None:
-            send.wait()
-        ctx.save_for_backward(x, weight, left)
-        ctx.dilation, ctx.halo, ctx.plan = dilation, halo, plan
-        return out  # [B, T, C], SiLU applied
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from overlap_runtime.ops.causal_conv import causal_conv_silu_backward
-
-        x, weight, left = ctx.saved_tensors
-        grad_x, grad_w, grad_left = causal_conv_silu_backward(
-            grad_out, x, weight, left, ctx.dilation, need_weight=ctx.needs_input_grad[1],
-            need_left=left is not None)
-        _finish_halo_grad(grad_x, *_post_halo_grad(grad_left, grad_x, ctx.halo, ctx.plan),
-                          ctx.halo)
-        return grad_x, grad_w, None, None, None
-
-
 def check_state_passing_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               g: torch.Tensor, beta: torch.Tensor, plan: GDNCPPlan,
                               chunk_size: int, mode: str) -> None:
@@ -398,52 +258,3 @@ def check_state_passing_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise NotImplementedError(
             f"mode={mode!r} with backend={plan.backend!r}: it knows the 'eager' and 'triton' "
             "local kernels only")
-
-
-def halo_conv_qkv(
-    layer: GatedDeltaNet, mixed_qkv: torch.Tensor, plan: GDNCPPlan
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal conv of a sequence shard with the previous rank's halo, then split into q, k, v.
-
-    Only the last ``conv_halo`` positions of each shard travel, to the next rank (point to
-    point, inside :class:`_HaloCausalConv`, or :class:`_HaloTritonConv` for the layer's
-    ``conv_backend="triton"``, the single-device kernels); rank 0 uses zeros, which equal the
-    causal padding of the unsplit conv. Backward returns the halo's gradient to the previous rank.
-
-    Args:
-        mixed_qkv: ``[B, T_local, conv_dim]`` projections before the conv.
-
-    Returns:
-        q, k ``[B, T_local, H, K]``, v ``[B, T_local, HV, V]`` in mixed_qkv's dtype.
-    """
-    check_halo(layer, mixed_qkv.shape[1], plan)
-    halo = layer.conv_halo
-    if halo == 0 or plan.cp_size == 1:
-        return layer.split_qkv(layer.causal_conv(mixed_qkv))
-    if layer.conv_backend == "triton":  # the single-device kernels, the same arithmetic
-        conv = _HaloTritonConv.apply(mixed_qkv, layer.conv1d.weight[:, 0, :],
-                                     layer.conv1d.dilation[0], halo, plan)
-        return layer.split_qkv(conv)
-    pre = _HaloCausalConv.apply(mixed_qkv, layer.conv1d.weight, layer.conv1d.dilation[0],
-                                halo, plan)
-    return layer.split_qkv(F.silu(pre).transpose(1, 2))
-
-
-def local_core_inputs(
-    layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GDN core's inputs on a contiguous shard (p2p, all_gather, prefix_scan): halo conv,
-    split, gates.
-
-    Args:
-        proj: the layer's projections of this rank's masked shard (``mixed_qkv``
-            ``[B, T_local, conv_dim]``, ``a``, ``b`` ``[B, T_local, HV]``).
-        mask: ``[B, T_local]`` (1 real, 0 pad) or None.
-
-    Returns:
-        ``(q, k [B, T_local, H, K], v [B, T_local, HV, V], g [B, T_local, HV] fp32,
-        beta [B, T_local, HV])``.
-    """
-    q, k, v = halo_conv_qkv(layer, proj.mixed_qkv, plan)
-    g, beta = layer.gates(proj.a, proj.b, mask=mask)
-    return q, k, v, g, beta

@@ -29,7 +29,9 @@ Per rank and direction: at most ``ceil(log2 P)`` receives and sends of ``[B, HV,
 round; the chain sends one state and does one ``K x K x V`` product, but its critical path is
 ``P - 1`` hops. docs/gdn_context_parallel.md has the latency model and when each wins.
 
-``backend="triton"``: the Triton op hands the scan its own segment summaries through the
+Both backends run the one state-passing op (``state_passing.StatePassingGDN``) with
+:class:`ScanLink` as its link; the eager backend hands it the shard's one summary as a single
+segment. ``backend="triton"``: the Triton op hands the scan its own segment summaries through the
 ``StateLink`` hooks (``ops/gdn/state_link.py``: ``segment_maps`` in the forward,
 ``segment_state_grads`` in the backward, the op computes them even for one segment when the
 link asks). The link composes the ``NS`` segment maps into the rank's ``(M_r, S_r)`` (and, in the
@@ -38,7 +40,7 @@ where the op asks for its entering state (or the leaving state's gradient), and 
 leaving state (or the entering state's gradient): nobody waits for them. No summary is computed
 outside the op and no forward is recomputed in the backward.
 
-Packed batches (``cu_seqlens``, :class:`PackedPrefixScan`): the same rounds over the packed
+Packed batches (``cu_seqlens``, the shard's document table): the same rounds over the packed
 chain's maps (``gdn/varlen.py``). Each rank's summary is its shard's tail map ``(M', S')``,
 that of its LAST document piece (``M' = 0`` where that document starts inside the shard, so the
 prefix composed past it forgets everything before; a shard that is the middle of one long
@@ -55,136 +57,76 @@ chain would hand the rank, and it enters only a first piece that continues a doc
       (M'^T, L); add_packed_tail_grads with dM' = dH_out H_in^T, dS' = dH_out    (r < P - 1)
 
 Both backends: the pieces run as one varlen call of the plan's op (eager or Triton) and the
-tail maps are the eager ``state_summary`` (as the packed chain: no ``StateLink``); the local
+tail maps are the eager ``state_summary``, handed to :class:`ScanLink` as one segment; the local
 output and the tail maps are recomputed in the backward, as the packed chain does.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch.autograd.function import once_differentiable
 
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
-from overlap_runtime.ops.gdn import (
-    chunk_output,
-    prepare_chunks,
-    summarize,
-    tree_compose,
-)
+from overlap_runtime.ops.gdn import tree_compose
 from overlap_runtime.ops.gdn.state_link import StateLink
-from overlap_runtime.ops.profile_range import profile_range
 
-from .common import (ContextParallelGDNMixer, GDNCPPlan, check_state_passing_call,
-                     local_core_inputs)
-from .p2p import add_summary_grads, local_output_grads
+from .common import ContextParallelGDNMixer, GDNCPPlan
+from .halo import local_core_inputs
 from .scan_rounds import AffinePrefixRounds
-from .varlen import (ShardPieces, add_packed_tail_grads, packed_local_output_grads,
-                     packed_local_outputs, packed_shard_inputs, packed_tail_maps)
+from .state_passing import StatePassingGDN, local_backend, state_passing_gdn
+from .varlen import packed_shard_inputs
 
-__all__ = ["GDNPrefixScan", "TritonPrefixScan", "PackedPrefixScan", "gdn_prefix_scan",
-           "PrefixScanGDNMixer"]
+__all__ = ["ScanLink", "gdn_prefix_scan", "PrefixScanGDNMixer"]
 
 _FWD = "gdn prefix_scan forward (M, S)"
 _BWD = "gdn prefix_scan backward (M^T, dH)"
-_PACKED_FWD = "gdn packed prefix_scan forward (M', S')"
-_PACKED_BWD = "gdn packed prefix_scan backward (M'^T, dH)"
 
 
-def _state_shape(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
-    return (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
+class ScanLink(StateLink):
+    """The state hooks running the prefix scan, for one forward or backward of one rank.
 
-
-class GDNPrefixScan(torch.autograd.Function):
-    """``apply(q, k, v, g, beta, plan, scale, chunk_size) -> o [B, T, HV, V]`` (v's dtype).
-
-    q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV]`` fp32, beta ``[B, T, HV]``: this
-    rank's contiguous shard (any length: a partial last chunk is masked). q and k are
-    l2-normalised inside. The state entering the rank is the prefix of the earlier ranks'
-    summaries (module docstring); states and maps are fp32 (float64 for float64 inputs).
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-        beta: torch.Tensor, plan: GDNCPPlan, scale: float, chunk_size: int,
-    ) -> torch.Tensor:
-        rank, world = plan.rank, plan.cp_size
-        state_dtype = torch.promote_types(q.dtype, torch.float32)
-        scan = AffinePrefixRounds(plan, False, _state_shape(k, v), state_dtype, q.device, _FWD)
-        with profile_range("gdn.prefix_scan fwd local prepare+summary"):
-            prep = prepare_chunks(q, k, v, g, beta, scale, True, chunk_size)
-            m = s = None
-            if rank < world - 1:
-                m, s = summarize(prep)
-        with profile_range("gdn.prefix_scan fwd scan"):
-            h_in = scan.run(m, s)
-        with profile_range("gdn.prefix_scan fwd local output"):
-            o, _ = chunk_output(prep, h_in)
-        scan.finish()
-        # M is kept where the backward's scan sends pairs (0 < r < P - 1); H_in where r > 0.
-        ctx.save_for_backward(q, k, v, g, beta, h_in, m if 0 < rank < world - 1 else None)
-        ctx.plan, ctx.scale, ctx.chunk_size = plan, scale, chunk_size
-        return o
-
-    @staticmethod
-    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, g, beta, h_in, m = ctx.saved_tensors
-        plan: GDNCPPlan = ctx.plan
-        rank, world = plan.rank, plan.cp_size
-        state_dtype = torch.promote_types(q.dtype, torch.float32)
-        scan = AffinePrefixRounds(plan, True, _state_shape(k, v), state_dtype, q.device, _BWD)
-        needs = ctx.needs_input_grad[:5]
-        with profile_range("gdn.prefix_scan bwd local output"):
-            grads, dh_in_local, leaves = local_output_grads(
-                (q, k, v, g, beta), needs, h_in, do, ctx.scale, ctx.chunk_size, plan.backend,
-                plan.options)
-        with profile_range("gdn.prefix_scan bwd scan"):
-            m_t = None if m is None else m.transpose(-1, -2)
-            dh_out = scan.run(m_t, dh_in_local)  # None on the last rank: nothing after it
-        if dh_out is not None and rank < world - 1 and any(needs):
-            with profile_range("gdn.prefix_scan bwd summary"):
-                add_summary_grads(grads, leaves, needs, h_in, dh_out, ctx.scale, ctx.chunk_size)
-        scan.finish()
-        grads = [gr.to(x.dtype) if gr is not None else None
-                 for gr, x in zip(grads, (q, k, v, g, beta))]
-        return (*grads, None, None, None)
-
-
-class _ScanLink(StateLink):
-    """The Triton op's state hooks running the prefix scan, for one forward or backward.
-
-    The scan's receives are posted at construction (before the op's local work). Forward:
-    :meth:`segment_maps` composes the op's segment summaries into ``(M_r, S_r)``,
-    :meth:`entering_state` runs the scan. Backward: :meth:`segment_state_grads` composes the
-    transposed segment maps and the segment-local state gradients into ``(M_r^T, L_r)``,
-    :meth:`leaving_state_grad` runs the reverse scan.
+    The scan's receives are posted at construction (before the local work). Forward:
+    :meth:`segment_maps` composes the backend's segment summaries (``[B*HV, NS, K, K]``,
+    ``[B*HV, NS, K, V]``) into ``(M_r, S_r)``, :meth:`entering_state` runs the scan. Backward:
+    :meth:`segment_state_grads` composes the transposed segment maps and the segment-local
+    state gradients into ``(M_r^T, L_r)``, :meth:`leaving_state_grad` runs the reverse scan.
+    Messages in ``dtype`` (fp32, float64 for float64 inputs).
     """
 
     #: Two segments at least (as the chain's link): their summaries run in parallel, where one
     #: segment would cost a whole sequential summary walk before the scan (one chunk: one).
     min_segments = 2
+    profile_name = "gdn.prefix_scan"
     wants_segment_maps = True
 
     def __init__(self, plan: GDNCPPlan, state_shape: tuple[int, int, int, int],
-                 device: torch.device, reverse: bool) -> None:
+                 dtype: torch.dtype, device: torch.device, reverse: bool) -> None:
         self.plan, self.state_shape = plan, state_shape
-        self.scan = AffinePrefixRounds(plan, reverse, state_shape, torch.float32, device,
+        rank, world = plan.rank, plan.cp_size
+        # forward: every rank but the last sends its map; backward: every rank but the first
+        self.leaves = rank > 0 if reverse else rank < world - 1
+        self.scan = AffinePrefixRounds(plan, reverse, state_shape, dtype, device,
                                        _BWD if reverse else _FWD)
         self.m: torch.Tensor | None = None
         self.s: torch.Tensor | None = None
 
-    def _rank_map(self, m: torch.Tensor, s: torch.Tensor) -> None:
+    def _rank_map(self, m: torch.Tensor | None, s: torch.Tensor) -> None:
+        """``m [B*HV, NS, K, K]`` (None: one segment whose map no message carries: the scan's
+        first position sends a state only), ``s [B*HV, NS, K, N]``, in time order."""
         batch, heads, key_dim, cols = self.state_shape
-        m_r, s_r = tree_compose(m, s)  # [B*HV, NS, ...] in time order -> [B*HV, ...]
-        self.m = m_r.reshape(batch, heads, key_dim, key_dim)
+        if m is None:
+            if s.shape[-3] != 1:
+                raise ValueError(f"{self.scan.what}: segment maps are needed to compose "
+                                 f"{s.shape[-3]} segments")
+            m_r, s_r = None, s[..., 0, :, :]
+        else:
+            m_r, s_r = tree_compose(m, s)  # -> [B*HV, ...]
+            m_r = m_r.reshape(batch, heads, key_dim, key_dim)
+        self.m = m_r
         self.s = s_r.reshape(batch, heads, key_dim, cols)
 
     # forward
     def segment_maps(self, m_seg: torch.Tensor, s_seg: torch.Tensor) -> None:
-        rank, world = self.plan.rank, self.plan.cp_size
-        if rank < world - 1:  # the last rank's map is never sent
+        if self.leaves:  # the last rank's map is never sent
             self._rank_map(m_seg, s_seg)
 
     def entering_state(self) -> torch.Tensor | None:
@@ -194,9 +136,10 @@ class _ScanLink(StateLink):
         """Nobody waits for it: the scan gave every rank its entering state."""
 
     # backward: the reverse walk over segments is a walk in time order over the transposed maps
-    def segment_state_grads(self, m_seg: torch.Tensor, local: torch.Tensor) -> None:
-        if self.plan.rank > 0:  # rank 0 sends nothing in the reverse scan
-            self._rank_map(m_seg.transpose(-1, -2).flip(-3), local.flip(-3))
+    def segment_state_grads(self, m_seg: torch.Tensor | None, local: torch.Tensor) -> None:
+        if self.leaves:  # rank 0 sends nothing in the reverse scan
+            self._rank_map(None if m_seg is None else m_seg.transpose(-1, -2).flip(-3),
+                           local.flip(-3))
 
     def leaving_state_grad(self) -> torch.Tensor | None:
         return self.scan.run(self.m, self.s)
@@ -204,121 +147,26 @@ class _ScanLink(StateLink):
     def entering_state_grad(self, dh_in: torch.Tensor) -> None:
         """Nobody waits for it: the reverse scan gave every rank its ``dH_out``."""
 
-
-class TritonPrefixScan(torch.autograd.Function):
-    """``apply(q, k, v, g, beta, plan, scale) -> o [B, T, HV, V]`` with the scan inside the
-    Triton op's state hooks (module docstring). Shapes as :class:`GDNPrefixScan`;
-    q/k/v/beta bf16/fp16/fp32, g fp32; ``T`` a multiple of 64."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-        beta: torch.Tensor, plan: GDNCPPlan, scale: float,
-    ) -> torch.Tensor:
-        from overlap_runtime.ops.gdn.triton.function import gdn_forward
-
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        shape = _state_shape(k, v)
-        link = _ScanLink(plan, shape, q.device, reverse=False)
-        o, _, saved, meta = gdn_forward(q, k, v, g, beta, None, scale, True, link=link,
-                                        **plan.triton_kwargs())
-        link.scan.finish()
-        ctx.save_for_backward(*saved)
-        ctx.meta, ctx.plan, ctx.state_shape = meta, plan, shape
-        return o
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        from overlap_runtime.ops.gdn.triton.function import gdn_backward
-
-        link = _ScanLink(ctx.plan, ctx.state_shape, do.device, reverse=True)
-        dq, dk, dv, dg, dbeta, _ = gdn_backward(ctx.saved_tensors, ctx.meta, do, None,
-                                                link=link)
-        link.scan.finish()
-        return dq, dk, dv, dg, dbeta, None, None
-
-
-class PackedPrefixScan(torch.autograd.Function):
-    """``apply(q, k, v, g, beta, pieces, plan, scale, chunk_size) -> o [B, L, HV, V]`` (v's
-    dtype) on a packed shard (module docstring, "Packed batches").
-
-    q, k ``[B, L, H, K]``, v ``[B, L, HV, V]``, g ``[B, L, HV]`` fp32, beta ``[B, L, HV]``: this
-    rank's contiguous shard; ``pieces`` its document pieces (``varlen.shard_pieces``). States and
-    maps are fp32 (float64 for float64 inputs); either backend (``plan.backend``) for the
-    pieces' one varlen call.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, pieces: ShardPieces, plan: GDNCPPlan, scale: float,
-                chunk_size: int) -> torch.Tensor:
-        rank, world = plan.rank, plan.cp_size
-        state_dtype = torch.promote_types(q.dtype, torch.float32)
-        scan = AffinePrefixRounds(plan, False, _state_shape(k, v), state_dtype, q.device,
-                                  _PACKED_FWD)
-        m = s = None
-        if rank < world - 1:  # the last rank's map is never sent
-            with profile_range("gdn.prefix_scan packed fwd tail maps"):
-                m, s = packed_tail_maps(q, k, v, g, beta, pieces, chunk_size)
-        with profile_range("gdn.prefix_scan packed fwd scan"):
-            h_in = scan.run(m, s)
-        with profile_range("gdn.prefix_scan packed fwd local output"):
-            o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, scale, chunk_size,
-                                     plan.backend, plan.options)
-        scan.finish()
-        # M' is kept where the backward's scan sends pairs (0 < r < P - 1); H_in where r > 0.
-        ctx.save_for_backward(q, k, v, g, beta, h_in, m if 0 < rank < world - 1 else None)
-        ctx.pieces, ctx.plan, ctx.scale, ctx.chunk_size = pieces, plan, scale, chunk_size
-        return o
-
-    @staticmethod
-    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, g, beta, h_in, m = ctx.saved_tensors
-        plan: GDNCPPlan = ctx.plan
-        rank, world = plan.rank, plan.cp_size
-        state_dtype = torch.promote_types(q.dtype, torch.float32)
-        scan = AffinePrefixRounds(plan, True, _state_shape(k, v), state_dtype, q.device,
-                                  _PACKED_BWD)
-        with profile_range("gdn.prefix_scan packed bwd local output"):
-            grads, dh_local, leaves = packed_local_output_grads(
-                (q, k, v, g, beta), h_in, do, ctx.pieces, ctx.scale, ctx.chunk_size,
-                plan.backend, plan.options)
-        with profile_range("gdn.prefix_scan packed bwd scan"):
-            m_t = None if m is None else m.transpose(-1, -2)
-            dh_out = scan.run(m_t, dh_local)  # None on the last rank: nothing after it
-        if dh_out is not None and rank < world - 1:
-            with profile_range("gdn.prefix_scan packed bwd tail maps"):
-                grads = add_packed_tail_grads(grads, leaves, ctx.pieces, h_in, dh_out,
-                                              ctx.chunk_size)
-        scan.finish()
-        grads = [gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
-        return (*grads, None, None, None, None)
+    def finish(self) -> None:
+        """Wait every send of the scan (late: after the local work that followed it)."""
+        self.scan.finish()
 
 
 def gdn_prefix_scan(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     plan: GDNCPPlan, chunk_size: int = 64,
 ) -> torch.Tensor:
-    """Validate, check the backend (raises, never falls back), then run the prefix scan.
-
-    The checks run before any message, on every rank alike (same shapes), so a refusal raises
-    everywhere instead of leaving a peer waiting.
-
-    Returns:
-        o ``[B, T_local, HV, V]`` in v's dtype.
-    """
-    check_state_passing_call(q, k, v, g, beta, plan, chunk_size, "prefix_scan")
-    scale = q.shape[-1] ** -0.5
-    if plan.backend == "triton":
-        return TritonPrefixScan.apply(q, k, v, g, beta, plan, scale)
-    return GDNPrefixScan.apply(q, k, v, g, beta, plan, scale, chunk_size)
+    """The prefix scan on this rank's dense shard: q, k ``[B, L, H, K]``, v ``[B, L, HV, V]``,
+    g ``[B, L, HV]`` fp32, beta ``[B, L, HV]`` -> o ``[B, L, HV, V]`` in v's dtype
+    (``state_passing.state_passing_gdn`` with :class:`ScanLink`: checks first, raises, never
+    falls back)."""
+    return state_passing_gdn(q, k, v, g, beta, plan, ScanLink, chunk_size)
 
 
 class PrefixScanGDNMixer(ContextParallelGDNMixer):
     """Sequence mixer of ``mode="prefix_scan"`` (see the module docstring)."""
 
-    triton_min_segments = _ScanLink.min_segments
+    triton_min_segments = ScanLink.min_segments
 
     def forward(self, layer: GatedDeltaNet, proj: GDNProjections,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -328,9 +176,11 @@ class PrefixScanGDNMixer(ContextParallelGDNMixer):
 
     def forward_packed(self, layer: GatedDeltaNet, proj: GDNProjections,
                        mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Packed batch (global ``cu_seqlens``): the scan over the shards' tail maps
-        (:class:`PackedPrefixScan`) -> ``o [B, T_local, HV, V]``."""
-        pieces, (q, k, v, g, beta) = packed_shard_inputs(layer, self.plan, proj, mask,
-                                                         cu_seqlens)
-        return PackedPrefixScan.apply(q, k, v, g, beta, pieces, self.plan, q.shape[-1] ** -0.5,
-                                      layer.chunk_size)
+        """Packed batch (global ``cu_seqlens``): the scan over the shards' tail maps (the
+        shard's document table) -> ``o [B, T_local, HV, V]``."""
+        plan = self.plan
+        table, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
+        scale = q.shape[-1] ** -0.5
+        return StatePassingGDN.apply(q, k, v, g, beta,
+                                     local_backend(plan, scale, layer.chunk_size), table, plan,
+                                     ScanLink)

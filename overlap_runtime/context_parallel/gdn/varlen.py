@@ -15,16 +15,18 @@ the next::
 piece, from the last document's start inside the shard: when the shard is one piece that
 continues a document, ``(M', S')`` is the whole shard's summary; otherwise ``M' = 0`` and ``S'``
 is the last piece's final state from zero (earlier documents are ignored). ``H_in`` enters only
-the first piece, and only when it continues a document. The p2p chain (:class:`PackedStateChain`),
-the summary all-gather and the prefix scan (``prefix_scan.PackedPrefixScan``) then run exactly
-as in the unpacked modes with these maps; a document spanning several ranks passes through the
-one-piece ranks' ``M'``. The chain and the scan share the pieces' backward
-(:func:`packed_local_output_grads`) and the tail maps' (:func:`add_packed_tail_grads`).
+the first piece, and only when it continues a document. The pieces are a :class:`ShardTable`
+(a dense shard is the table of whole rows), and the one state-passing op
+(``state_passing.StatePassingGDN``: the p2p chain or the prefix scan, by its link) and the
+summary all-gather run on these maps exactly as on whole rows; a document spanning
+several ranks passes through the one-piece ranks' ``M'``. The pieces' backward
+(:func:`packed_local_output_grads`) and the tail maps' (:func:`add_packed_tail_grads`) serve
+both links.
 
-**Conv halo.** The previous rank's last ``halo`` positions still travel (:class:`HaloExchange`),
+**Conv halo.** The previous rank's last ``halo`` positions still travel (``halo.HaloConv``),
 and the depthwise conv is computed tap by tap with each tap kept only where the tap's token is
-in the output token's document (:func:`document_causal_conv`), so no window crosses a document
-start, inside a shard or across the rank boundary.
+in the output token's document (``halo.DocumentConv``, the table's ``doc_ids``), so no window
+crosses a document start, inside a shard or across the rank boundary.
 
 **Ulysses** gathers whole rows per head group, so it runs the single-device packed path (one
 conv with ``doc_positions``, one varlen op call) on the full rows with the global ``cu_seqlens``.
@@ -37,54 +39,91 @@ of the call's per-sequence ``initial_state`` (zeros for the other pieces) and it
 returns ``dH_in_local`` as those rows of the op's ``dh0``. The tail maps ``(M', S')`` are always
 computed by the eager :func:`state_summary` (plain PyTorch, fp32, differentiable), with either
 backend: exact, but one extra prepare of the last piece per row (the unpacked Triton p2p chain
-reuses the op's own segment summaries instead), one call per row.
+reuses the op's own segment summaries instead), one call per row. A shard whose every row is
+one piece continuing a document is whole rows (``ShardTable.whole_rows``) and runs as a dense
+shard does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 from overlap_runtime.layers.segments import segments_of
 from overlap_runtime.ops.gdn import (
     GDNKernelOptions,
-    apply_summary,
-    apply_summary_backward,
     chunk_gated_delta_rule,
     state_summary,
 )
 
-from .common import GDNCPPlan, check_halo, post_recv, post_send
+from .common import GDNCPPlan
+from .halo import local_core_inputs
 
-__all__ = ["ShardPieces", "shard_pieces", "HaloExchange", "document_causal_conv",
-           "packed_local_outputs", "packed_tail_maps", "packed_local_output_grads",
-           "add_packed_tail_grads", "PackedStateChain",
-           "packed_core_inputs", "packed_shard_inputs", "check_packed_call"]
+__all__ = ["ShardTable", "shard_table", "packed_local_outputs", "packed_tail_maps",
+           "packed_local_output_grads", "add_packed_tail_grads", "packed_shard_inputs",
+           "check_packed_call"]
 
 
 @dataclass(frozen=True)
-class ShardPieces:
-    """The pieces of one rank's contiguous shard (module docstring).
+class ShardTable:
+    """The layout of one rank's shard ``[B, L]`` as pieces: a ``cu_seqlens`` table.
+
+    A dense batch is whole rows (:meth:`dense`: one piece per row, each continuing whatever
+    state enters the shard); a packed batch cuts each row at the document starts
+    (:func:`shard_table`, module docstring). The local ops read the table, not the kind of
+    batch: whole rows run the op on ``[B, L]`` with ``H_in`` entering every row, pieces run one
+    varlen call over the rows flattened to ``[1, B * L]`` (:meth:`cu_seqlens`).
 
     Attributes:
+        length: ``L``, the shard's tokens per row.
         rows: per row, the ``(start, end)`` of each piece in local positions ``[0, L)``.
-        cont_in: per row, whether the first piece continues a document from the previous rank.
+        cont_in: per row, whether the first piece continues the state entering the shard.
         doc_ids: ``[B, halo + L]`` int64 document of the ``halo`` positions before the shard
-            and of the shard's tokens (-1 before the first row's start).
+            and of the shard's tokens (-1 before the first row's start); None for whole rows.
     """
 
+    length: int
     rows: tuple[tuple[tuple[int, int], ...], ...]
     cont_in: tuple[bool, ...]
-    doc_ids: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+
+    @classmethod
+    def dense(cls, batch: int, length: int) -> ShardTable:
+        """Whole rows: ``B`` pieces ``[0, L)``, every one continuing the entering state."""
+        return cls(length, (((0, length),),) * batch, (True,) * batch)
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    @property
+    def whole_rows(self) -> bool:
+        """Every row is one piece that continues the entering state (a dense shard)."""
+        return all(cont and row == ((0, self.length),) for row, cont in
+                   zip(self.rows, self.cont_in))
+
+    def cu_seqlens(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[N + 1]`` int64 offsets of the ``N`` pieces over the rows flattened to ``B * L``."""
+        offsets = [0]
+        for b, row in enumerate(self.rows):
+            offsets.extend(b * self.length + e for _, e in row)
+        return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+    def first_pieces(self) -> list[int]:
+        """Per row, the index of its first piece among the ``N``."""
+        firsts, n = [], 0
+        for row in self.rows:
+            firsts.append(n)
+            n += len(row)
+        return firsts
 
 
-def shard_pieces(cu_seqlens: torch.Tensor, batch: int, local_len: int, cp_size: int,
-                 rank: int, halo: int) -> ShardPieces:
-    """Pieces of rank ``rank``'s shard of a packed batch ``[B, P * local_len]``."""
+def shard_table(cu_seqlens: torch.Tensor, batch: int, local_len: int, cp_size: int,
+                rank: int, halo: int) -> ShardTable:
+    """The table of rank ``rank``'s shard of a packed batch ``[B, P * local_len]`` with the
+    global ``cu_seqlens``."""
     seq_len = local_len * cp_size
     segs = segments_of(cu_seqlens, batch, seq_len)
     starts = torch.tensor([a for a, _ in segs], dtype=torch.int64)
@@ -99,123 +138,40 @@ def shard_pieces(cu_seqlens: torch.Tensor, batch: int, local_len: int, cp_size: 
             + torch.arange(-halo, local_len)[None, :])
     doc = torch.searchsorted(starts, flat.clamp(min=0), right=True) - 1
     doc = torch.where(flat < 0, -1, doc)
-    return ShardPieces(tuple(rows), tuple(cont), doc)
-
-
-class HaloExchange(torch.autograd.Function):
-    """``x [B, L, C]`` -> the previous rank's last ``halo`` positions ``[B, halo, C]`` (zeros on
-    rank 0). Backward: the halo's gradient goes back to the previous rank and is added to the
-    last ``halo`` positions of ``x``'s gradient. Forward sends ``r -> r+1`` before the state
-    chain's ``H``; backward sends ``r+1 -> r`` after the chain's ``dH`` (autograd reaches the
-    conv after the chain), the same order as the unpacked p2p mode."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, halo: int, plan: GDNCPPlan) -> torch.Tensor:
-        rank, world = plan.rank, plan.cp_size
-        buf = x.new_zeros(x.shape[0], halo, x.shape[2])
-        recv = post_recv(buf, rank - 1, plan, "gdn packed halo") if rank > 0 else None
-        send = (post_send(x[:, -halo:].contiguous(), rank + 1, plan, "gdn packed halo")
-                if rank < world - 1 else None)
-        for h in (recv, send):
-            if h is not None:
-                h.wait()
-        ctx.plan, ctx.halo, ctx.shape = plan, halo, x.shape
-        return buf
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        plan: GDNCPPlan = ctx.plan
-        rank, world = plan.rank, plan.cp_size
-        grad_x = grad.new_zeros(ctx.shape)
-        tail = grad.new_zeros(grad.shape)
-        recv = (post_recv(tail, rank + 1, plan, "gdn packed halo gradient")
-                if rank < world - 1 else None)
-        send = (post_send(grad.contiguous(), rank - 1, plan, "gdn packed halo gradient")
-                if rank > 0 else None)
-        for h in (recv, send):
-            if h is not None:
-                h.wait()
-        grad_x[:, grad_x.shape[1] - ctx.halo:] = tail
-        return grad_x, None, None
-
-
-def document_causal_conv(layer: GatedDeltaNet, mixed_qkv: torch.Tensor, left: torch.Tensor,
-                         doc_ids: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise conv + SiLU whose windows stop at document starts.
-
-    Args:
-        mixed_qkv: ``[B, L, C]`` (C = conv_dim); left: ``[B, halo, C]`` positions before it.
-        doc_ids: ``[B, halo + L]`` document of every position of ``[left | mixed_qkv]``.
-
-    Returns:
-        ``[B, L, C]`` in mixed_qkv's dtype: tap ``j`` (lag ``halo - j * dilation``) adds
-        ``w[:, j] * x[t - lag]`` only where ``x[t - lag]`` is in ``t``'s document.
-    """
-    halo, dil = layer.conv_halo, layer.conv1d.dilation[0]
-    length = mixed_qkv.shape[1]
-    xp = torch.cat([left, mixed_qkv], dim=1)  # [B, halo + L, C]
-    weight = layer.conv1d.weight[:, 0, :]  # [C, kernel]
-    own = doc_ids[:, halo:]  # [B, L]
-    out = None
-    for j in range(layer.conv_kernel_size):
-        off = j * dil
-        x_tap = xp[:, off:off + length]
-        same = (doc_ids[:, off:off + length] == own).to(xp.device)[..., None]
-        term = torch.where(same, x_tap, 0.0) * weight[:, j]
-        out = term if out is None else out + term
-    return F.silu(out)
-
-
-def packed_core_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections,
-                       mask: torch.Tensor | None, pieces: ShardPieces
-                       ) -> tuple[torch.Tensor, ...]:
-    """q, k ``[B, L, H, K]``, v ``[B, L, HV, V]``, g ``[B, L, HV]`` fp32, beta of this shard,
-    with the conv kept inside documents (halo from the previous rank)."""
-    check_halo(layer, proj.mixed_qkv.shape[1], plan)
-    halo = layer.conv_halo
-    if halo and plan.cp_size > 1:
-        left = HaloExchange.apply(proj.mixed_qkv, halo, plan)
-    else:
-        left = proj.mixed_qkv.new_zeros(proj.mixed_qkv.shape[0], halo, proj.mixed_qkv.shape[2])
-    conv = document_causal_conv(layer, proj.mixed_qkv, left, pieces.doc_ids)
-    q, k, v = layer.split_qkv(conv)
-    g, beta = layer.gates(proj.a, proj.b, mask=mask)
-    return q, k, v, g, beta
+    return ShardTable(local_len, tuple(rows), tuple(cont), doc)
 
 
 def packed_shard_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjections,
                         mask: torch.Tensor | None, cu_seqlens: torch.Tensor
-                        ) -> tuple[ShardPieces, tuple[torch.Tensor, ...]]:
-    """A packed call's checks (:func:`check_packed_call`), this shard's document pieces and
-    its core inputs (:func:`packed_core_inputs`): the prologue of every state-passing mode."""
+                        ) -> tuple[ShardTable, tuple[torch.Tensor, ...]]:
+    """A packed call's checks (:func:`check_packed_call`), this shard's table and its core
+    inputs (``halo.local_core_inputs`` with the table's document ids: the conv stays inside
+    documents): the prologue of every state-passing mode."""
     batch, local_len = proj.mixed_qkv.shape[:2]
     check_packed_call(layer, plan, cu_seqlens, batch, local_len)
-    pieces = shard_pieces(cu_seqlens, batch, local_len, plan.cp_size, plan.rank, layer.conv_halo)
-    return pieces, packed_core_inputs(layer, plan, proj, mask, pieces)
+    table = shard_table(cu_seqlens, batch, local_len, plan.cp_size, plan.rank, layer.conv_halo)
+    return table, local_core_inputs(layer, plan, proj, mask, table.doc_ids)
 
 
 def packed_local_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, h_in: torch.Tensor | None, pieces: ShardPieces,
+                         beta: torch.Tensor, h_in: torch.Tensor | None, table: ShardTable,
                          scale: float, chunk_size: int, backend: str,
                          options: GDNKernelOptions | None = None) -> torch.Tensor:
     """``o [B, L, HV, V]``: every piece from a zero state, except a first piece that continues
     a document, which starts from ``h_in[b]`` (``[B, HV, K, V]`` fp32, or None on rank 0).
 
-    ONE varlen op call (``cu_seqlens``) over the rows flattened to ``[1, B * L, ...]``, the
-    pieces as its N sequences; ``initial_state`` ``[N, HV, K, V]`` holds ``h_in[b]`` at each
+    ONE varlen op call (``table.cu_seqlens()``) over the rows flattened to ``[1, B * L, ...]``,
+    the pieces as its N sequences; ``initial_state`` ``[N, HV, K, V]`` holds ``h_in[b]`` at each
     continuing row's first piece and zeros elsewhere (None when no piece continues), so its
     backward hands ``dH_in_local`` to ``h_in`` through the same call."""
     batch, length = q.shape[:2]
-    offsets, firsts = [0], []
-    for b, row in enumerate(pieces.rows):
-        firsts.append(len(offsets) - 1)  # the index of row b's first piece
-        offsets.extend(b * length + e for _, e in row)
-    cu = torch.tensor(offsets, dtype=torch.int64, device=q.device)
+    cu = table.cu_seqlens(q.device)
     init = None
-    cont = [b for b in range(batch) if pieces.cont_in[b]]
+    cont = [b for b in range(batch) if table.cont_in[b]]
     if h_in is not None and cont:
+        firsts = table.first_pieces()
         idx = torch.tensor([firsts[b] for b in cont], dtype=torch.int64, device=q.device)
-        init = h_in.new_zeros(len(offsets) - 1, *h_in.shape[1:]).index_copy(0, idx, h_in[cont])
+        init = h_in.new_zeros(cu.numel() - 1, *h_in.shape[1:]).index_copy(0, idx, h_in[cont])
     flat = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
     o, _ = chunk_gated_delta_rule(*flat, scale=scale, initial_state=init, use_qk_l2norm=True,
                                   chunk_size=chunk_size, backend=backend, cu_seqlens=cu,
@@ -224,16 +180,16 @@ def packed_local_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 
 
 def packed_tail_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, pieces: ShardPieces, chunk_size: int
+                     beta: torch.Tensor, table: ShardTable, chunk_size: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the shard's map ``(M' [B, HV, K, K], S' [B, HV, K, V])`` fp32 (docstring)."""
     ms, ss = [], []
-    for b, row in enumerate(pieces.rows):
+    for b, row in enumerate(table.rows):
         s, e = row[-1]
         m, st = state_summary(q[b:b + 1, s:e], k[b:b + 1, s:e], v[b:b + 1, s:e],
                               g[b:b + 1, s:e], beta[b:b + 1, s:e], use_qk_l2norm=True,
                               chunk_size=chunk_size)
-        if not (len(row) == 1 and pieces.cont_in[b]):
+        if not (len(row) == 1 and table.cont_in[b]):
             m = torch.zeros_like(m)  # the last document starts inside the shard: H_in is lost
         ms.append(m)
         ss.append(st)
@@ -242,7 +198,7 @@ def packed_tail_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 def packed_local_output_grads(
     inputs: tuple[torch.Tensor, ...], h_in: torch.Tensor | None, do: torch.Tensor,
-    pieces: ShardPieces, scale: float, chunk_size: int, backend: str,
+    table: ShardTable, scale: float, chunk_size: int, backend: str,
     options: GDNKernelOptions | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]:
     """Backward of a shard's pieces alone (:func:`packed_local_outputs`, recomputed).
@@ -261,7 +217,7 @@ def packed_local_output_grads(
     leaves = [x.detach().requires_grad_(True) for x in inputs]
     with torch.enable_grad():
         h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
-        o = packed_local_outputs(*leaves, h_leaf, pieces, scale, chunk_size, backend, options)
+        o = packed_local_outputs(*leaves, h_leaf, table, scale, chunk_size, backend, options)
         wanted = leaves + ([h_leaf] if h_leaf is not None else [])
         local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
     dh_local = local.pop() if h_leaf is not None else None
@@ -272,7 +228,7 @@ def packed_local_output_grads(
 
 
 def add_packed_tail_grads(
-    grads: list[torch.Tensor], leaves: list[torch.Tensor], pieces: ShardPieces,
+    grads: list[torch.Tensor], leaves: list[torch.Tensor], table: ShardTable,
     h_in: torch.Tensor | None, dh_out: torch.Tensor, chunk_size: int,
 ) -> list[torch.Tensor]:
     """``grads`` plus the gradient through the shard's tail maps ``H_out = M' H_in + S'``
@@ -280,81 +236,13 @@ def add_packed_tail_grads(
     ``dM' = dH_out H_in^T`` (skipped when ``h_in`` is None or every row's ``M'`` is 0),
     ``dS' = dH_out``."""
     with torch.enable_grad():
-        m2, s2 = packed_tail_maps(*leaves, pieces, chunk_size)
+        m2, s2 = packed_tail_maps(*leaves, table, chunk_size)
         outs, gouts = [s2], [dh_out.to(s2.dtype)]
         if h_in is not None and m2.requires_grad:
             outs.append(m2)
             gouts.append(dh_out.to(m2.dtype) @ h_in.to(m2.dtype).transpose(-1, -2))
         extra = torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
     return [gr if e is None else gr + e for gr, e in zip(grads, extra)]
-
-
-class PackedStateChain(torch.autograd.Function):
-    """``apply(q, k, v, g, beta, pieces, plan, scale, chunk_size) -> o [B, L, HV, V]``.
-
-    The p2p state chain of ``gdn/p2p.py`` (``GDNStateChain``) with the packed maps: post
-    ``irecv H_in``; ``(M', S')`` of the last piece; wait; ``H_out = M' H_in + S'`` sent at once;
-    the pieces' outputs. Backward: post ``irecv dH_out``; the pieces' backward (``dH_in_local``
-    from the first piece); ``dH_in = M'^T dH_out + dH_in_local`` sent at once; the last piece's
-    summary backward with ``dM' = dH_out H_in^T``, ``dS' = dH_out``.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, pieces: ShardPieces, plan: GDNCPPlan, scale: float,
-                chunk_size: int) -> torch.Tensor:
-        rank, world = plan.rank, plan.cp_size
-        state_dtype = torch.promote_types(q.dtype, torch.float32)
-        shape = (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
-        recv = h_in = None
-        if rank > 0:
-            h_in = torch.empty(shape, dtype=state_dtype, device=q.device)
-            recv = post_recv(h_in, rank - 1, plan, "gdn packed p2p forward H_in")
-        m = None
-        if rank < world - 1:
-            m, s = packed_tail_maps(q, k, v, g, beta, pieces, chunk_size)
-        if recv is not None:
-            recv.wait()
-        send = None
-        if rank < world - 1:
-            h_out = s if h_in is None else apply_summary(m, s, h_in)
-            send = post_send(h_out.contiguous(), rank + 1, plan, "gdn packed p2p forward H_out")
-        o = packed_local_outputs(q, k, v, g, beta, h_in, pieces, scale, chunk_size,
-                                 plan.backend, plan.options)
-        if send is not None:
-            send.wait()
-        ctx.save_for_backward(q, k, v, g, beta, h_in, m)
-        ctx.pieces, ctx.plan, ctx.scale, ctx.chunk_size = pieces, plan, scale, chunk_size
-        return o
-
-    @staticmethod
-    def backward(ctx: Any, do: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, g, beta, h_in, m = ctx.saved_tensors
-        plan: GDNCPPlan = ctx.plan
-        rank, world = plan.rank, plan.cp_size
-        state_dtype = torch.promote_types(q.dtype, torch.float32)
-        shape = (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
-        recv = dh_out = None
-        if rank < world - 1:
-            dh_out = torch.empty(shape, dtype=state_dtype, device=q.device)
-            recv = post_recv(dh_out, rank + 1, plan, "gdn packed p2p backward dH_out")
-        grads, dh_local, leaves = packed_local_output_grads(
-            (q, k, v, g, beta), h_in, do, ctx.pieces, ctx.scale, ctx.chunk_size, plan.backend,
-            plan.options)
-        if recv is not None:
-            recv.wait()
-        send = None
-        if rank > 0:
-            assert dh_local is not None  # rank > 0 received H_in
-            dh_in = dh_local if dh_out is None else apply_summary_backward(m, dh_out, dh_local)
-            send = post_send(dh_in.contiguous(), rank - 1, plan, "gdn packed p2p backward dH_in")
-        if dh_out is not None:
-            grads = add_packed_tail_grads(grads, leaves, ctx.pieces, h_in, dh_out,
-                                          ctx.chunk_size)
-        if send is not None:
-            send.wait()
-        grads = [gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
-        return (*grads, None, None, None, None)
 
 
 def check_packed_call(layer: GatedDeltaNet, plan: GDNCPPlan, cu_seqlens: torch.Tensor,

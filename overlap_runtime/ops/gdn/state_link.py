@@ -1,7 +1,9 @@
 """The hooks by which a GDN kernel's entering and leaving states cross to other ranks.
 
 No triton here: context-parallel code subclasses :class:`StateLink` without importing the
-kernels. ``overlap_runtime.ops.gdn.triton.function.gdn_forward`` / ``gdn_backward`` call it.
+kernels. ``overlap_runtime.ops.gdn.triton.function.gdn_forward`` / ``gdn_backward`` call it, and
+so does the eager local backend of ``context_parallel.gdn.state_passing`` (one segment per row:
+the shard's own summary), so one link drives either backend.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ class StateLink:
     #: Hand the segment maps to :meth:`segment_maps` / :meth:`segment_state_grads` (the op then
     #: computes them even for one segment).
     wants_segment_maps: bool = False
+    #: Whether anything of this call leaves through the link: the forward's leaving state or
+    #: segment maps, the backward's entering-state gradient or segment state gradients. False:
+    #: a backend that forms them only for the link may skip them (the Triton op forms them for
+    #: its own chain anyway and calls the hooks regardless).
+    leaves: bool = True
 
     def segment_maps(self, m_seg: torch.Tensor, s_seg: torch.Tensor) -> None:
         """Forward, right before :meth:`entering_state` (only if ``wants_segment_maps``): the
