@@ -31,10 +31,10 @@ from typing import Any, Iterable
 from overlap_runtime.graph import CommInfo, SimulationResult, Task, TaskGraph
 from overlap_runtime.graph.intervals import minus, overlap, union
 from overlap_runtime.schedules.ir import parse_compute_action
+from overlap_runtime.schedules.overlap_order import BACKWARD, comm_turns
 
 __all__ = ["MoENodeCosts", "moe_layer_task_graph", "moe_overlap_pair_task_graph",
-           "predicted_a2a_overlap", "measured_a2a_overlap", "node_costs_from_trace",
-           "pair_order"]
+           "predicted_a2a_overlap", "measured_a2a_overlap", "node_costs_from_trace"]
 
 COMPUTE, COMM = "compute", "comm:ep"
 
@@ -110,17 +110,12 @@ def moe_layer_task_graph(ep_size: int, costs: MoENodeCosts, *, shared_expert: bo
     return g
 
 
-def pair_order(layers: int) -> list[tuple[str, str, int]]:
-    """All-to-alls of one OVERLAP_B_F pairing in launch order: ``(side, what, layer)``.
-
-    The backward side holds the comm token first; then the sides alternate (the coordinator's
-    state machine, docs/coordinator.md)."""
+def _pair_order(layers: int) -> list[tuple[str, str, int]]:
+    """All-to-alls of one OVERLAP_B_F pairing in launch order: ``(side, what, layer)``, in the
+    coordinator's turns (``schedules.overlap_order.comm_turns``)."""
     bwd = [("bwd", w, l) for l in reversed(range(layers)) for w in ("combine", "dispatch")]
     fwd = [("fwd", w, l) for l in range(layers) for w in ("dispatch", "combine")]
-    out: list[tuple[str, str, int]] = []
-    for b, f in zip(bwd, fwd):
-        out += [b, f]
-    return out + bwd[len(fwd):] + fwd[len(bwd):]
+    return [bwd[k] if side == BACKWARD else fwd[k] for side, k in comm_turns(len(bwd), len(fwd))]
 
 
 def moe_overlap_pair_task_graph(costs: MoENodeCosts, *, layers: int = 2, ep_size: int = 2,
@@ -178,7 +173,7 @@ def moe_overlap_pair_task_graph(costs: MoENodeCosts, *, layers: int = 2, ep_size
             prev = attn
         bwd_last = prev
         if overlap:
-            order = pair_order(layers)
+            order = _pair_order(layers)
             # comm token: one all-to-all at a time, in the coordinator's order
             g.add_edges([(comm_ids[a], comm_ids[b]) for a, b in zip(order, order[1:])], "program")
             # COMPUTE-hook rule: after its comm region, a side computes once the peer launched
