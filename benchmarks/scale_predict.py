@@ -69,7 +69,8 @@ def calibrated(prof: Any, config: Any, measured_ms: float, figure: str) -> tuple
 
 def main() -> int:
     from overlap_runtime.stepgraph.costs import h200_profile
-    from overlap_runtime.stepgraph.scale import a2a_hidden_share, predict_at_scale
+    from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
+    from overlap_runtime.stepgraph.scale import predict_at_scale
 
     raw = h200_profile()
     prof, f_layer = calibrated(raw, layer(2, 32768, "p2p"), MEASURED_CP2_LAYER["p2p"],
@@ -127,10 +128,10 @@ def main() -> int:
                   "train.pipeline.schedule": "interleaved_1f1b", "train.pipeline.microbatches": 8,
                   "train.pipeline.virtual_stages": 2, "train.pipeline.overlap_b_f": True})
     pred = predict_at_scale(ov, prof)
-    share = a2a_hidden_share(pred.result)  # type: ignore[arg-type]
+    share = simulated_a2a_overlap(pred.result, paired_only=True).share  # type: ignore[arg-type]
     print(f"Seed 001 OV-B06 (>= 60%): predicted share of expert all-to-all hidden in OVERLAP_B_F "
           f"steps, pp2 x ep2, 2 MoE layers per chunk: {share:.1%} (whole step: "
-          f"{a2a_hidden_share(pred.result, paired_only=False):.1%}); "  # type: ignore[arg-type]
+          f"{simulated_a2a_overlap(pred.result).share:.1%}); "  # type: ignore[arg-type]
           f"measured on 2 H200 (one pairing): 90.5%")
     return 0
 

@@ -239,11 +239,12 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
     import torch.distributed as dist
 
     from overlap_runtime.graph import chrome_trace, simulate
-    from overlap_runtime.moe.task_nodes import (measured_a2a_overlap, moe_overlap_pair_task_graph,
-                                                node_costs_from_trace, predicted_a2a_overlap)
+    from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
+    from overlap_runtime.moe.task_nodes import moe_overlap_pair_task_graph, node_costs_from_trace
     from overlap_runtime.ops import comm
     from overlap_runtime.pipeline import ExecutionTrace, gather_traces
     from overlap_runtime.schedules import ActionKind
+    from overlap_runtime.trainer.a2a_overlap import trace_a2a_overlap
     from overlap_runtime.trainer.loop import train_distributed
 
     device = torch.device(device)
@@ -299,9 +300,9 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
         "steps": {name: r["steps"] for name, r in runs.items()},
         "run_wall_s": {name: r["wall_s"] for name, r in runs.items()},
         "layers_per_chunk": layers,
-        "measured": measured_a2a_overlap(gathered["overlap"]),
-        "measured_all": measured_a2a_overlap(gathered["overlap"], paired_only=False),
-        "predicted": predicted_a2a_overlap(sim), "predicted_pair_s": sim.makespan,
+        "measured": trace_a2a_overlap(gathered["overlap"], paired_only=True).to_dict(1e-9),
+        "measured_all": trace_a2a_overlap(gathered["overlap"]).to_dict(1e-9),
+        "predicted": simulated_a2a_overlap(sim).share, "predicted_pair_s": sim.makespan,
         "predicted_serial_pair_s": sim_serial.makespan,
         "costs": dataclasses.asdict(costs.resolved()),
         "events": gathered["overlap"],
@@ -421,7 +422,7 @@ def print_report(report: dict[str, Any], out: str, wall_s: float) -> int:
           + ", ".join(f"{n} on pipeline rank {p}" for p, n in sorted(paired.items())))
     m = report["measured"]
     print(f"overlap ratio (measured, last step, all ranks): {m['share']:.1%} of all-to-all time "
-          f"inside OVERLAP_B_F steps ran while the other thread computed "
+          f"inside OVERLAP_B_F steps ran while the rank computed "
           f"({m['hidden_s'] * 1e3:.1f} of {m['a2a_s'] * 1e3:.1f} ms, {int(m['count'])} "
           f"all-to-alls); over the whole step: {report['measured_all']['share']:.1%}")
     print(f"overlap ratio (predicted by the task-graph simulator from node costs measured in the "

@@ -34,6 +34,10 @@ token passes to the peer, and from then on the peer's hooks never wait for it (t
 remaining hooks alone, still one comm region at a time). So a forward chunk with 2 MoE layers
 paired with a backward chunk with 3 finishes: the last layer's hooks on the long side run solo.
 
+The launch order this machine produces (backward first, alternating turns, the longer side
+draining alone) is written once as data, ``schedules.overlap_order.comm_turns``: the step graph
+chains the all-to-alls with it and the tests compare this machine's ``comm_order`` with it.
+
 **Recompute bypass.** A forward hook running in any thread other than the run's forward thread is
 an activation-checkpoint replay (torch.utils.checkpoint recomputes in the thread that runs the
 backward, reentrant or not). Replay hooks never join the pairing (no hand-over waits, no change to

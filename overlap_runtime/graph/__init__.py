@@ -6,7 +6,7 @@ Used to validate (no deadlock, every send matched, one collective order) and sim
 ``tasks`` (``Task``, ``CommInfo``, lanes, ``TaskGraphData``), ``grid`` (rank x step text),
 ``validate`` (matching, collective order, deadlock proof), ``simulate`` (cost model, timeline),
 ``task_graph`` (``TaskGraph``: the storage plus ``validate()`` / ``simulate()``), ``trace``
-(Chrome trace of a simulation). Internals (``CommMatching``, ``match_comm``,
+(Chrome trace of a simulation), ``comm_overlap`` (the all-to-all overlap figure of a timeline). Internals (``CommMatching``, ``match_comm``,
 ``rendezvous_edges``, ``TimelineEntry``, ``EDGE_KINDS``, ``is_comm_lane``) are imported from
 their modules.
 

@@ -24,10 +24,8 @@ from .parallel import ExpertParallel, OverlapExpertParallel
 from .router import TopKRouter
 from .task_nodes import (
     MoENodeCosts,
-    measured_a2a_overlap,
     moe_layer_task_graph,
     moe_overlap_pair_task_graph,
-    predicted_a2a_overlap,
 )
 
 __all__ = [
@@ -41,8 +39,6 @@ __all__ = [
     "OverlapExpertParallel",
     "TopKRouter",
     "make_overlap_b_f_callback",
-    "measured_a2a_overlap",
     "moe_layer_task_graph",
     "moe_overlap_pair_task_graph",
-    "predicted_a2a_overlap",
 ]

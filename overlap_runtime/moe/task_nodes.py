@@ -16,10 +16,8 @@ COMPUTE-hook rule). ``overlap=False`` gives the serial baseline (backward chunk,
 
 Costs come from :class:`MoENodeCosts`, measured on a real step by :func:`node_costs_from_trace`
 (the serial run's execution trace: all-to-all spans, expert and shared-expert spans, F/B action
-spans). :func:`predicted_a2a_overlap` reads the simulated timeline; :func:`measured_a2a_overlap`
-reads the execution trace of the overlapped run: the share of all-to-all time during which the
-*other* thread of the rank was computing (its action span minus its own all-to-alls, hook waits
-and receive waits).
+spans). The all-to-all overlap of a simulated or measured run is ``graph.comm_overlap``'s (one
+definition for both).
 """
 
 from __future__ import annotations
@@ -28,13 +26,12 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
-from overlap_runtime.graph import CommInfo, SimulationResult, Task, TaskGraph
-from overlap_runtime.graph.intervals import minus, overlap, union
+from overlap_runtime.graph import CommInfo, Task, TaskGraph
 from overlap_runtime.schedules.ir import parse_compute_action
+from overlap_runtime.schedules.overlap_order import BACKWARD, comm_turns
 
 __all__ = ["MoENodeCosts", "moe_layer_task_graph", "moe_overlap_pair_task_graph",
-           "predicted_a2a_overlap", "measured_a2a_overlap", "node_costs_from_trace",
-           "pair_order"]
+           "node_costs_from_trace"]
 
 COMPUTE, COMM = "compute", "comm:ep"
 
@@ -110,17 +107,12 @@ def moe_layer_task_graph(ep_size: int, costs: MoENodeCosts, *, shared_expert: bo
     return g
 
 
-def pair_order(layers: int) -> list[tuple[str, str, int]]:
-    """All-to-alls of one OVERLAP_B_F pairing in launch order: ``(side, what, layer)``.
-
-    The backward side holds the comm token first; then the sides alternate (the coordinator's
-    state machine, docs/coordinator.md)."""
+def _pair_order(layers: int) -> list[tuple[str, str, int]]:
+    """All-to-alls of one OVERLAP_B_F pairing in launch order: ``(side, what, layer)``, in the
+    coordinator's turns (``schedules.overlap_order.comm_turns``)."""
     bwd = [("bwd", w, l) for l in reversed(range(layers)) for w in ("combine", "dispatch")]
     fwd = [("fwd", w, l) for l in range(layers) for w in ("dispatch", "combine")]
-    out: list[tuple[str, str, int]] = []
-    for b, f in zip(bwd, fwd):
-        out += [b, f]
-    return out + bwd[len(fwd):] + fwd[len(bwd):]
+    return [bwd[k] if side == BACKWARD else fwd[k] for side, k in comm_turns(len(bwd), len(fwd))]
 
 
 def moe_overlap_pair_task_graph(costs: MoENodeCosts, *, layers: int = 2, ep_size: int = 2,
@@ -178,7 +170,7 @@ def moe_overlap_pair_task_graph(costs: MoENodeCosts, *, layers: int = 2, ep_size
             prev = attn
         bwd_last = prev
         if overlap:
-            order = pair_order(layers)
+            order = _pair_order(layers)
             # comm token: one all-to-all at a time, in the coordinator's order
             g.add_edges([(comm_ids[a], comm_ids[b]) for a, b in zip(order, order[1:])], "program")
             # COMPUTE-hook rule: after its comm region, a side computes once the peer launched
@@ -193,53 +185,6 @@ def moe_overlap_pair_task_graph(costs: MoENodeCosts, *, layers: int = 2, ep_size
                      + [("fwd", w, l) for l in range(layers) for w in ("dispatch", "combine")])
             g.add_edges([(comm_ids[a], comm_ids[b]) for a, b in zip(order, order[1:])], "program")
     return g
-
-
-def predicted_a2a_overlap(result: SimulationResult) -> float:
-    """Share of all-to-all time hidden behind compute in a simulated timeline (all ranks)."""
-    comm_total = sum(e.end - e.start for e in result.entries if e.is_comm)
-    if comm_total <= 0:
-        return 0.0
-    return 1.0 - sum(result.exposed_comm_by_rank.values()) / comm_total
-
-
-# ----------------------------------------------------------------------------- measurement
-
-
-def measured_a2a_overlap(events: Iterable[Any], paired_only: bool = True) -> dict[str, float]:
-    """Share of all-to-all time covered by the other thread's compute, from trace events.
-
-    ``events``: ``TraceEvent``s of every rank (``gather_traces``) of a step run with the MoE
-    dispatchers' ``trace`` set. A thread's compute is its ``compute`` action spans minus its own
-    ``a2a``, ``hook`` and ``comm`` (receive wait) spans. ``paired_only`` keeps the all-to-alls
-    that ran inside OVERLAP_B_F steps (``compound`` spans). Returns ``share`` (0..1),
-    ``a2a_s`` (total seconds), ``hidden_s`` and ``count``.
-    """
-    evs = list(events)
-    total = hidden = 0
-    count = 0
-    for rank in sorted({e.rank for e in evs}):
-        mine = [e for e in evs if e.rank == rank]
-        threads = sorted({e.thread for e in mine})
-        busy: dict[str, list[tuple[int, int]]] = {}
-        for t in threads:
-            act = union((e.start_ns, e.end_ns) for e in mine
-                        if e.thread == t and e.cat == "compute")
-            idle = union((e.start_ns, e.end_ns) for e in mine
-                         if e.thread == t and e.cat in ("a2a", "hook", "comm"))
-            busy[t] = minus(act, idle)
-        windows = union((e.start_ns, e.end_ns) for e in mine if e.cat == "compound")
-        for e in mine:
-            if e.cat != "a2a" or e.end_ns <= e.start_ns:
-                continue
-            if paired_only and overlap(e.start_ns, e.end_ns, windows) < (e.end_ns - e.start_ns):
-                continue
-            others = union(iv for t in threads if t != e.thread for iv in busy[t])
-            total += e.end_ns - e.start_ns
-            hidden += overlap(e.start_ns, e.end_ns, others)
-            count += 1
-    return {"share": hidden / total if total else 0.0, "a2a_s": total / 1e9,
-            "hidden_s": hidden / 1e9, "count": float(count)}
 
 
 def node_costs_from_trace(events: Iterable[Any], layers: int) -> MoENodeCosts:

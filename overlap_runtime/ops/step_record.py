@@ -11,6 +11,17 @@ the op (``send``, ``recv``, ``collective``), the group (name given by the traine
 global ranks), the peer's global rank, the bytes and the runtime's label (``S0.L1.dispatch``,
 ``0SEND_F1``). ``stepgraph.conformance`` checks a step's records against the step graph.
 
+The ``torch.distributed`` boundary: while a recorder is active, the Python collective and
+point-to-point calls of ``torch.distributed`` (``dist.all_reduce``, ``dist.isend``, ... : every
+name in :data:`BOUNDARY_CALLS`, on ``torch.distributed`` and ``distributed_c10d`` alike) are
+tapped. A call made by ``ops.comm`` is the launch that ``ops.comm`` has just recorded; a call
+made by FSDP2 (``torch.distributed.fsdp``: its unshard and reduce-scatter sit outside the step
+graph by rule) is not a task of the graph; any other call is recorded with ``direct=True``, and
+conformance rejects it: a collective the graph cannot see must not run unseen in a checked
+step. Not seen: functional collectives (``torch.distributed._functional_collectives``, DTensor
+redistribution) and names bound before the block (``from torch.distributed import
+all_reduce``).
+
 Why a process-wide slot rather than an argument: the launches sit deep inside autograd
 functions and worker threads that no caller can hand a recorder to; the slot is set and
 cleared by one context manager, and a recorder is never shared between processes.
@@ -19,11 +30,15 @@ cleared by one context manager, and a recorder is never shared between processes
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import sys
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-__all__ = ["RecordEntry", "StepRecorder", "recording", "task_scope", "note_comm", "active"]
+__all__ = ["BOUNDARY_CALLS", "RecordEntry", "StepRecorder", "recording", "task_scope",
+           "note_comm", "active"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,7 @@ class RecordEntry:
     label: str = ""
     collective: str | None = None
     thread: str = ""
+    direct: bool = False  # issued with torch.distributed itself, not through ops.comm
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,9 +117,11 @@ def recording(recorder: StepRecorder) -> Iterator[StepRecorder]:
     if _ACTIVE is not None:
         raise RuntimeError("step_record.recording: a recorder is already active in this process")
     _ACTIVE = recorder
+    restore = _tap_boundary()
     try:
         yield recorder
     finally:
+        restore()
         _ACTIVE = None
 
 
@@ -138,3 +156,85 @@ def note_comm(op: str, group: Any, peer: int | None, nbytes: int, label: str,
     name, ranks = rec.group_info(group)
     rec.add(RecordEntry(op, rec.current_task(), name, ranks, peer, int(nbytes), label,
                         collective, threading.current_thread().name))
+
+
+# --------------------------------------------------------------------------- the boundary
+
+#: The ``torch.distributed`` calls tapped while recording, with the op each is recorded as.
+BOUNDARY_CALLS: dict[str, str] = {
+    **{n: "collective" for n in (
+        "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+        "all_gather_single", "all_gather_object", "all_gather_coalesced", "all_to_all",
+        "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+        "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter",
+        "scatter_object_list", "barrier", "monitored_barrier", "_all_gather_base",
+        "_reduce_scatter_base", "batch_isend_irecv")},
+    **{n: "send" for n in ("send", "isend", "send_object_list")},
+    **{n: "recv" for n in ("recv", "irecv", "recv_object_list")},
+}
+# callers whose launches are not direct: ops.comm records its own; FSDP2 is outside the graph
+_KNOWN_CALLERS = ("overlap_runtime.ops.comm.", "torch.distributed.fsdp.")
+_INPUTS = ("tensor", "tensors", "input", "input_tensor", "input_list", "input_tensor_list")
+_tap_local = threading.local()
+
+
+def _nbytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _tap(name: str, op: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        rec = _ACTIVE
+        if rec is None or getattr(_tap_local, "inside", False):  # the call's own inner calls
+            return original(*args, **kwargs)
+        caller = sys._getframe(1).f_globals.get("__name__", "") + "."
+        _tap_local.inside = True
+        try:
+            if not caller.startswith(_KNOWN_CALLERS):
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                peer = bound.get("dst" if op == "send" else "src") if op != "collective" else None
+                group, ranks = rec.group_info(bound.get("group"))
+                rec.add(RecordEntry(
+                    op, rec.current_task(), group, ranks,
+                    peer if isinstance(peer, int) else None,
+                    sum(_nbytes(bound.get(k)) for k in _INPUTS),
+                    f"torch.distributed.{name}", name, threading.current_thread().name,
+                    direct=True))
+            return original(*args, **kwargs)
+        finally:
+            _tap_local.inside = False
+
+    return call
+
+
+def _tap_boundary() -> Callable[[], None]:
+    """Replace every :data:`BOUNDARY_CALLS` function of ``torch.distributed`` (and of
+    ``distributed_c10d``) by a recording tap; returns the function that puts them back."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    saved: list[tuple[Any, str, Any]] = []
+    for name, op in BOUNDARY_CALLS.items():
+        original = getattr(dist, name, None)
+        if original is None:  # not in this torch release
+            continue
+        tap = _tap(name, op, original)
+        for module in (dist, c10d):
+            if getattr(module, name, None) is original:
+                saved.append((module, name, original))
+                setattr(module, name, tap)
+
+    def restore() -> None:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+    return restore

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Hashable
 
 from overlap_runtime.graph import CommInfo, Task, TaskGraph
 from overlap_runtime.graph.validate import CommMatching
+from overlap_runtime.schedules.overlap_order import BACKWARD, comm_turns
 
 from .layer_program import LayerOp, MicrobatchShape, microbatch_shape, stage_program
 
@@ -158,8 +159,9 @@ def pipeline_graph(config: "TrainConfig") -> Any:
 
 def _overlap_order(sides: dict[str, list[int]], ops: dict[str, list[LayerOp]]
                    ) -> list[tuple[str, int]]:
-    """Launch order of the expert all-to-alls of one OVERLAP_B_F step: comm regions (a
-    dispatch's counts + tokens, or a combine) alternate between the sides, backward first."""
+    """Launch order of the expert all-to-alls of one OVERLAP_B_F step: its comm regions (a
+    dispatch's counts + tokens, or a combine) in the coordinator's turns
+    (``schedules.overlap_order.comm_turns``)."""
     regions: dict[str, list[list[int]]] = {}
     for side, idxs in sides.items():
         out: list[list[int]] = []
@@ -172,10 +174,8 @@ def _overlap_order(sides: dict[str, list[int]], ops: dict[str, list[LayerOp]]
         regions[side] = out
     b, f = regions.get("bwd", []), regions.get("fwd", [])
     order: list[tuple[str, int]] = []
-    for k in range(max(len(b), len(f))):
-        for side, regs in (("bwd", b), ("fwd", f)):
-            if k < len(regs):
-                order += [(side, i) for i in regs[k]]
+    for side, k in comm_turns(len(b), len(f)):
+        order += [("bwd", i) for i in b[k]] if side == BACKWARD else [("fwd", i) for i in f[k]]
     return order
 
 

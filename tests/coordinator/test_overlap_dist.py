@@ -19,20 +19,19 @@ from torch.utils.checkpoint import checkpoint
 
 from _toy import layer, make_input, make_weights
 from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
+from overlap_runtime.schedules.overlap_order import comm_turns
 from overlap_runtime.testing import rel_l2, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
 TOL = 1e-6
 
-# The launch order of one pair (2-layer forward chunk with 2-layer backward chunk): the backward
-# side owns the token first (its D_LAST opens the combine backward), then turns alternate.
-PAIR_ORDER = [
-    ("L1.combine", "backward"), ("L0.dispatch", "forward"),
-    ("L1.dispatch", "backward"), ("L0.combine", "forward"),
-    ("L0.combine", "backward"), ("L1.dispatch", "forward"),
-    ("L0.dispatch", "backward"), ("L1.combine", "forward"),
-]
+# The launch order of one pair (2-layer forward chunk with 2-layer backward chunk): each side's
+# comm regions in its program order, interleaved by the one launch-order rule (comm_turns:
+# backward first, then alternating; tests/schedules/test_overlap_order.py writes it out).
+_REGIONS = {"backward": ["L1.combine", "L1.dispatch", "L0.combine", "L0.dispatch"],
+            "forward": ["L0.dispatch", "L0.combine", "L1.dispatch", "L1.combine"]}
+PAIR_ORDER = [(_REGIONS[side][k], side) for side, k in comm_turns(4, 4)]
 
 
 def _chunk(x, weights, coord, comm, ckpt: str):

@@ -83,9 +83,10 @@ def pp_ep_main(rank: int, world: int, cfg: PPEPConfig) -> dict[str, Any]:
 
     from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
     from overlap_runtime.graph import simulate
+    from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
     from overlap_runtime.moe import OverlapExpertParallel, make_overlap_b_f_callback
-    from overlap_runtime.moe.task_nodes import (measured_a2a_overlap, moe_overlap_pair_task_graph,
-                                                node_costs_from_trace, predicted_a2a_overlap)
+    from overlap_runtime.moe.task_nodes import moe_overlap_pair_task_graph, node_costs_from_trace
+    from overlap_runtime.trainer.a2a_overlap import trace_a2a_overlap
     from overlap_runtime.pipeline import (ExecutionTrace, PipelineStage, ScheduleInterleaved1F1B,
                                           TensorMeta, gather_traces)
     from overlap_runtime.schedules import ActionKind
@@ -163,8 +164,8 @@ def pp_ep_main(rank: int, world: int, cfg: PPEPConfig) -> dict[str, Any]:
     for name, evs in (("baseline", base_events), ("overlap", ovl_events)):
         t = ExecutionTrace(rank=rank, events=evs)
         gathered[name] = gather_traces(t, None, cfg.timeout_s)
-    measured = measured_a2a_overlap(gathered["overlap"])
-    measured_all = measured_a2a_overlap(gathered["overlap"], paired_only=False)
+    measured = trace_a2a_overlap(gathered["overlap"], paired_only=True).to_dict(1e-9)
+    measured_all = trace_a2a_overlap(gathered["overlap"]).to_dict(1e-9)
     costs = node_costs_from_trace(gathered["baseline"], cfg.layers)
     sim = simulate(moe_overlap_pair_task_graph(costs, layers=cfg.layers, ep_size=cfg.ep))
     sim_serial = simulate(moe_overlap_pair_task_graph(costs, layers=cfg.layers, ep_size=cfg.ep,
@@ -173,7 +174,7 @@ def pp_ep_main(rank: int, world: int, cfg: PPEPConfig) -> dict[str, Any]:
     report = {"rank": rank, "pp_rank": pp_rank, "ep_rank": ep_rank, "errs": errs,
               "steps": steps, "launches": launches, "paired_steps": paired,
               "measured": measured, "measured_all": measured_all,
-              "predicted": predicted_a2a_overlap(sim), "predicted_pair_s": sim.makespan,
+              "predicted": simulated_a2a_overlap(sim).share, "predicted_pair_s": sim.makespan,
               "predicted_serial_pair_s": sim_serial.makespan,
               "costs": dataclasses.asdict(costs.resolved()), "has_last": has_last}
     if rank == 0:

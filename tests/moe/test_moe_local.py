@@ -9,17 +9,17 @@ import torch.nn.functional as F
 from _moe_util import HIDDEN, make_chunk, make_moe, objective, tokens
 from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
 from overlap_runtime.graph import simulate
+from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
 from overlap_runtime.moe import (GroupedExperts, MoENodeCosts, OverlapExpertParallel, TopKRouter,
-                                 make_overlap_b_f_callback, measured_a2a_overlap,
-                                 moe_layer_task_graph, moe_overlap_pair_task_graph,
-                                 predicted_a2a_overlap)
+                                 make_overlap_b_f_callback, moe_layer_task_graph,
+                                 moe_overlap_pair_task_graph)
 from overlap_runtime.moe.experts import grouped_mm_supported
 from overlap_runtime.moe.parallel import infer_last_layer_flags
-from overlap_runtime.moe.task_nodes import pair_order
 from overlap_runtime.schedules import ActionKind
 from overlap_runtime.pipeline.exec_trace import TraceEvent
 from overlap_runtime.schedules.ir import Action, parse_action
 from overlap_runtime.testing import rel_l2
+from overlap_runtime.trainer.a2a_overlap import trace_a2a_overlap
 
 
 def _dense_reference(moe, x: torch.Tensor) -> torch.Tensor:
@@ -158,15 +158,12 @@ def test_layer_graph_predicts_the_shared_expert_overlap_exactly() -> None:
     assert serial.makespan == pytest.approx(1 + 0.5 + 2 + 1 + 1.5)
     assert overlapped.makespan == pytest.approx(1 + 0.5 + 2 + max(1.0, 1.5))
     # dispatch is exposed in both; the combine (1.0) is hidden under the shared expert
-    assert predicted_a2a_overlap(overlapped) == pytest.approx(1.0 / 1.5)
-    assert predicted_a2a_overlap(serial) == pytest.approx(0.0)
+    assert simulated_a2a_overlap(overlapped).share == pytest.approx(1.0 / 1.5)
+    assert simulated_a2a_overlap(serial).share == pytest.approx(0.0)
 
 
 def test_pair_graph_follows_the_coordinator_order_and_beats_serial() -> None:
-    assert pair_order(2) == [
-        ("bwd", "combine", 1), ("fwd", "dispatch", 0), ("bwd", "dispatch", 1),
-        ("fwd", "combine", 0), ("bwd", "combine", 0), ("fwd", "dispatch", 1),
-        ("bwd", "dispatch", 0), ("fwd", "combine", 1)]  # docs/coordinator.md's launch order
+    # the launch order itself: tests/schedules/test_overlap_order.py
     costs = MoENodeCosts(attn=1.0, experts=1.0, shared_expert=0.5, dispatch=1.0, combine=1.0)
     g = moe_overlap_pair_task_graph(costs, layers=2, ep_size=2)
     g.validate()
@@ -178,7 +175,7 @@ def test_pair_graph_follows_the_coordinator_order_and_beats_serial() -> None:
                        + c.attn_bwd)  # backward all-to-alls block their thread
     assert se.makespan == pytest.approx(per_chunk_f + per_chunk_b)
     assert ov.makespan < se.makespan
-    assert predicted_a2a_overlap(ov) > predicted_a2a_overlap(se)
+    assert simulated_a2a_overlap(ov).share > simulated_a2a_overlap(se).share
 
 
 def _ev(thread: str, name: str, cat: str, a: int, b: int, rank: int = 0) -> TraceEvent:
@@ -195,8 +192,8 @@ def test_measured_overlap_counts_only_the_other_threads_compute() -> None:
         _ev("worker", "S0.L0.combine bwd", "a2a", 40, 60),     # main computes 40..60
         _ev("main", "S0.L1.dispatch fwd", "a2a", 150, 160),    # outside the compound step
     ]
-    m = measured_a2a_overlap(events)
+    m = trace_a2a_overlap(events, paired_only=True).to_dict(1e-9)
     # dispatch: covered 20..30 = 10 of 20; combine bwd: 40..60 fully = 20 of 20
     assert m["count"] == 2 and m["share"] == pytest.approx(30 / 40)
-    m_all = measured_a2a_overlap(events, paired_only=False)
+    m_all = trace_a2a_overlap(events).to_dict(1e-9)
     assert m_all["count"] == 3 and m_all["share"] == pytest.approx(30 / 50)
