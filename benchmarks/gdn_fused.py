@@ -1,7 +1,7 @@
 """The fused GDN forward against the kernel chain and flash-linear-attention, in one process.
 
 Usage (on the GPU machine, fla-core 0.6.0 installed from the wheels, gpu/README.md):
-    PYTHONPATH=$PWD python3 benchmarks/gdn_fused.py [--parts accuracy variants table profile]
+    PYTHONPATH=$PWD python3 benchmarks/gdn_fused.py [--parts accuracy grad_accuracy profile table variants]
         [--rows b1_8k b1_16k b1_32k ...] [--budget-s 420]
 
 Implementations (bf16, K = V = 128, l2norm in the op, random initial states, fp32 g):
@@ -9,12 +9,12 @@ Implementations (bf16, K = V = 128, l2norm in the op, random initial states, fp3
 ``chain`` (our Triton backend, the five-kernel forward), ``fused`` (our Triton backend with
 ``fused_forward=True``: fused_fwd.py; under ``no_grad`` it writes nothing for a backward).
 
-Parts, in order (each row guarded: a failure is printed and the rest runs; no new row starts
+Parts, in the order given (default: accuracy profile table variants; each row guarded: a failure is printed and the rest runs; no new row starts
 once ``--budget-s`` seconds have passed):
 * ``accuracy``: rel-L2 against the float64 eager backend at full size: forward (o, final
-  state) of every implementation at B=1 T=8K H=32 and T=32K H=16/HV=32, and the packed 64K row;
-  forward and every gradient of ``chain`` and ``fused`` (and fla's, guard lifted) at B=1 T=8K
-  H=16/HV=32.
+  state) of every implementation at B=1 T=8K H=32 and T=32K H=16/HV=32, and the packed 64K row.
+* ``grad_accuracy`` (not a default part: slow): forward and every gradient of ``chain`` and
+  ``fused`` (and fla's, guard lifted) at B=1 T=8K H=16/HV=32.
 * ``variants``: forward-only medians of the fused kernel's launch choices at B=1 T=32K H=32.
 * ``table``: forward (no_grad) and forward+backward medians (``do_bench``, median) and peak
   memory of fla / chain / fused in the issue's rows.
@@ -191,7 +191,16 @@ def accuracy(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
             traceback.print_exc()
             rows.append({"case": case, "error": f"{type(error).__name__}: {error}"})
         torch.cuda.empty_cache()
-    # gradients: the fused forward's saved set through the unchanged backward
+    return rows
+
+
+def grad_accuracy(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Every gradient of fla, the chain and the fused forward's saved set (through the
+    unchanged backward) against the float64 eager backend at B=1 T=8K H=16/HV=32. Slow: on an H100
+    this part (the float64 reference with gradients and three first compiles of a backward)
+    did not finish in about four minutes, so it is not in the default parts (tests/ops/test_gdn_triton_fused.py -k gpu checks the gradients at
+    T=4K against fp32)."""
+    rows = []
     for case in ("b1_8k_gqa",):
         if over_budget(args):
             break
@@ -313,16 +322,35 @@ def profile(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
             break
         fn = impl(name)
         with torch.no_grad():
+            fn(*args_, cu)  # compile and autotune outside the profile
             text = profile_kernels(lambda: fn(*args_, cu), device, iters=3, top=12)
         print(f"--- {name}, forward, B=1 T=32K H=32\n{text}", flush=True)
         out[name] = text
     return out
 
 
+def resources() -> list[dict[str, Any]]:
+    """Registers, spills and shared memory of every compiled fused kernel in this process."""
+    from overlap_runtime.ops.gdn.triton.fused_fwd import fused_fwd_kernel
+
+    rows = []
+    for caches in getattr(fused_fwd_kernel, "device_caches", {}).values():
+        for kernel in caches[0].values():
+            try:
+                kernel._init_handles()
+                md = kernel.metadata
+                rows.append({"warps": md.num_warps, "stages": md.num_stages,
+                             "regs": kernel.n_regs, "spills": kernel.n_spills,
+                             "shared": md.shared})
+            except Exception as error:  # noqa: BLE001
+                rows.append({"error": f"{type(error).__name__}: {error}"})
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", nargs="+", default=["accuracy", "variants", "table", "profile"],
-                   choices=["accuracy", "variants", "table", "profile"])
+    p.add_argument("--parts", nargs="+", default=["accuracy", "profile", "table", "variants"],
+                   choices=["accuracy", "grad_accuracy", "variants", "table", "profile"])
     p.add_argument("--rows", nargs="+", default=TABLE_ROWS, choices=list(ROWS))
     p.add_argument("--budget-s", type=float, default=420.0)
     args = p.parse_args()
@@ -335,12 +363,16 @@ def main() -> int:
             continue
         results[part] = globals()[part](args, device)
         print(f"[{time.time() - START:.0f} s] {part} done", flush=True)
+    results["resources"] = resources()
+    for r in results["resources"]:
+        print("fused kernel:", json.dumps(r))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gdn_fused.json").write_text(json.dumps(results, indent=1))
-    if "accuracy" in results:
+    checks = results.get("accuracy", []) + results.get("grad_accuracy", [])
+    if checks:
         print("\n| case | impl | pass | rel-L2 vs float64 |")
         print("| --- | --- | --- | --- |")
-        for r in results["accuracy"]:
+        for r in checks:
             errs = ", ".join(f"{k} {v:.1e}" for k, v in r.items()
                              if isinstance(v, float))
             print(f"| {r.get('case')} | {r.get('impl')} | {r.get('pass')} | "
