@@ -210,6 +210,34 @@ def test_pair_graph_follows_the_coordinator_order_and_beats_serial() -> None:
     assert simulated_a2a_overlap(ov.result).share > simulated_a2a_overlap(se.result).share
 
 
+def test_op_costs_from_a_trace_price_each_action_to_its_measured_span() -> None:
+    from overlap_runtime.moe.step_costs import moe_op_seconds, op_costs_from_trace
+    from overlap_runtime.stepgraph.pricing import predict_priced, price_step
+
+    ev = lambda name, cat, a, b: TraceEvent(0, "main", name, cat, a, b)  # noqa: E731
+    events = [ev("0F0", "compute", 0, 1000), ev("S0.L0.dispatch fwd", "a2a", 100, 200),
+              ev("S0.L0.experts", "moe_compute", 200, 400),
+              ev("S0.L0.combine fwd", "a2a", 400, 600),  # the shared expert runs inside it
+              ev("S0.L0.shared_expert", "moe_compute", 400, 500),
+              ev("0B0", "compute", 1000, 3000), ev("S0.L0.combine bwd", "a2a", 1100, 1200),
+              ev("S0.L0.dispatch bwd", "a2a", 1500, 1600)]
+    costs = op_costs_from_trace(events, {0: 1})
+    ns = 1e-9
+    assert (costs.dispatch, costs.combine, costs.experts, costs.shared_expert) == pytest.approx(
+        (100 * ns, 100 * ns, 200 * ns, 100 * ns))
+    # F: 1000 less its all-to-alls (300) less the experts (200); B: 2000 - 200 - 2 x 300
+    assert costs.rest == {(0, "F"): pytest.approx(500 * ns), (0, "B"): pytest.approx(1200 * ns)}
+    step = _compiled(ep=2, layers=1)
+    priced = price_step(step, moe_op_seconds(costs, step))
+    for action, span in (("0F0", 1000), ("0B0", 2000)):  # every measured nanosecond priced once
+        assert sum(priced.task(i).cost for i in step.actions[0][action]) == pytest.approx(
+            span * ns)
+    # simulated: the combine (100) hidden behind the shared expert (100)
+    assert predict_priced(step, moe_op_seconds(costs, step)).step_s == pytest.approx(2900 * ns)
+    with pytest.raises(ValueError, match=r"no F or B action span"):
+        op_costs_from_trace(events[1:5] + events[6:], {0: 1})
+
+
 def _ev(thread: str, name: str, cat: str, a: int, b: int, rank: int = 0) -> TraceEvent:
     return TraceEvent(rank, thread, name, cat, a, b)
 
