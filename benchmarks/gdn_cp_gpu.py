@@ -232,9 +232,8 @@ def predict_chain(args: argparse.Namespace, local_len: int, device: torch.device
     costs = measure_node_costs(layer_fwd_ms, single_local_ms, local_len, args.key_heads,
                                args.value_heads, args.head_dim, DTYPES[args.dtype], device)
     message_ms = measure_state_message(args.value_heads, args.head_dim, device)
-    state_bytes = args.batch * args.value_heads * args.head_dim ** 2 * 4
     return {"node_ms": costs, "message_ms": message_ms,
-            "rows": predict(costs, message_ms, [2, 4, 8, 16, 32], state_bytes)}
+            "rows": predict(costs, message_ms, [2, 4, 8, 16, 32], local_len)}
 
 
 def format_prediction(rows: list[dict[str, Any]]) -> str:

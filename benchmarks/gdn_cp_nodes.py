@@ -6,13 +6,15 @@ Used by ``benchmarks/gdn_cp_gpu.py --predict`` (GPU only). For a local length ``
    (``ops/gdn/triton/function.py``: ``gdn_forward`` / ``gdn_backward``) on the layer's shapes
    with a :class:`~overlap_runtime.ops.gdn.state_link.StateLink` that only records CUDA events at
    the chain's hook points (it hands in zero states, so the chain does a middle rank's work), and
-   splits the op's time into the six GDN node kinds of
-   ``gdn.task_graph.gdn_p2p_fused_task_graph``; the layer outside the GDN core is the plain
-   layer's forward (and forward + backward) time minus the op's phases.
+   splits the op's time into the six GDN node kinds of the Triton chain
+   (``context_parallel/gdn/step_costs.py``: how they price the compiled step's ops); the layer
+   outside the GDN core is the plain layer's forward (and forward + backward) time minus the
+   op's phases.
 2. :func:`measure_state_message` times one fp32 state message ``[B, HV, K, V]`` from rank 0 to
    rank 1 (NCCL send/recv, device-synchronised, median).
-3. :func:`predict` simulates the fused chain for each CP size with those costs (weak scaling:
-   every rank holds ``L`` tokens) and reports the makespan and ``eff = T_1(L) / T_P``.
+3. :func:`predict` prices the compiled step of one GDN layer on each CP size with those costs
+   and simulates it (``benchmarks/gdn_chain_step.py``; weak scaling: every rank holds ``L``
+   tokens), and reports the makespan and ``eff = T_1(L) / T_P``.
 
 The prediction knows the chain, not the machine's side effects (NCCL kernels sharing SMs,
 host launch gaps, the halo): the measured CP2 row next to its prediction says how far that
@@ -28,11 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from overlap_runtime.context_parallel.gdn.task_graph import (
-    GDN_P2P_FUSED_NODE_KINDS,
-    gdn_p2p_cost_model,
-    simulate_gdn_p2p,
-)
+from gdn_chain_step import predict_chain
+from overlap_runtime.context_parallel.gdn.step_costs import GDN_P2P_FUSED_NODE_KINDS
 from overlap_runtime.ops.gdn.state_link import StateLink
 
 __all__ = ["measure_node_costs", "measure_state_message", "predict"]
@@ -155,13 +154,14 @@ def measure_state_message(value_heads: int, head_dim: int, device: torch.device,
 
 
 def predict(costs: dict[str, float], message_ms: float, cp_sizes: list[int],
-            state_bytes: float) -> list[dict[str, Any]]:
-    """Simulated makespan (ms) and weak-scaling efficiency of the fused chain per CP size."""
-    model = gdn_p2p_cost_model(costs, comm_latency=message_ms)
+            local_len: int) -> list[dict[str, Any]]:
+    """Simulated makespan (ms) and weak-scaling efficiency of the Triton chain per CP size:
+    the compiled step of one GDN layer on ``local_len`` tokens per rank, priced with
+    ``costs`` and one state message of ``message_ms``."""
     one = sum(costs.values())
     rows = []
     for p in cp_sizes:
-        res = simulate_gdn_p2p(p, model, state_bytes, fused=True)
-        rows.append({"cp": p, "makespan_ms": res.makespan, "eff": one / res.makespan,
+        makespan = predict_chain(costs, message_ms, p, local_len).step_s
+        rows.append({"cp": p, "makespan_ms": makespan, "eff": one / makespan,
                      "one_device_ms": one})
     return rows

@@ -6,8 +6,8 @@ Usage:
         [--latency-us 10] [--bandwidth-gbs 25] [--cp 2 4 8 16 32 64] [--keep-denormals]
 
 1. Measures, on one process (eager backend, fp32, B=1, chunk 64), the median time of each node
-   of ``gdn.task_graph.gdn_p2p_task_graph`` on a shard of ``--local-seq`` tokens - the same
-   calls ``gdn.p2p.GDNStateChain`` makes:
+   cost of the eager chain (``context_parallel/gdn/step_costs.py``) on a shard of
+   ``--local-seq`` tokens - the same calls ``gdn.p2p.GDNStateChain`` makes:
        gdn_prepare      prepare_chunks                       (no grad)
        gdn_summary      summarize(prep)                      (tree over chunks)
        gdn_apply        M @ H_in + S
@@ -17,8 +17,10 @@ Usage:
        gdn_summary_bwd  prepare + summarize under autograd + autograd.grad of (M, S)
 2. Prices a state message (``B * HV * K * V * 4`` bytes) with ``--latency-us`` and
    ``--bandwidth-gbs`` (defaults: an inter-GPU link, not this CPU).
-3. Simulates forward + backward for each CP size (weak scaling: every rank holds
-   ``--local-seq`` tokens) and prints the makespan and the efficiency
+3. Prices the compiled step of one GDN layer (``stepgraph.compile_step``,
+   ``benchmarks/gdn_chain_step.py``) with those costs and simulates its forward + backward for
+   each CP size (weak scaling: every rank holds ``--local-seq`` tokens) and prints the
+   makespan and the efficiency
    ``T_1(P * L) / (P * T_P)``, where ``T_1(P * L) = P * (prepare + output + output_bwd)`` is one
    device running the whole sequence with the same eager backend (its cost is linear in length).
 
@@ -41,10 +43,7 @@ from typing import Callable
 
 import torch
 
-from overlap_runtime.context_parallel.gdn.task_graph import (
-    gdn_p2p_cost_model,
-    simulate_gdn_p2p,
-)
+from gdn_chain_step import predict_chain
 from overlap_runtime.ops.gdn import (
     apply_summary,
     apply_summary_backward,
@@ -126,8 +125,7 @@ def main() -> None:
     costs = measure_costs(args.local_seq, args.key_heads, args.value_heads, args.dim,
                           args.repeats)
     state_bytes = 1 * args.value_heads * args.dim * args.dim * 4
-    model = gdn_p2p_cost_model(costs, comm_latency=args.latency_us * 1e-6,
-                               comm_bandwidth=args.bandwidth_gbs * 1e9)
+    message_s = args.latency_us * 1e-6 + state_bytes / (args.bandwidth_gbs * 1e9)
     print(f"# torch {torch.__version__}, {args.threads} thread(s); B=1, local seq "
           f"{args.local_seq}, H={args.key_heads}, HV={args.value_heads}, K=V={args.dim}, fp32, "
           f"eager; state message {state_bytes} B at {args.latency_us:g} us + "
@@ -144,9 +142,9 @@ def main() -> None:
     print("| CP | makespan ms | efficiency | chain share | exposed comm ms |")
     print("|---:|---:|---:|---:|---:|")
     for p in args.cp:
-        res = simulate_gdn_p2p(p, model, state_bytes)
-        chain = (p - 2) * (costs["gdn_apply"] + costs["gdn_apply_bwd"]) + 2 * (p - 1) * (
-            model.message_cost(state_bytes))
+        res = predict_chain(costs, message_s, p, args.local_seq, key_heads=args.key_heads,
+                            value_heads=args.value_heads, head_dim=args.dim).result
+        chain = (p - 2) * (costs["gdn_apply"] + costs["gdn_apply_bwd"]) + 2 * (p - 1) * message_s
         print(f"| {p} | {res.makespan * 1e3:.2f} | {single / res.makespan:.3f} | "
               f"{max(chain, 0.0) / res.makespan:.4f} | {res.exposed_comm * 1e3:.3f} |")
 

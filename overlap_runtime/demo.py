@@ -15,8 +15,9 @@ Both runs get an ``ExecutionTrace`` (``trace=``; the last step is kept) and hand
 model to ``on_model=``. Printed: the schedule grid, each step's loss and grad norm beside the
 baseline's (equal within :data:`TOL` relative; every parameter after the last step too), the
 launch-order check on every EP group, the measured share of all-to-all time hidden behind the
-other thread's compute (last step's trace), the share the task-graph simulator predicts from node
-costs measured in the baseline's last step, and one merged Chrome trace (measured and predicted).
+other thread's compute (last step's trace), the share the task-graph simulator predicts for the
+compiled step priced with op costs measured in the baseline's last step, and one merged Chrome
+trace (measured and predicted).
 A PP x EP job built by hand, without the trainer: ``tests/moe/_pp_ep_job.py``
 (tests/moe/test_moe_pp_ep.py).
 """
@@ -28,7 +29,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Any, Sequence
@@ -217,16 +217,33 @@ def _param_diff(baseline: Any, overlapped: Any) -> tuple[float, int]:
     return worst, len(a)
 
 
-def _moe_layers_per_chunk(config: Any) -> int:
-    """Decoder (= MoE) layers per pipeline chunk, as the task-graph pairing models them (the
-    mean over stages when the split is uneven)."""
-    from overlap_runtime.models.pipeline_split import split_layers
+def predict_overlap(config: Any, baseline_events: list[Any]) -> dict[str, Any]:
+    """The all-to-all overlap the task-graph simulator predicts for ``config``: the compiled
+    step (``stepgraph.compile_step``) with ``overlap_b_f`` on and off, each priced with the op
+    costs measured in the baseline's trace (``moe.step_costs``) and simulated
+    (``stepgraph.pricing``). Returns the predicted shares (OVERLAP_B_F all-to-alls, all
+    all-to-alls), both step times, the costs and the overlapped step's timeline."""
+    from overlap_runtime.graph import chrome_trace
+    from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
+    from overlap_runtime.moe.step_costs import moe_op_seconds, op_costs_from_trace
+    from overlap_runtime.stepgraph.compose import compile_step
+    from overlap_runtime.stepgraph.pricing import predict_priced
 
-    pl = config.train.pipeline
-    stages = config.train.accelerator.pp * pl.virtual_stages
-    counts = [len(r) for r in split_layers(config.model.num_hidden_layers, stages,
-                                           pl.layers_per_stage)]
-    return max(1, round(statistics.fmean(counts)))
+    steps = {}
+    for name, overlap_b_f in (("baseline", False), ("overlap", True)):
+        data = config.model_dump()
+        data["train"]["pipeline"]["overlap_b_f"] = overlap_b_f
+        steps[name] = compile_step(type(config).model_validate(data))
+    layers_of = {s: len(layers) for s, layers in enumerate(steps["overlap"].stage_layers)}
+    costs = op_costs_from_trace(baseline_events, layers_of)
+    pred = {name: predict_priced(sg, moe_op_seconds(costs, sg)) for name, sg in steps.items()}
+    ovl = pred["overlap"].result
+    return {"predicted": simulated_a2a_overlap(ovl, paired_only=True).share,
+            "predicted_all": simulated_a2a_overlap(ovl).share,
+            "predicted_step_s": pred["overlap"].step_s,
+            "predicted_serial_step_s": pred["baseline"].step_s,
+            "costs": costs.to_dict(),
+            "sim_trace": chrome_trace(ovl, time_scale=1e6)}  # seconds -> microseconds
 
 
 def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | None:
@@ -238,9 +255,6 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
     import torch
     import torch.distributed as dist
 
-    from overlap_runtime.graph import chrome_trace, simulate
-    from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
-    from overlap_runtime.moe.task_nodes import moe_overlap_pair_task_graph, node_costs_from_trace
     from overlap_runtime.ops import comm
     from overlap_runtime.pipeline import ExecutionTrace, gather_traces
     from overlap_runtime.schedules import ActionKind
@@ -287,11 +301,6 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
                                     timeout_s) for name, r in runs.items()}
     if rank != 0:
         return None
-    layers = _moe_layers_per_chunk(config)
-    costs = node_costs_from_trace(gathered["baseline"], layers)
-    sim = simulate(moe_overlap_pair_task_graph(costs, layers=layers, ep_size=dims.ep))
-    sim_serial = simulate(moe_overlap_pair_task_graph(costs, layers=layers, ep_size=dims.ep,
-                                                      overlap=False))
     return {
         "world": world, "num_parameters": ovl.num_parameters,
         "ranks": [{"rank": int(r[0]), "pp_rank": int(r[1]), "ep_rank": int(r[2]),
@@ -299,14 +308,10 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
                    "paired_steps": int(r[6])} for r in rows],
         "steps": {name: r["steps"] for name, r in runs.items()},
         "run_wall_s": {name: r["wall_s"] for name, r in runs.items()},
-        "layers_per_chunk": layers,
         "measured": trace_a2a_overlap(gathered["overlap"], paired_only=True).to_dict(1e-9),
         "measured_all": trace_a2a_overlap(gathered["overlap"]).to_dict(1e-9),
-        "predicted": simulated_a2a_overlap(sim).share, "predicted_pair_s": sim.makespan,
-        "predicted_serial_pair_s": sim_serial.makespan,
-        "costs": dataclasses.asdict(costs.resolved()),
         "events": gathered["overlap"],
-        "sim_trace": chrome_trace(sim, time_scale=1e6),  # seconds -> microseconds
+        **predict_overlap(config, gathered["baseline"]),
     }
 
 
@@ -377,15 +382,15 @@ def print_header(config: Any, label: str, how: str) -> None:
 
 def write_merged_trace(events: list[Any], predicted: dict[str, Any], path: str) -> None:
     """Measured execution trace (a process per rank, a track per thread) plus the simulated
-    OVERLAP_B_F pairing (``graph.chrome_trace`` dict; a process per EP rank, pid 100+) in one
-    Chrome trace file."""
+    step (``graph.chrome_trace`` dict; a process per rank, pid 100+) in one Chrome trace
+    file."""
     from overlap_runtime.pipeline.exec_trace import chrome_trace_events
 
     measured = chrome_trace_events(events)
     for ev in predicted["traceEvents"]:
         ev["pid"] = 100 + ev["pid"]
         if ev.get("name") == "process_name":
-            ev["args"]["name"] = f"predicted OVERLAP_B_F pair, EP rank {ev['pid'] - 100}"
+            ev["args"]["name"] = f"predicted step, rank {ev['pid'] - 100}"
     measured["traceEvents"].extend(predicted["traceEvents"])
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
@@ -425,12 +430,13 @@ def print_report(report: dict[str, Any], out: str, wall_s: float) -> int:
           f"inside OVERLAP_B_F steps ran while the rank computed "
           f"({m['hidden_s'] * 1e3:.1f} of {m['a2a_s'] * 1e3:.1f} ms, {int(m['count'])} "
           f"all-to-alls); over the whole step: {report['measured_all']['share']:.1%}")
-    print(f"overlap ratio (predicted by the task-graph simulator from node costs measured in the "
-          f"baseline's last step, {_n(report['layers_per_chunk'], 'MoE layer')} per chunk): "
-          f"{report['predicted']:.1%}; one pairing {report['predicted_pair_s'] * 1e3:.2f} ms "
-          f"overlapped vs {report['predicted_serial_pair_s'] * 1e3:.2f} ms serial")
+    print(f"overlap ratio (predicted by the task-graph simulator: the compiled step priced with "
+          f"op costs measured in the baseline's last step): {report['predicted']:.1%} inside "
+          f"OVERLAP_B_F steps, {report['predicted_all']:.1%} over the whole step; one step "
+          f"{report['predicted_step_s'] * 1e3:.2f} ms overlapped vs "
+          f"{report['predicted_serial_step_s'] * 1e3:.2f} ms serial (overlap_b_f: false)")
     write_merged_trace(report["events"], report["sim_trace"], out)
-    print(f"merged Chrome trace (measured ranks + predicted pairing): {os.path.abspath(out)}")
+    print(f"merged Chrome trace (measured ranks + predicted step): {os.path.abspath(out)}")
     rw = report["run_wall_s"]
     print(f"wall {wall_s:.1f}s (training: baseline {rw['baseline']:.1f}s, overlap_b_f "
           f"{rw['overlap']:.1f}s; {report['num_parameters']:,} parameters)")

@@ -30,7 +30,7 @@ SECTIONS = (
     "launch order: ",
     "overlap ratio (measured, last step, all ranks): ",
     "overlap ratio (predicted by the task-graph simulator",
-    "merged Chrome trace (measured ranks + predicted pairing): ",
+    "merged Chrome trace (measured ranks + predicted step): ",
     "demo OK",
 )
 
@@ -50,8 +50,8 @@ def _check_output(out: str, trace: Path) -> None:
     assert [r.split()[0] for r in rows] == ["1", "2"], out  # one loss row per step
     measured = re.search(r"ms, (\d+) all-to-alls\); over the whole step: ([\d.]+)%", out)
     assert measured and int(measured.group(1)) > 0 and float(measured.group(2)) > 0, out
-    predicted = re.search(r"per chunk\): ([\d.]+)%; one pairing ([\d.]+) ms overlapped vs "
-                          r"([\d.]+) ms serial", out)
+    predicted = re.search(r"last step\): ([\d.]+)% inside OVERLAP_B_F steps, [\d.]+% over the "
+                          r"whole step; one step ([\d.]+) ms overlapped vs ([\d.]+) ms serial", out)
     assert predicted and float(predicted.group(2)) < float(predicted.group(3)), out
     events = json.loads(trace.read_text())["traceEvents"]
     pids = {e["pid"] for e in events}
@@ -170,8 +170,9 @@ def _report(loss_delta: float) -> dict:
     return {"world": 4, "num_parameters": 1, "ranks": ranks, "layers_per_chunk": 1,
             "steps": {"baseline": [step], "overlap": [dict(step, loss=5.0 + loss_delta)]},
             "run_wall_s": {"baseline": 1.0, "overlap": 1.0}, "measured": share,
-            "measured_all": share, "predicted": 0.3, "predicted_pair_s": 0.01,
-            "predicted_serial_pair_s": 0.02, "events": [], "sim_trace": {"traceEvents": []}}
+            "measured_all": share, "predicted": 0.3, "predicted_all": 0.2,
+            "predicted_step_s": 0.01, "predicted_serial_step_s": 0.02, "events": [],
+            "sim_trace": {"traceEvents": []}}
 
 
 def test_report_fails_when_the_overlapped_loss_differs(tmp_path: Path,

@@ -26,9 +26,7 @@ from overlap_runtime.context_parallel.gdn import (
     GDN_P2P_NODE_KINDS,
     LINEAR_ATTENTION_CP_MODES,
     LinearAttentionContextParallel,
-    gdn_p2p_cost_model,
-    gdn_p2p_task_graph,
-    simulate_gdn_p2p,
+    chain_op_seconds,
 )
 from overlap_runtime.context_parallel.hierarchical import (
     HIERARCHICAL_MESH_DIMS,
@@ -65,9 +63,8 @@ __all__ = [
     "Mode",
     "PackedLayout",
     "all_gather_kv_attention",
+    "chain_op_seconds",
     "gather_sequence",
-    "gdn_p2p_cost_model",
-    "gdn_p2p_task_graph",
     "hierarchical_attention",
     "hierarchical_cp_mesh",
     "packed_ring_attention",
@@ -76,7 +73,6 @@ __all__ = [
     "shard_batch",
     "shard_positions",
     "shard_sequence",
-    "simulate_gdn_p2p",
     "ulysses_attention",
     "unshard_sequence",
 ]

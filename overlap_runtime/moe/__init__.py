@@ -5,14 +5,14 @@ What a user builds with: the :class:`MoE` layer (router, experts, shared expert)
 dispatcher for custom layers (:class:`AllToAllTokenDispatcher` with its per-call
 :class:`DispatchMetadata` / :class:`CombinePartialResult`), the EP styles
 (:class:`ExpertParallel`, :class:`OverlapExpertParallel` with the coordinator's sync hooks), the
-``OVERLAP_B_F`` callback for ``PipelineSchedule`` and the layer's task-graph nodes (predicted vs
-measured all-to-all overlap). Helpers (``RoutingResult``, ``attach_aux_loss``, ``FeedForward``,
+``OVERLAP_B_F`` callback for ``PipelineSchedule`` and the MoE op costs measured on a run, which
+price a compiled step (predicted vs measured all-to-all overlap). Helpers (``RoutingResult``, ``attach_aux_loss``, ``FeedForward``,
 ``grouped_mm_supported``, ``moe_layers``, ``infer_last_layer_flags``, ``ep_group_of``,
 ``OverlapHooks``) are imported from their modules. See docs/moe.md.
 
 May import: torch, ``overlap_runtime.platform``, ``overlap_runtime.ops`` (collectives),
-``overlap_runtime.graph`` (task nodes), ``overlap_runtime.coordinator`` (sync hooks, serializer)
-and ``overlap_runtime.schedules`` / ``overlap_runtime.pipeline`` (the OVERLAP_B_F callback's
+``overlap_runtime.graph`` (tasks, for op costs), ``overlap_runtime.coordinator`` (sync hooks,
+serializer) and ``overlap_runtime.schedules`` / ``overlap_runtime.pipeline`` (the OVERLAP_B_F callback's
 actions and ``ActionContext``). Never ``context_parallel``, ``models`` or ``trainer``.
 """
 
@@ -22,11 +22,7 @@ from .layer import MoE
 from .overlap_callback import make_overlap_b_f_callback
 from .parallel import ExpertParallel, OverlapExpertParallel
 from .router import TopKRouter
-from .task_nodes import (
-    MoENodeCosts,
-    moe_layer_task_graph,
-    moe_overlap_pair_task_graph,
-)
+from .step_costs import MoEOpCosts, moe_op_seconds, op_costs_from_trace
 
 __all__ = [
     "AllToAllTokenDispatcher",
@@ -35,10 +31,10 @@ __all__ = [
     "ExpertParallel",
     "GroupedExperts",
     "MoE",
-    "MoENodeCosts",
+    "MoEOpCosts",
     "OverlapExpertParallel",
     "TopKRouter",
     "make_overlap_b_f_callback",
-    "moe_layer_task_graph",
-    "moe_overlap_pair_task_graph",
+    "moe_op_seconds",
+    "op_costs_from_trace",
 ]

@@ -16,7 +16,9 @@ Collectives carry the group instance as their key (``ep[0,1]``: its global ranks
 validator checks that every member issues them in one order; send/receive pairs carry
 ``(action, layer, message, src, dst)``. Point-to-point messages and the MoE combine are
 non-blocking in the runtime: they fork from the op before them and join the next compute op
-(the combine joins ``moe.combine_wait``, so the shared expert runs beside it); the other
+(the combine joins ``moe.combine_wait``, so the shared expert runs beside it; a receive of the
+GDN state chain joins the compute op after the next one, and the chain's send: the local
+prepare + summary, or the local backward, runs while the state is on its way); the other
 collectives block their thread. In an OVERLAP_B_F step the expert all-to-alls of both sides are
 emitted in the HookCoordinator's launch order (backward side first, then alternating comm
 regions) and chained on ``comm:ep``: one all-to-all in flight per EP group. Without the
@@ -25,8 +27,8 @@ coordinator (no ``overlap_b_f`` or no EP) a compound step's sub-actions run one 
 Outside the graph: FSDP2's unshard / reduce-scatter (``GatheredStep``: one unshard and one
 reduce per step for pp > 1, per layer for pp == 1; they run inside torch's FSDP, not through
 ``ops.comm``), the pipeline's one-time metadata exchange, the loss / grad-norm all-reduces
-after the step. Simplification: a receive joins the next compute op, which may be earlier
-than the runtime's wait (the chain's ``H_in`` is waited after prepare + summary).
+after the step. Simplification: any other receive joins the next compute op, which may be
+earlier than the runtime's wait.
 """
 
 from __future__ import annotations
@@ -266,6 +268,7 @@ def compile_step(config: "TrainConfig", *, validate: bool = True,
                 first[(rank, text)], last[(rank, text)] = ids[0], ids[-1]
                 prev_sync: Hashable | None = None
                 pending: list[Hashable] = []
+                chain_in: list[tuple[Hashable, bool]] = []  # (chain receive, compute seen)
                 combine: Hashable | None = None
                 for k, op in enumerate(ops):
                     tid = ids[k]
@@ -296,19 +299,26 @@ def compile_step(config: "TrainConfig", *, validate: bool = True,
                             program.append((prev_sync, tid))
                         if op.name == "moe.combine":
                             combine = tid
+                        elif _is_chain(op, "recv"):
+                            chain_in.append((tid, False))
                         else:
+                            if _is_chain(op, "send"):  # the state out needs the state in
+                                program.extend((r, tid) for r, _ in chain_in)
                             pending.append(tid)
                         continue
                     if prev_sync is not None:
                         program.append((prev_sync, tid))
                     if not op.is_comm:
                         program.extend((p, tid) for p in pending)
+                        program.extend((r, tid) for r, seen in chain_in if seen)
                         pending = []
+                        chain_in = [(r, True) for r, seen in chain_in if not seen]
                         if op.name == "moe.combine_wait" and combine is not None:
                             program.append((combine, tid))
                             combine = None
                     prev_sync = tid
-                for p in pending + ([combine] if combine is not None else []):
+                for p in pending + [r for r, _ in chain_in] + \
+                        ([combine] if combine is not None else []):
                     program.append((p, ids[-1]) if p != ids[-1] else (prev_sync, p))
             if len(expanded) == 2 and not coordinated:  # sub-actions run in order, one thread
                 (a, _), (b, _) = list(expanded.items())
@@ -337,6 +347,14 @@ def compile_step(config: "TrainConfig", *, validate: bool = True,
     if validate:
         sg.validate()
     return sg
+
+
+def _is_chain(op: LayerOp, kind: str) -> bool:
+    """A message of the GDN state chain (``gdn.chain.recv_H`` ...): its receive is waited
+    after the rank's next compute op (the local prepare + summary, or the local backward, run
+    while the state is on its way) and before its send (the state out is the state in,
+    carried one rank on)."""
+    return op.kind == kind and ".chain." in op.name
 
 
 def _reorder(tasks: list[Task], chain: list[Hashable]) -> None:

@@ -64,7 +64,7 @@ __all__ = ["Direction", "GroupName", "LayerOp", "MicrobatchShape", "OpKind", "la
 
 Direction = Literal["F", "B", "I", "W"]
 OpKind = Literal["compute", "send", "recv", "collective"]
-GroupName = Literal["cp", "ep", "pp", "fsdp", "cp_a2a", "cp_ring"]
+GroupName = Literal["cp", "ep", "pp", "fsdp", "cp_a2a", "cp_ring", "host"]
 _INT64 = 8
 _FP32 = 4
 AGREE_GDN_FIELDS = 9  # context_parallel/gdn/common.check_ranks_agree_on_call
@@ -105,6 +105,15 @@ class LayerOp:
     On a message op, ``flops`` is the GDN state work tied to it (fp32, the ``state`` class of
     ``stepgraph.costs``): a chain receive's apply per hop, a scan receive's compose per round,
     the summary all-gather's prefix compose of the far end (``stepgraph.scale.priced_ops``).
+
+    Priced (the same type, filled in by a pricing pass such as ``stepgraph.scale.priced_ops``
+    or ``stepgraph.predict.measured_ops``; None / defaults on the layer program's ops):
+    ``cost`` (seconds), ``task_kind`` (the cost-model key the op's task carries; default its
+    ``kind``), ``group_size`` (the ranks of its group: a representative expansion builds one
+    rank per pipeline coordinate, whose collective then stands for ``group_size`` identical
+    ones), ``join`` (a non-blocking message: the next op of that name waits for it) and
+    ``program_only`` (a leading op only the program order waits for: the task's inputs go to
+    the op after it). ``stepgraph.layout_graph`` expands priced ops.
     """
 
     name: str
@@ -116,6 +125,11 @@ class LayerOp:
     collective: str | None = None
     label: str | None = None
     exact: bool = True
+    cost: float | None = None
+    task_kind: str | None = None
+    group_size: int = 1
+    join: str | None = None
+    program_only: bool = False
 
     @property
     def is_comm(self) -> bool:

@@ -6,7 +6,7 @@ coordinate. A layout runs ``inner = world / pp`` ranks at each coordinate (data,
 expert parallel peers); rank ``g = pp_rank * inner + i`` (the trainer's order: pp outermost).
 :func:`layout_graph` copies the pipeline program to each inner index ``i`` (SEND/RECV keys and
 peers shifted to the same ``i`` of the peer stage) and expands each F/B/I/W task into the
-:class:`Op` chain ``ops_of(task)`` returns:
+priced :class:`~.layer_program.LayerOp` chain ``ops_of(task)`` returns:
 
 * a compute op runs on the task's own lane (``compute``, or ``fwd``/``bwd`` in an OVERLAP_B_F
   step, which share the device), costing ``op.cost``;
@@ -29,7 +29,6 @@ shards); the full graph (``representative=False``) checks the reduction on small
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from overlap_runtime.graph._gc import gc_paused
@@ -37,30 +36,29 @@ from overlap_runtime.graph.task_graph import TaskGraph
 from overlap_runtime.graph.tasks import CommInfo, Task
 from overlap_runtime.schedules.overlap_order import BACKWARD, comm_turns
 
-__all__ = ["Op", "handover_edges", "layout_graph"]
+from .layer_program import LayerOp
+
+__all__ = ["handover_edges", "layout_graph", "priced_op"]
 
 
-@dataclass(frozen=True)
-class Op:
-    """One op of a layer: ``name`` (shown in traces), ``kind`` (cost-model key), ``cost``
-    (seconds), and for communication the ``group`` name and ``group_size``. ``join``: a
+def priced_op(name: str, kind: str, cost: float, group: str | None = None,
+              group_size: int = 1, join: str | None = None,
+              program_only: bool = False) -> LayerOp:
+    """A priced :class:`~.layer_program.LayerOp` built directly (no layer program behind it):
+    ``name`` (shown in traces), ``kind`` (its task's kind, the cost-model key), ``cost``
+    (seconds), for communication the ``group`` name and ``group_size``. ``join``: a
     non-blocking message (the MoE combine): it forks from the op before it and the next op
     named ``join`` waits for it (the shared expert runs meanwhile); None: blocking.
     ``program_only``: a leading op that only the program order waits for (the runtime's own
     work between two program steps): the task's inputs go to the op after it, so it overlaps
     the wait for them."""
-
-    name: str
-    kind: str
-    cost: float
-    group: str | None = None
-    group_size: int = 1
-    join: str | None = None
-    program_only: bool = False
+    return LayerOp(name, "compute" if group is None else "collective", group,  # type: ignore[arg-type]
+                   cost=float(cost), task_kind=kind, group_size=group_size, join=join,
+                   program_only=program_only)
 
 
 @gc_paused
-def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inner: int,
+def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[LayerOp]], *, inner: int,
                  representative: bool, message_cost: Callable[[Task], float] | None = None,
                  async_p2p: bool = True, per_rank: bool = False,
                  name: str = "step") -> TaskGraph:
@@ -68,7 +66,8 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
 
     Args:
         pipeline: the compiled pipeline graph (F/B/I/W tasks carry ``meta['stage']``).
-        ops_of: the op chain of one F/B/I/W task (empty: the task stays one compute task).
+        ops_of: the priced op chain of one F/B/I/W task (empty: the task stays one compute
+            task); an op without a ``cost`` raises ValueError naming it.
         inner: ranks per pipeline coordinate (``world / pp``).
         representative: build inner index 0 only (see the module doc).
         message_cost: cost of a SEND (RECVs cost nothing); None keeps the tasks' own hints.
@@ -89,7 +88,7 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
     program: list[tuple[Hashable, Hashable]] = []
     first: dict[tuple[int, Hashable], Hashable] = {}
     last: dict[tuple[int, Hashable], Hashable] = {}
-    cache: dict[Hashable, list[Op]] = {}
+    cache: dict[Hashable, list[LayerOp]] = {}
     p2p_ids: set[Hashable] = set()
     first_data: dict[tuple[int, Hashable], Hashable] = {}
     chains: dict[tuple[int, int, int | None, str], list[tuple[Hashable, bool]]] = {}
@@ -115,6 +114,10 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
             ops = cache.get(ckey)
             if ops is None:
                 ops = cache[ckey] = ops_of(t._replace(rank=g) if per_rank else t)
+                unpriced = [op.name for op in ops if op.cost is None]
+                if unpriced:
+                    raise ValueError(f"layout_graph: ops {unpriced} of {t.text} have no cost "
+                                     f"(price them first)")
             if not ops:
                 tasks.append(t._replace(id=tid, rank=g))
                 first[(i, t.id)] = last[(i, t.id)] = tid
@@ -128,13 +131,14 @@ def layout_graph(pipeline: TaskGraph, ops_of: Callable[[Task], list[Op]], *, inn
                 label = f"{t.text}.{op.name}"
                 meta = {**t.meta, "action_lane": t.lane, "op": op.name}
                 if op.group is None:
-                    task = Task(oid, g, t.lane, op.kind, cost=op.cost, step=t.step, label=label,
-                                meta=meta)
+                    task = Task(oid, g, t.lane, op.task_kind or op.kind, cost=op.cost,
+                                step=t.step, label=label, meta=meta)
                 else:
                     gid = i // op.group_size if not representative else 0
                     key = f"{op.group}:{t.rank}:{gid}" if not representative else \
                         f"{op.group}:{g}"
-                    task = Task(oid, g, f"comm:{op.group}", op.kind, cost=op.cost,
+                    task = Task(oid, g, f"comm:{op.group}", op.task_kind or op.kind,
+                                cost=op.cost,
                                 comm=CommInfo("collective", key), step=t.step, label=label,
                                 meta=meta)
                 tasks.append(task)

@@ -21,7 +21,8 @@ from overlap_runtime.graph.tasks import Task
 
 from .compose import pipeline_graph
 from .costs import MeasuredCosts
-from .layout_graph import Op, layout_graph
+from .layer_program import LayerOp
+from .layout_graph import layout_graph, priced_op
 
 __all__ = ["StepFigures", "measured_ops", "measured_step", "predict_step"]
 
@@ -36,14 +37,14 @@ class StepFigures:
 
 
 def measured_ops(costs: MeasuredCosts, ep: int = 2, per_rank: bool = False
-                 ) -> Callable[[Task], list[Op]]:
+                 ) -> Callable[[Task], list[LayerOp]]:
     """The op chain of a pipeline action from measured costs: a runtime op (the uncovered time
     per program step), then its busy work in the ``n + 1`` compute regions around the ``n``
     all-to-alls it ran (``costs.a2a``, shares ``costs.regions``), each all-to-all a collective
     of the ``ep`` ranks on ``comm:ep`` costing its measured mean span. ``per_rank``: the
     task's ``rank`` is a global rank and its own costs (``costs.by_rank``) are used."""
 
-    def ops(t: Task) -> list[Op]:
+    def ops(t: Task) -> list[LayerOp]:
         c = costs.by_rank.get(t.rank, costs) if per_rank else costs
         stage = int(t.meta["stage"])
         work = c.cost(stage, t.kind)
@@ -53,12 +54,13 @@ def measured_ops(costs: MeasuredCosts, ep: int = 2, per_rank: bool = False
             key = (stage, t.kind, not paired)
         n, a2a = c.a2a.get(key, (0, 0.0))
         share = c.regions.get(key) or [1.0 / (n + 1)] * (n + 1)
-        out = [Op("compute", t.kind, work * share[0])]
+        out = [priced_op("compute", t.kind, work * share[0])]
         if c.gap_s > 0 and t.lane != "bwd":  # once per program step
-            out.insert(0, Op("runtime", "runtime", c.gap_s, group="host", program_only=True))
+            out.insert(0, priced_op("runtime", "runtime", c.gap_s, group="host",
+                                     program_only=True))
         for j in range(n):
-            out.append(Op(f"a2a{j}", "a2a", a2a, group="ep", group_size=ep))
-            out.append(Op(f"compute{j + 1}", t.kind, work * share[j + 1]))
+            out.append(priced_op(f"a2a{j}", "a2a", a2a, group="ep", group_size=ep))
+            out.append(priced_op(f"compute{j + 1}", t.kind, work * share[j + 1]))
         return out
 
     return ops

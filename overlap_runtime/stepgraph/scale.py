@@ -28,7 +28,7 @@ Everything here is pure Python over the config (the parameter count uses a meta-
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from overlap_runtime.graph._gc import gc_paused
@@ -37,7 +37,7 @@ from overlap_runtime.graph.tasks import Task
 
 from .costs import MachineProfile
 from .layer_program import LayerOp, MicrobatchShape, microbatch_shape, stage_program
-from .layout_graph import Op, layout_graph
+from .layout_graph import layout_graph
 
 if TYPE_CHECKING:
     from overlap_runtime.trainer.config import TrainConfig
@@ -59,10 +59,12 @@ def op_class(name: str) -> str:
 
 
 def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile, *,
-               cp: int, ep: int, cp_a2a: int | None = None) -> list[Op]:
+               cp: int, ep: int, cp_a2a: int | None = None) -> list[LayerOp]:
     """Price the ops of one stage action on ``profile`` (see the module doc for the rules).
 
-    Compute ops keep their names; messages become blocking ops on ``comm:<group>`` (the
+    Returns the same ops priced (``cost``, ``task_kind`` ``compute`` / ``comm``, a message's
+    ``group_size``), sends dropped. Compute ops keep their names; messages become blocking ops
+    on ``comm:<group>`` (the
     group's collectives are costed by its size and placement: ``cp`` and ``ep`` consecutive
     ranks; hierarchical attention's ``cp_a2a`` the ``cp_a2a`` consecutive ranks of one ring
     index, ``cp_ring`` the ``cp / cp_a2a`` ranks ``cp_a2a`` apart). Sends cost nothing on the
@@ -80,10 +82,11 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
         sizes["cp_a2a"] = (cp_a2a, 1)
         sizes["cp_ring"] = (cp // cp_a2a, cp_a2a)
     scans_priced: set[str] = set()
-    out: list[Op] = []
+    out: list[LayerOp] = []
     for j, op in enumerate(ops):
         if op.kind == "compute":
-            out.append(Op(op.name, "compute", profile.compute(op.flops, op_class(op.name))))
+            out.append(replace(op, cost=profile.compute(op.flops, op_class(op.name)),
+                               task_kind="compute"))
             continue
         if op.group in ("cp_a2a", "cp_ring") and op.group not in sizes:
             raise ValueError(f"priced_ops: op {op.name!r} is on group {op.group!r} "
@@ -115,9 +118,10 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
                 if nxt is not None and prefetched else 0.0
             cost = max(0.0, profile.ring_step(op.nbytes, g, stride) - hidden)
         join = "moe.combine_wait" if op.name == "moe.combine" else None
-        out.append(Op(op.name, "comm", cost, group=op.group, group_size=g, join=join))
+        out.append(replace(op, cost=cost, task_kind="comm", group_size=g, join=join))
         if op.kind == "collective" and op.flops and op.name.startswith("gdn.gather_summary"):
-            out.append(Op(f"{op.name}.compose", "compute", profile.compute(op.flops, "state")))
+            out.append(LayerOp(f"{op.name}.compose", "compute", flops=op.flops,
+                               cost=profile.compute(op.flops, "state"), task_kind="compute"))
     return out
 
 
@@ -304,11 +308,11 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
         num_stages, stage_to_rank = 1, {0: 0}
     stage_layers = stage_layers_of(config, num_stages)
     last = num_stages - 1
-    cache: dict[tuple[int, str], list[Op]] = {}
+    cache: dict[tuple[int, str], list[LayerOp]] = {}
     rep_cp = min(1, dims.cp - 1)  # a middle rank: halo and chain messages both ways
     cp_a2a = acc.hierarchical_cp.a2a if acc.hierarchical_cp is not None else None
 
-    def ops_of(t: Task) -> list[Op]:
+    def ops_of(t: Task) -> list[LayerOp]:
         stage = int(t.meta["stage"])
         key = (stage, t.kind)
         if key not in cache:

@@ -1,61 +1,87 @@
-"""The p2p GDN chain as a task graph: validation and the simulator against the analytic chain."""
+"""The p2p GDN chain of the compiled step (one GDN layer, ``stepgraph.compile_step``), priced
+with node costs (``gdn.step_costs``): validation and the simulator against the analytic chain."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from overlap_runtime.context_parallel.gdn.task_graph import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support.step_configs import gdn_chain_config  # noqa: E402
+
+from overlap_runtime.context_parallel.gdn.step_costs import (  # noqa: E402
     GDN_P2P_NODE_KINDS,
-    gdn_p2p_cost_model,
-    gdn_p2p_task_graph,
-    simulate_gdn_p2p,
+    chain_op_seconds,
 )
+from overlap_runtime.stepgraph.compose import compile_step  # noqa: E402
+from overlap_runtime.stepgraph.pricing import predict_priced  # noqa: E402
+
+
+def _chain_messages(step, name: str) -> list:
+    return [p for p in step.matching.pairs if f"chain.{name}" in step.graph.task(p[0]).label]
+
+
+def _op(rank: int, action: str, name: str, step) -> object:
+    return next(t.id for t in step.graph.tasks()
+                if t.rank == rank and t.meta.get("action") == action
+                and t.meta["op"].name == name)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 8, 16, 64])
 def test_equal_costs_give_the_analytic_chain(cp: int) -> None:
     c, lat = 1.0, 0.25
-    costs = gdn_p2p_cost_model({k: c for k in GDN_P2P_NODE_KINDS}, comm_latency=lat)
-    graph = gdn_p2p_task_graph(cp)
-    matching = graph.validate()
-    assert len(matching.pairs) == 2 * (cp - 1)  # one H and one dH message per neighbour pair
-    res = simulate_gdn_p2p(cp, costs)
-    assert res.makespan == pytest.approx((2 * cp + 1) * c + 2 * (cp - 1) * lat)
-    path = res.critical_path
-    # the chain: forward applies in rank order, then backward applies in reverse rank order
-    applies = [t for t in path if t.endswith("F.apply") or t.endswith("B.apply")]
-    expected = [f"{r}F.apply" for r in range(1, cp - 1)] + [
-        f"{r}B.apply" for r in range(cp - 2, 0, -1)
-    ]
-    assert applies == expected
-    assert path[0] == "0F.prepare"
-    assert path[-1] == ("0B.summary" if cp > 1 else "0B.output")
+    step = compile_step(gdn_chain_config(cp))
+    # one H and one dH message per neighbour pair
+    assert len(_chain_messages(step, "send_H")) == cp - 1
+    assert len(_chain_messages(step, "send_dH")) == cp - 1
+    pred = predict_priced(step, chain_op_seconds({k: c for k in GDN_P2P_NODE_KINDS}, cp,
+                                                 message_s=lat))
+    res = pred.result
+    assert pred.step_s == pytest.approx((2 * cp + 1) * c + 2 * (cp - 1) * lat)
+    # the chain: forward hops in rank order, then backward hops in reverse rank order
+    by_id = {t.id: t for t in res.tasks}
+    sends = [by_id[i] for i in res.critical_path if ".chain.send" in by_id[i].label]
+    assert [(t.rank, t.meta["op"].name) for t in sends] == (
+        [(r, "gdn.chain.send_H") for r in range(cp - 1)]
+        + [(r, "gdn.chain.send_dH") for r in range(cp - 1, 0, -1)])
+    costly = [by_id[i] for i in res.critical_path if by_id[i].cost]
+    assert (costly[0].rank, costly[0].meta["op"].name) == (
+        0, "gdn.prepare_summary" if cp > 1 else "gdn.core")
+    assert (costly[-1].rank, costly[-1].meta["op"].name) == (
+        0, "gdn.summary.bwd" if cp > 1 else "gdn.bwd")
 
 
 def test_local_backward_runs_before_dh_arrives() -> None:
     """Rank r's local backward overlaps the backward chain: it ends before dH_out arrives, and
-    only apply + send stand between receiving dH_out and sending dH_in."""
+    only the hop (apply + message) stands between receiving dH_out and sending dH_in."""
     cp = 8
-    costs = gdn_p2p_cost_model(
-        {"gdn_prepare": 4.0, "gdn_summary": 2.0, "gdn_apply": 0.1, "gdn_output": 5.0,
-         "gdn_output_bwd": 10.0, "gdn_apply_bwd": 0.1, "gdn_summary_bwd": 3.0},
-        comm_latency=0.05,
-    )
-    res = simulate_gdn_p2p(cp, costs)
-    at = {e.id: e for e in res.entries}
+    costs = {"gdn_prepare": 4.0, "gdn_summary": 2.0, "gdn_apply": 0.1, "gdn_output": 5.0,
+             "gdn_output_bwd": 10.0, "gdn_apply_bwd": 0.1, "gdn_summary_bwd": 3.0}
+    step = compile_step(gdn_chain_config(cp))
+    res = predict_priced(step, chain_op_seconds(costs, cp, message_s=0.05)).result
+    at = {t.id: (s, e) for t, s, e in zip(res.tasks, res.start, res.end)}
     for r in range(1, cp - 1):
-        assert at[f"{r}B.output"].end <= at[f"{r}B.recv_dH"].end
-        assert at[f"{r}B.send_dH"].start == pytest.approx(at[f"{r}B.recv_dH"].end + 0.1)
+        out_b = at[_op(r, "0B0", "gdn.output.bwd", step)]
+        recv = at[_op(r, "0B0", "gdn.chain.recv_dH", step)]
+        send = at[_op(r, "0B0", "gdn.chain.send_dH", step)]
+        assert out_b[1] <= recv[1]
+        assert send[0] == pytest.approx(recv[1])
+        assert send[1] - send[0] == pytest.approx(0.05 + (0.1 if r > 1 else 0.0))
     # forward: the output of rank r never delays the state it forwards
     for r in range(1, cp - 1):
-        assert at[f"{r}F.send_H"].start == pytest.approx(at[f"{r}F.recv_H"].end + 0.1)
+        recv = at[_op(r, "0F0", "gdn.chain.recv_H", step)]
+        send = at[_op(r, "0F0", "gdn.chain.send_H", step)]
+        assert send[0] == pytest.approx(recv[1])
+        assert at[_op(r, "0F0", "gdn.prepare_summary", step)][1] <= recv[1]
 
 
 def test_cost_model_needs_every_kind() -> None:
     with pytest.raises(ValueError, match=r"no cost for node kinds \['gdn_apply_bwd'\]"):
-        gdn_p2p_cost_model({k: 1.0 for k in GDN_P2P_NODE_KINDS if k != "gdn_apply_bwd"})
+        chain_op_seconds({k: 1.0 for k in GDN_P2P_NODE_KINDS if k != "gdn_apply_bwd"}, 2)
     with pytest.raises(ValueError, match=r"cp_size=0"):
-        gdn_p2p_task_graph(0)
+        chain_op_seconds({k: 1.0 for k in GDN_P2P_NODE_KINDS}, 0)
 
 
 FUSED_COSTS = {"layer_fwd": 3.0, "gdn_fwd_pre": 2.0, "gdn_fwd_chain": 0.125, "gdn_fwd_post": 1.5,
@@ -64,24 +90,25 @@ FUSED_COSTS = {"layer_fwd": 3.0, "gdn_fwd_pre": 2.0, "gdn_fwd_chain": 0.125, "gd
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 8, 32])
 def test_fused_chain_makespan_is_one_device_plus_a_hop_per_rank(cp: int) -> None:
-    from overlap_runtime.context_parallel.gdn.task_graph import gdn_p2p_fused_task_graph
-
     lat = 0.0625
-    costs = gdn_p2p_cost_model(FUSED_COSTS, comm_latency=lat)
-    graph = gdn_p2p_fused_task_graph(cp)
-    assert len(graph.validate().pairs) == 2 * (cp - 1)
-    res = simulate_gdn_p2p(cp, costs, fused=True)
+    step = compile_step(gdn_chain_config(cp))
+    pred = predict_priced(step, chain_op_seconds(FUSED_COSTS, cp, message_s=lat))
     one_device = sum(FUSED_COSTS.values())
     hop = FUSED_COSTS["gdn_fwd_chain"] + FUSED_COSTS["gdn_bwd_chain"] + 2 * lat
-    assert res.makespan == pytest.approx(one_device + (cp - 1) * hop)
-    path = res.critical_path
-    # forward chains in rank order, then backward chains in reverse rank order
-    chains = [t for t in path if t.endswith(".chain")]
-    assert chains == [f"{r}F.chain" for r in range(cp)] + [f"{r}B.chain"
-                                                          for r in range(cp - 1, -1, -1)]
+    assert pred.step_s == pytest.approx(one_device + (cp - 1) * hop)
+    if cp == 1:  # nothing to overlap: the step is the sum of its ops
+        assert pred.serial_s == pytest.approx(one_device)
 
 
 def test_fused_cost_model_names_missing_kinds() -> None:
     partial = {k: v for k, v in FUSED_COSTS.items() if k != "gdn_bwd_chain"}
     with pytest.raises(ValueError, match=r"no cost for node kinds \['gdn_bwd_chain'\]"):
-        gdn_p2p_cost_model(partial)
+        chain_op_seconds(partial, 2)
+
+
+def test_costs_of_another_mode_are_refused() -> None:
+    data = gdn_chain_config(4).model_dump()
+    data["train"]["accelerator"]["linear_attention_cp_mode"] = "all_gather"
+    step = compile_step(type(gdn_chain_config(4)).model_validate(data))
+    with pytest.raises(ValueError, match=r"op .gdn\.summary. .*not of the p2p chain"):
+        predict_priced(step, chain_op_seconds(FUSED_COSTS, 4))

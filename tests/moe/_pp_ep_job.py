@@ -75,6 +75,37 @@ def _data(cfg: PPEPConfig, step: int, ep_rank: int) -> tuple[Any, Any]:
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
+def predict_job(cfg: PPEPConfig, baseline_events: list[Any]) -> dict[str, Any]:
+    """The job's all-to-all overlap as the task-graph simulator predicts it: the compiled step
+    of a training config of the same layout (pp x ep, ``chunks`` stages per rank of ``layers``
+    MoE layers, the same microbatches; ``tests/support/step_configs.py``) with and without
+    ``overlap_b_f``, priced with the op costs measured in the baseline's trace."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from support.step_configs import moe_config
+
+    from overlap_runtime.graph import chrome_trace
+    from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
+    from overlap_runtime.moe.step_costs import moe_op_seconds, op_costs_from_trace
+    from overlap_runtime.stepgraph.compose import compile_step
+    from overlap_runtime.stepgraph.pricing import predict_priced
+
+    steps = {name: compile_step(moe_config(
+        ep=cfg.ep, pp=cfg.pp, layers=cfg.pp * cfg.chunks * cfg.layers, overlap_b_f=on,
+        microbatches=cfg.microbatches, virtual_stages=cfg.chunks))
+        for name, on in (("baseline", False), ("overlap", True))}
+    costs = op_costs_from_trace(baseline_events, {s: cfg.layers
+                                                  for s in range(cfg.pp * cfg.chunks)})
+    pred = {name: predict_priced(sg, moe_op_seconds(costs, sg)) for name, sg in steps.items()}
+    ovl = pred["overlap"].result
+    return {"predicted": simulated_a2a_overlap(ovl, paired_only=True).share,
+            "predicted_step_s": pred["overlap"].step_s,
+            "predicted_serial_step_s": pred["baseline"].step_s, "costs": costs.to_dict(),
+            "sim_trace": chrome_trace(ovl, time_scale=1e6)}  # seconds -> microseconds
+
+
 def pp_ep_main(rank: int, world: int, cfg: PPEPConfig) -> dict[str, Any]:
     """One rank of the job; returns its report (rank 0's includes the merged trace events)."""
     import torch
@@ -82,10 +113,7 @@ def pp_ep_main(rank: int, world: int, cfg: PPEPConfig) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
-    from overlap_runtime.graph import simulate
-    from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
     from overlap_runtime.moe import OverlapExpertParallel, make_overlap_b_f_callback
-    from overlap_runtime.moe.task_nodes import moe_overlap_pair_task_graph, node_costs_from_trace
     from overlap_runtime.trainer.a2a_overlap import trace_a2a_overlap
     from overlap_runtime.pipeline import (ExecutionTrace, PipelineStage, ScheduleInterleaved1F1B,
                                           TensorMeta, gather_traces)
@@ -166,20 +194,14 @@ def pp_ep_main(rank: int, world: int, cfg: PPEPConfig) -> dict[str, Any]:
         gathered[name] = gather_traces(t, None, cfg.timeout_s)
     measured = trace_a2a_overlap(gathered["overlap"], paired_only=True).to_dict(1e-9)
     measured_all = trace_a2a_overlap(gathered["overlap"]).to_dict(1e-9)
-    costs = node_costs_from_trace(gathered["baseline"], cfg.layers)
-    sim = simulate(moe_overlap_pair_task_graph(costs, layers=cfg.layers, ep_size=cfg.ep))
-    sim_serial = simulate(moe_overlap_pair_task_graph(costs, layers=cfg.layers, ep_size=cfg.ep,
-                                                      overlap=False))
+    predicted = predict_job(cfg, gathered["baseline"])
     paired = sum(1 for a in ovl.program if a.kind is ActionKind.OVERLAP_B_F)
     report = {"rank": rank, "pp_rank": pp_rank, "ep_rank": ep_rank, "errs": errs,
               "steps": steps, "launches": launches, "paired_steps": paired,
-              "measured": measured, "measured_all": measured_all,
-              "predicted": simulated_a2a_overlap(sim).share, "predicted_pair_s": sim.makespan,
-              "predicted_serial_pair_s": sim_serial.makespan,
-              "costs": dataclasses.asdict(costs.resolved()), "has_last": has_last}
+              "measured": measured, "measured_all": measured_all, "has_last": has_last,
+              **{k: v for k, v in predicted.items() if k != "sim_trace"}}
     if rank == 0:
         report["events"] = gathered["overlap"]
-        from overlap_runtime.graph import chrome_trace
-        report["sim_trace"] = chrome_trace(sim, time_scale=1e6)  # seconds -> microseconds
+        report["sim_trace"] = predicted["sim_trace"]
     dist.barrier()
     return report

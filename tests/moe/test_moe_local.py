@@ -1,4 +1,5 @@
-"""Single-process MoE tests: layer math, router loss, misuse errors, task-graph nodes, metrics."""
+"""Single-process MoE tests: layer math, router loss, misuse errors, the compiled step priced,
+metrics."""
 
 from __future__ import annotations
 
@@ -8,16 +9,14 @@ import torch.nn.functional as F
 
 from _moe_util import HIDDEN, make_chunk, make_moe, objective, tokens
 from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
-from overlap_runtime.graph import simulate
 from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
-from overlap_runtime.moe import (GroupedExperts, MoENodeCosts, OverlapExpertParallel, TopKRouter,
-                                 make_overlap_b_f_callback, moe_layer_task_graph,
-                                 moe_overlap_pair_task_graph)
+from overlap_runtime.moe import (GroupedExperts, OverlapExpertParallel, TopKRouter,
+                                 make_overlap_b_f_callback)
 from overlap_runtime.moe.experts import grouped_mm_supported
 from overlap_runtime.moe.parallel import infer_last_layer_flags
 from overlap_runtime.schedules import ActionKind
 from overlap_runtime.pipeline.exec_trace import TraceEvent
-from overlap_runtime.schedules.ir import Action, parse_action
+from overlap_runtime.schedules.ir import Action, parse_action, parse_compute_action
 from overlap_runtime.testing import rel_l2
 from overlap_runtime.trainer.a2a_overlap import trace_a2a_overlap
 
@@ -151,31 +150,92 @@ def test_callback_rejects_actions_that_are_not_one_f_and_one_b() -> None:
             cb(bad, None)  # type: ignore[arg-type]
 
 
+def _compiled(**kw):  # a compiled step of a small MoE config (tests/support/step_configs.py)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from support.step_configs import moe_config
+
+    from overlap_runtime.stepgraph.compose import compile_step
+
+    return compile_step(moe_config(**kw))
+
+
 def test_layer_graph_predicts_the_shared_expert_overlap_exactly() -> None:
-    costs = MoENodeCosts(attn=1.0, experts=2.0, shared_expert=1.5, dispatch=0.5, combine=1.0)
-    serial = simulate(moe_layer_task_graph(2, costs, overlap=False))
-    overlapped = simulate(moe_layer_task_graph(2, costs, overlap=True))
-    assert serial.makespan == pytest.approx(1 + 0.5 + 2 + 1 + 1.5)
-    assert overlapped.makespan == pytest.approx(1 + 0.5 + 2 + max(1.0, 1.5))
-    # dispatch is exposed in both; the combine (1.0) is hidden under the shared expert
-    assert simulated_a2a_overlap(overlapped).share == pytest.approx(1.0 / 1.5)
-    assert simulated_a2a_overlap(serial).share == pytest.approx(0.0)
+    from overlap_runtime.stepgraph.pricing import by_op_name, predict_priced
+
+    # one MoE layer's forward on 2 EP ranks, the backward free
+    costs = {"attn.core": 1.0, "moe.experts": 2.0, "moe.shared_expert": 1.5,
+             "moe.dispatch": 0.5, "moe.combine": 1.0}
+    pred = predict_priced(_compiled(ep=2, layers=1), by_op_name(costs, default=0.0))
+    assert pred.serial_s == pytest.approx(1 + 0.5 + 2 + 1 + 1.5)
+    assert pred.step_s == pytest.approx(1 + 0.5 + 2 + max(1.0, 1.5))
+    # dispatch is exposed; the combine (1.0) is hidden under the shared expert
+    assert simulated_a2a_overlap(pred.result).share == pytest.approx(1.0 / 1.5)
+    assert simulated_a2a_overlap(pred.result, paired_only=True).share == 0.0  # no OVERLAP_B_F
+
+
+PAIR_COSTS = {"attn.core": 1.0, "moe.experts": 1.0, "moe.shared_expert": 0.5,
+              "moe.dispatch": 1.0, "moe.combine": 1.0, "attn.bwd": 2.0, "moe.experts.bwd": 2.0,
+              "moe.shared_expert.bwd": 1.0, "moe.dispatch.bwd": 1.0, "moe.combine.bwd": 1.0}
 
 
 def test_pair_graph_follows_the_coordinator_order_and_beats_serial() -> None:
-    # the launch order itself: tests/schedules/test_overlap_order.py
-    costs = MoENodeCosts(attn=1.0, experts=1.0, shared_expert=0.5, dispatch=1.0, combine=1.0)
-    g = moe_overlap_pair_task_graph(costs, layers=2, ep_size=2)
-    g.validate()
-    ov = simulate(g)
-    se = simulate(moe_overlap_pair_task_graph(costs, layers=2, ep_size=2, overlap=False))
-    c = costs.resolved()
-    per_chunk_f = 2 * (c.attn + c.dispatch + c.experts + max(c.combine, c.shared_expert))
-    per_chunk_b = 2 * (c.combine_bwd + c.shared_expert_bwd + c.experts_bwd + c.dispatch_bwd
-                       + c.attn_bwd)  # backward all-to-alls block their thread
-    assert se.makespan == pytest.approx(per_chunk_f + per_chunk_b)
-    assert ov.makespan < se.makespan
-    assert simulated_a2a_overlap(ov).share > simulated_a2a_overlap(se).share
+    # the launch order itself: tests/schedules/test_overlap_order.py, tests/stepgraph
+    from overlap_runtime.stepgraph.pricing import by_op_name, predict_priced
+
+    kw = dict(pp=2, ep=2, layers=4, virtual_stages=2, microbatches=4)
+    price = by_op_name(PAIR_COSTS, default=0.0)
+    ov = predict_priced(_compiled(overlap_b_f=True, **kw), price)
+    se_step = _compiled(overlap_b_f=False, **kw)
+    se = predict_priced(se_step, price)
+    # serial: each action runs its ops back to back (the backward all-to-alls block their
+    # thread), the combine beside the shared expert
+    c = PAIR_COSTS
+    per_f = c["attn.core"] + c["moe.dispatch"] + c["moe.experts"] + max(c["moe.combine"],
+                                                                        c["moe.shared_expert"])
+    per_b = sum(c[k] for k in c if k.endswith(".bwd"))
+    at = {t.id: (s, e) for t, s, e in zip(se.result.tasks, se.result.start, se.result.end)}
+    for rank, acts in se_step.actions.items():
+        for action, ids in acts.items():
+            parsed = parse_compute_action(action)
+            if parsed is None:  # a pipeline message
+                continue
+            layers = len(se_step.stage_layers[parsed[0]])
+            span = max(at[i][1] for i in ids) - min(at[i][0] for i in ids)
+            assert span == pytest.approx(layers * (per_f if parsed[1] == "F" else per_b)), action
+    assert ov.step_s < se.step_s
+    assert simulated_a2a_overlap(ov.result, paired_only=True).share > 0.0
+    assert simulated_a2a_overlap(ov.result).share > simulated_a2a_overlap(se.result).share
+
+
+def test_op_costs_from_a_trace_price_each_action_to_its_measured_span() -> None:
+    from overlap_runtime.moe.step_costs import moe_op_seconds, op_costs_from_trace
+    from overlap_runtime.stepgraph.pricing import predict_priced, price_step
+
+    ev = lambda name, cat, a, b: TraceEvent(0, "main", name, cat, a, b)  # noqa: E731
+    events = [ev("0F0", "compute", 0, 1000), ev("S0.L0.dispatch fwd", "a2a", 100, 200),
+              ev("S0.L0.experts", "moe_compute", 200, 400),
+              ev("S0.L0.combine fwd", "a2a", 400, 600),  # the shared expert runs inside it
+              ev("S0.L0.shared_expert", "moe_compute", 400, 500),
+              ev("0B0", "compute", 1000, 3000), ev("S0.L0.combine bwd", "a2a", 1100, 1200),
+              ev("S0.L0.dispatch bwd", "a2a", 1500, 1600)]
+    costs = op_costs_from_trace(events, {0: 1})
+    ns = 1e-9
+    assert (costs.dispatch, costs.combine, costs.experts, costs.shared_expert) == pytest.approx(
+        (100 * ns, 100 * ns, 200 * ns, 100 * ns))
+    # F: 1000 less its all-to-alls (300) less the experts (200); B: 2000 - 200 - 2 x 300
+    assert costs.rest == {(0, "F"): pytest.approx(500 * ns), (0, "B"): pytest.approx(1200 * ns)}
+    step = _compiled(ep=2, layers=1)
+    priced = price_step(step, moe_op_seconds(costs, step))
+    for action, span in (("0F0", 1000), ("0B0", 2000)):  # every measured nanosecond priced once
+        assert sum(priced.task(i).cost for i in step.actions[0][action]) == pytest.approx(
+            span * ns)
+    # simulated: the combine (100) hidden behind the shared expert (100)
+    assert predict_priced(step, moe_op_seconds(costs, step)).step_s == pytest.approx(2900 * ns)
+    with pytest.raises(ValueError, match=r"no F or B action span"):
+        op_costs_from_trace(events[1:5] + events[6:], {0: 1})
 
 
 def _ev(thread: str, name: str, cat: str, a: int, b: int, rank: int = 0) -> TraceEvent:

@@ -55,4 +55,4 @@ def test_ovb06_measured_share_of_all_to_all_hidden_by_the_other_thread(reports: 
     assert m["count"] >= 4 * 8 * reports[0]["paired_steps"]
     assert 0.02 < m["share"] <= 1.0, m
     assert 0.0 < reports[0]["predicted"] <= 1.0
-    assert reports[0]["predicted_pair_s"] < reports[0]["predicted_serial_pair_s"]
+    assert reports[0]["predicted_step_s"] < reports[0]["predicted_serial_step_s"]

@@ -39,7 +39,7 @@ def _priced(kind: str, mode: str, cp: int, a2a: int | None = None, direction: st
     cfg = layer_config(BASE, kind, mode, cp, 8192, a2a)  # type: ignore[arg-type]
     prog = stage_program(cfg, [0], direction, cp_rank=1, first=True, last=True)  # type: ignore[arg-type]
     ops = priced_ops(prog, PROF, cp=cp, ep=1, cp_a2a=a2a)
-    return {o.name: o.cost for o in ops if o.kind == "comm"}
+    return {o.name: o.cost for o in ops if o.task_kind == "comm"}
 
 
 def test_the_representative_rank_waits_for_the_whole_scan_and_chain() -> None:

@@ -96,7 +96,7 @@ def test_layout_graph_per_rank_costs_and_ep_rendezvous() -> None:
     """pp2 x 2 inner ranks: with ``per_rank`` each global rank gets its own op costs; its
     all-to-all is a collective of its EP pair, so the fast peer waits for the slow one."""
     from overlap_runtime.schedules import ScheduleSpec, compile_spec
-    from overlap_runtime.stepgraph.layout_graph import Op, layout_graph
+    from overlap_runtime.stepgraph.layout_graph import layout_graph, priced_op as Op
 
     pipe = compile_spec(ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=2)).graph
     seen: list[int] = []

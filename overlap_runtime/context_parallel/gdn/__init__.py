@@ -9,8 +9,9 @@ convs), ``state_passing`` (one autograd Function: an eager or Triton local backe
 through a ``StateLink``), ``varlen`` (a shard's layout as a table: whole rows or document
 pieces), ``ulysses`` (head all-to-all), ``p2p`` (the state chain: its link), ``all_gather``
 (summary all-gather + prefix compose), ``prefix_scan`` (the entering states by an exclusive
-scan in ceil(log2 P) point-to-point rounds, ``scan_rounds``: its link), ``task_graph`` (the p2p
-chain as a ``TaskGraph`` for the validator and simulator), ``style`` (the public style). See
+scan in ceil(log2 P) point-to-point rounds, ``scan_rounds``: its link), ``step_costs`` (the p2p
+chain's node costs as the cost model of a compiled step's pricing pass), ``style``
+(the public style). See
 docs/gdn_context_parallel.md.
 
 May import ``torch``, ``overlap_runtime.ops``, ``overlap_runtime.graph`` and
@@ -21,13 +22,10 @@ from overlap_runtime.context_parallel.gdn.style import (
     LINEAR_ATTENTION_CP_MODES,
     LinearAttentionContextParallel,
 )
-from overlap_runtime.context_parallel.gdn.task_graph import (
+from overlap_runtime.context_parallel.gdn.step_costs import (
     GDN_P2P_FUSED_NODE_KINDS,
     GDN_P2P_NODE_KINDS,
-    gdn_p2p_cost_model,
-    gdn_p2p_fused_task_graph,
-    gdn_p2p_task_graph,
-    simulate_gdn_p2p,
+    chain_op_seconds,
 )
 
 __all__ = [
@@ -35,8 +33,5 @@ __all__ = [
     "GDN_P2P_NODE_KINDS",
     "LINEAR_ATTENTION_CP_MODES",
     "LinearAttentionContextParallel",
-    "gdn_p2p_cost_model",
-    "gdn_p2p_fused_task_graph",
-    "gdn_p2p_task_graph",
-    "simulate_gdn_p2p",
+    "chain_op_seconds",
 ]
