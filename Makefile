@@ -10,6 +10,10 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS     ?= dev,triton,viz,data,tensorboard,hf
 PYTEST_ARGS ?=
+# Test files run in this many pytest-xdist worker processes (two: the CI machine's two cores;
+# every file stays in one worker, so its module fixtures are built once). 0 runs them in this
+# process, one after the other.
+TEST_WORKERS ?= 2
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.bootstrapped
@@ -18,7 +22,7 @@ STAMP := $(VENV)/.bootstrapped
 
 help:
 	@echo "make demo   run the main job on CPU ranks spawned here (gloo)"
-	@echo "make test   run the test suite"
+	@echo "make test   run the test suite (TEST_WORKERS=2 pytest-xdist workers; 0: one process)"
 	@echo "variables: TORCH_SPEC='$(TORCH_SPEC)' EXTRAS='$(EXTRAS)' PYTHON=$(PYTHON)"
 
 venv: $(STAMP)
@@ -26,8 +30,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), f"Python >= 3.10 needed, found {sys.version.split()[0]}"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --no-compile -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
 # The trainer on PP=2 x EP=2 with OVERLAP_B_F vs its baseline (configs/demo_pp2_ep2.yaml, embedded);
@@ -36,8 +40,9 @@ demo: $(STAMP)
 	$(BIN)/overlap-runtime demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collects no tests: that is not a failure of the suite.
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 test: $(STAMP)
-	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 clean-venv:

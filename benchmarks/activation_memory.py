@@ -1,7 +1,7 @@
 """What holds the activation memory of one training step of the Qwen3.5-style hybrid (issue #29,
 item 5).
 
-    python benchmarks/activation_memory.py configs/gpu_cp2_16k.yaml --tokens 16384 32768 \
+    python -m benchmarks.activation_memory configs/gpu_cp2_16k.yaml --tokens 16384 32768 \
         --compile on --activation-checkpoint off
 
 The model of the config (cp 1, world 1, the same overrides as ``model_breakdown.py``) in bf16 on
@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.layers import GatedDeltaNet  # noqa: E402
 

@@ -2,12 +2,12 @@
 
 GPU (the figures in docs/benchmarks.md)::
 
-    torchrun --nproc-per-node 2 benchmarks/attention_cp.py            # NCCL, bf16, 16 heads,
+    torchrun --nproc-per-node 2 -m benchmarks.attention_cp            # NCCL, bf16, 16 heads,
                                                                       # head dim 128, 32K and 64K
 
 CPU smoke test (spawns its own gloo ranks when not started by torchrun)::
 
-    python benchmarks/attention_cp.py --device cpu --seq 256 --heads 4 --dim 16
+    python -m benchmarks.attention_cp --device cpu --seq 256 --heads 4 --dim 16
 
 For each total sequence length every rank builds the same full q, k, v and upstream gradient
 from one seed, then times forward + backward of
@@ -30,14 +30,12 @@ import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.context_parallel import (  # noqa: E402
     CommStats,
@@ -47,7 +45,7 @@ from overlap_runtime.context_parallel import (  # noqa: E402
     ulysses_attention,
 )
 from overlap_runtime.ops.attention import attention  # noqa: E402
-from _timing import max_over_ranks, profile_kernels, rank_device, timed_slowest_rank, write_out  # noqa: E402  (benchmarks/_timing.py)
+from benchmarks._timing import max_over_ranks, profile_kernels, rank_device, timed_slowest_rank, write_out  # noqa: E402  (benchmarks/_timing.py)
 
 MODES: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_attention, "ulysses": ulysses_attention, "all_gather_kv": all_gather_kv_attention}

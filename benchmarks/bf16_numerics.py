@@ -15,7 +15,7 @@ Two parts (``trainer.numerics``; docs/training.md, "bf16 numerics"):
 
 ::
 
-    python benchmarks/bf16_numerics.py configs/cpu_bf16_numerics.yaml \
+    python -m benchmarks.bf16_numerics configs/cpu_bf16_numerics.yaml \
         [--part all|grads|trajectories] [--steps 100] [--out out/bf16_numerics.json] \
         [--plot docs/bf16_numerics.png] [--seq-len 256 --grad-step 3]
 """

@@ -4,8 +4,8 @@ Triton kernels (``conv_backend="triton"``, ``ops.causal_conv``) against cuDNN's 
 (``causal_conv_silu_shifted`` under ``torch.compile``, what ``train.compile`` runs with
 ``conv_backend="torch"``).
 
-    python benchmarks/causal_conv.py --tokens 8192 16384 32768 --channels 8192
-    python benchmarks/causal_conv.py --tokens 32768 --channels 2048 --impls triton \
+    python -m benchmarks.causal_conv --tokens 8192 16384 32768 --channels 8192
+    python -m benchmarks.causal_conv --tokens 32768 --channels 2048 --impls triton \
         --bwd-tiles 32x64x4 32x128x8 16x128x4      # the backward's tile sweep (rows x channels x warps)
 
 For each size: median ms of the forward and of forward + backward (``triton.testing.do_bench``),
@@ -17,13 +17,10 @@ backward, at ``--hbm-tbps``) and the rel-L2 of y, dx and dweight against a float
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.layers.elementwise import causal_conv_silu, causal_conv_silu_shifted  # noqa: E402
 from overlap_runtime.ops.causal_conv import causal_conv_silu_triton, function  # noqa: E402

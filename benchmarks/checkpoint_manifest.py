@@ -10,7 +10,7 @@ medians over the repeats; the files are in the page cache when they are read bac
 from disk adds the disk's time to both columns alike). Also printed: the single-thread
 throughput of SHA-256 and BLAKE2b here.
 
-    .venv/bin/python benchmarks/checkpoint_manifest.py --ranks 2 --layers 6 --width 4096 \\
+    .venv/bin/python -m benchmarks.checkpoint_manifest --ranks 2 --layers 6 --width 4096 \\
         --repeats 3 --dir /tmp/ckpt_bench
 """
 

@@ -1,8 +1,8 @@
 """Where each context-parallel mode wins (issue #24 item 4): measured on CPU gloo ranks at CP
 2..8, predicted by the step simulator at CP 4..64 over 8-GPU nodes.
 
-    .venv/bin/python benchmarks/cp_crossover.py --measure       # CPU ranks, ~1-2 min on 2 cores
-    .venv/bin/python benchmarks/cp_crossover.py --predict       # simulator, a few seconds
+    .venv/bin/python -m benchmarks.cp_crossover --measure       # CPU ranks, ~1-2 min on 2 cores
+    .venv/bin/python -m benchmarks.cp_crossover --predict       # simulator, a few seconds
 
 ``--measure`` spawns ``P`` gloo ranks for each ``P`` of ``--cp`` (default 2 4 8) and times
 forward + backward (median over ``--iters`` of the slowest rank, after one warm-up) of
@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 GDN_MODES = ("p2p", "prefix_scan", "all_gather", "ulysses")
 ATTENTION_MODES = ("ring", "ulysses", "hierarchical")

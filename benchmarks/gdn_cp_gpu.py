@@ -2,13 +2,13 @@
 
 GPU (H200 pair, the run this script was written for)::
 
-    torchrun --nproc-per-node 2 benchmarks/gdn_cp_gpu.py     # NCCL, CP2, backend triton, bf16,
+    torchrun --nproc-per-node 2 -m benchmarks.gdn_cp_gpu     # NCCL, CP2, backend triton, bf16,
                                                             # hidden 2048, heads 16/32, K=V=128,
                                                             # local sequence 8K, 16K, 32K
 
 CPU smoke test (eager backend, tiny sizes, spawns its own gloo ranks)::
 
-    python benchmarks/gdn_cp_gpu.py --device cpu --smoke
+    python -m benchmarks.gdn_cp_gpu --device cpu --smoke
 
 For each local length ``L`` (global ``S = P * L``) every rank builds the same layer (seeded; slow
 decay by default, ``--decay``), the same global input and the same upstream gradient, then times one
@@ -44,11 +44,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.context_parallel import LinearAttentionContextParallel  # noqa: E402
 from overlap_runtime.layers import GatedDeltaNet  # noqa: E402
-from _timing import (  # noqa: E402  (benchmarks/_timing.py)
+from benchmarks._timing import (  # noqa: E402  (benchmarks/_timing.py)
     max_over_ranks, profile_kernels, rank_device, timed_local_ms, timed_slowest_rank, write_out,
 )
 
@@ -226,7 +225,7 @@ def predict_chain(args: argparse.Namespace, local_len: int, device: torch.device
     if device.type != "cuda" or args.backend != "triton":
         raise SystemExit(f"--predict needs --device cuda and --backend triton, got "
                          f"{device.type}/{args.backend}")
-    from gdn_cp_nodes import measure_node_costs, measure_state_message, predict
+    from benchmarks.gdn_cp_nodes import measure_node_costs, measure_state_message, predict
 
     layer_fwd_ms = timed_local_ms(lambda: base(x_loc), device)
     costs = measure_node_costs(layer_fwd_ms, single_local_ms, local_len, args.key_heads,

@@ -1,7 +1,7 @@
 """Predict p2p GDN context-parallel efficiency at CP 2..64 from node costs measured on this CPU.
 
 Usage:
-    .venv/bin/python benchmarks/gdn_cp_predict.py [--local-seq 2048] [--key-heads 2]
+    .venv/bin/python -m benchmarks.gdn_cp_predict [--local-seq 2048] [--key-heads 2]
         [--value-heads 4] [--dim 64] [--threads 1] [--repeats 7]
         [--latency-us 10] [--bandwidth-gbs 25] [--cp 2 4 8 16 32 64] [--keep-denormals]
 

@@ -1,7 +1,7 @@
 """Benchmark the eager GDN backend on CPU: memory-lean autograd function vs plain autograd.
 
 Usage:
-    .venv/bin/python benchmarks/gdn_eager.py [--seq-len 4096] [--heads 4] [--dim 64]
+    .venv/bin/python -m benchmarks.gdn_eager [--seq-len 4096] [--heads 4] [--dim 64]
         [--threads 1] [--repeats 5] [--block-chunks 1 4 16]
 
 Variants (same chunked WY math, fp32, chunk size 64, no initial state):

@@ -1,7 +1,7 @@
 """The fused GDN forward against the kernel chain and flash-linear-attention, in one process.
 
 Usage (on the GPU machine, fla-core 0.6.0 installed from the wheels, gpu/README.md):
-    PYTHONPATH=$PWD python3 benchmarks/gdn_fused.py [--parts accuracy grad_accuracy profile table variants]
+    PYTHONPATH=$PWD python3 -m benchmarks.gdn_fused [--parts accuracy grad_accuracy profile table variants]
         [--rows b1_8k b1_16k b1_32k ...] [--budget-s 420]
 
 Implementations (bf16, K = V = 128, l2norm in the op, random initial states, fp32 g):
@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -38,8 +37,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
@@ -312,7 +309,7 @@ def table(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
 
 
 def profile(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
-    from _timing import profile_kernels
+    from benchmarks._timing import profile_kernels
 
     out = {}
     x, cu = make_row("b1_32k", device)

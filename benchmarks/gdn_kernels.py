@@ -1,7 +1,7 @@
 """GDN Triton kernels on one GPU: speed against flash-linear-attention and eager, and accuracy.
 
 Usage (on the H200; fla-core is optional, see gpu/README.md for the wheels):
-    PYTHONPATH=$PWD python3 benchmarks/gdn_kernels.py [--quick] [--seq-lens 8192 16384 ...]
+    PYTHONPATH=$PWD python3 -m benchmarks.gdn_kernels [--quick] [--seq-lens 8192 16384 ...]
         [--heads 32] [--dim 128] [--num-segments N ...] [--profile [T ...]]
         [--no-fla] [--no-eager] [--no-accuracy]
 
@@ -149,8 +149,7 @@ def autotuned() -> dict[str, list[str]]:
 
 def profile_fwd_bwd(fn: Callable, x: dict[str, torch.Tensor]) -> str:
     """Per-kernel device time of one forward+backward (benchmarks/_timing.py)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _timing import profile_kernels
+    from benchmarks._timing import profile_kernels
 
     leaves = [x[n].detach().clone().requires_grad_() for n in NAMES]
     do, dht = cotangents(x)

@@ -2,20 +2,17 @@
 depthwise conv + SiLU, the gated RMSNorm and the decoder RMSNorm, eager vs torch.compile, and
 the conv as F.conv1d vs a sum of shifted products.
 
-    python benchmarks/gdn_prologue.py --tokens 32768
+    python -m benchmarks.gdn_prologue --tokens 32768
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
 

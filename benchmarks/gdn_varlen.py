@@ -1,7 +1,7 @@
 """The fla drop-in and packed variable-length GDN on one GPU: same results as fla, and speed.
 
 Usage (on the H200, with fla-core 0.6.0 from the wheels, gpu/README.md):
-    PYTHONPATH=$PWD python3 benchmarks/gdn_varlen.py [--tokens 65536] [--seed 0] [--no-equality]
+    PYTHONPATH=$PWD python3 -m benchmarks.gdn_varlen [--tokens 65536] [--seed 0] [--no-equality]
         [--cases training packed long] [--profile]
 
 1. **Drop-in equality**: the same call through ``overlap_runtime.ops.gdn.fla_compat`` and through
@@ -25,17 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn_kernels import load_fla  # noqa: E402  (lifts fla's Hopper guard)
+from benchmarks.gdn_kernels import load_fla  # noqa: E402  (lifts fla's Hopper guard)
 
 from overlap_runtime.ops.gdn import fla_compat  # noqa: E402
 from overlap_runtime.testing import rel_l2  # noqa: E402
@@ -147,7 +144,7 @@ def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None,
                        return_mode="median")
     t_fb = do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
     if profile is not None:
-        from _timing import profile_kernels, write_out
+        from benchmarks._timing import profile_kernels, write_out
 
         text = f"{profile}\n" + profile_kernels(fwd_bwd, o.device, iters=3, top=24)
         print(text, flush=True)

@@ -2,8 +2,8 @@
 the next walk design with one GPU call (issue #22: our walk's step is ~1.6x fla's).
 
 Usage (on the H200, wheels as gpu/README.md says):
-    PYTHONPATH=$PWD python3 benchmarks/gdn_walks.py [--seq-len 32768] [--heads 32]
-    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/gdn_walks.py --check   # CPU, small
+    PYTHONPATH=$PWD python3 -m benchmarks.gdn_walks [--seq-len 32768] [--heads 32]
+    PYTHONPATH=. TRITON_INTERPRET=1 python -m benchmarks.gdn_walks --check   # CPU, small
 
 Every variant walks the chunks of each (batch, value head) from a zero state in the state mode of
 ``fwd_scan_kernel`` (function.py): ``v_new = u - w h`` (stored), ``h <- e^gamma_C h + Ktail^T
@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.ops.gdn.triton import function as fn  # noqa: E402
 from overlap_runtime.ops.gdn.triton.common import CHUNK, INTERPRET, mm, mma  # noqa: E402
@@ -219,10 +218,11 @@ def main() -> int:
         return 0
     rows = []
     for name in VARIANTS:
-        cmd = [sys.executable, __file__, "--variant", name, "--seq-len", str(args.seq_len),
+        cmd = [sys.executable, "-m", "benchmarks.gdn_walks", "--variant", name, "--seq-len", str(args.seq_len),
                "--heads", str(args.heads)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                                  cwd=str(Path(__file__).resolve().parents[1]))
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             row = (json.loads(lines[-1][7:]) if lines else
                    {"variant": name, "error": (proc.stderr or proc.stdout)[-600:]})

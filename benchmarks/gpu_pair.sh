@@ -88,7 +88,7 @@ if [ "$DRY" = 1 ]; then
        --set model.gdn_backend=eager --set train.accelerator.linear_attention_gdn_backend=eager
        --set model.attention_backend=math)
 fi
-SUMMARY=(env PYTHONPATH="$PYTHONPATH" $PY benchmarks/gpu_pair_summary.py)
+SUMMARY=(env PYTHONPATH="$PYTHONPATH" $PY -m benchmarks.gpu_pair_summary)
 SIM=($PY -m overlap_runtime.cli simulate)
 
 # Tiny model for --dry-run (4 layers: 3 GDN + 1 attention, hidden 32); appended to every
@@ -165,7 +165,7 @@ part1() {
              --json "$RES/$d/moe_overlap.json")
   [ "$DRY" = 1 ] && moe=(--device cpu --tokens 64 --hidden 32 --ffn 16 --shared-ffn 16 --experts 4 --top-k 2
              --layers 2 --warmup 1 --iters 2 --json "$RES/$d/moe_overlap.json")
-  run "$d" moe_overlap 120 "${BENCH2[@]}" benchmarks/moe_overlap.py "${moe[@]}" \
+  run "$d" moe_overlap 120 "${BENCH2[@]}" -m benchmarks.moe_overlap "${moe[@]}" \
     && show "$RES/$d/moe_overlap.log" 6 "hidden|share|serial|overlap"
 
   # Run 2: the simulator on the h200 profile, same config and overrides, next to the measured step.
@@ -239,11 +239,11 @@ part3() {
   [ "$DRY" = 1 ] && { gdn=(--device cpu --smoke --modes p2p ulysses --json "$RES/$d/gdn_cp_gpu.json");
     att=(--device cpu --seq 256 --heads 4 --dim 16 --warmup 1 --iters 2 --json "$RES/$d/attention_cp.json");
     tcp=(--smoke --modes ulysses p2p --warmup 1 --steps 1 --align-steps 0 --json "$RES/$d/train_cp.json"); }
-  run "$d" gdn_cp_gpu 200 "${BENCH2[@]}" benchmarks/gdn_cp_gpu.py "${gdn[@]}" \
+  run "$d" gdn_cp_gpu 200 "${BENCH2[@]}" -m benchmarks.gdn_cp_gpu "${gdn[@]}" \
     && show "$RES/$d/gdn_cp_gpu.log" 12
-  run "$d" attention_cp 120 "${BENCH2[@]}" benchmarks/attention_cp.py "${att[@]}" \
+  run "$d" attention_cp 120 "${BENCH2[@]}" -m benchmarks.attention_cp "${att[@]}" \
     && show "$RES/$d/attention_cp.log" 10
-  run "$d" train_cp 150 "${BENCH2[@]}" benchmarks/train_cp.py "${tcp[@]}" \
+  run "$d" train_cp 150 "${BENCH2[@]}" -m benchmarks.train_cp "${tcp[@]}" \
     && show "$RES/$d/train_cp.log" 6
 
   # The whole-model step with the log-round prefix (prefix_scan) GDN CP, and a packed batch.

@@ -7,10 +7,10 @@ a killed run is visible as such, and the script carries on with the next run.
 
 ::
 
-    python benchmarks/gpu_pair_summary.py train NAME METRICS.json [STEPS.jsonl]
-    python benchmarks/gpu_pair_summary.py sim NAME PREDICTION.json METRICS.json
-    python benchmarks/gpu_pair_summary.py ratio NAME A.json B.json      # A's step / B's step
-    python benchmarks/gpu_pair_summary.py resume NAME STRAIGHT.json RESUMED.json
+    python -m benchmarks.gpu_pair_summary train NAME METRICS.json [STEPS.jsonl]
+    python -m benchmarks.gpu_pair_summary sim NAME PREDICTION.json METRICS.json
+    python -m benchmarks.gpu_pair_summary ratio NAME A.json B.json      # A's step / B's step
+    python -m benchmarks.gpu_pair_summary resume NAME STRAIGHT.json RESUMED.json
 
 Step times are the median over steps 2..N (``overlap_runtime.trainer.cli``'s summary, the max
 over ranks of each step); a2a figures are the medians over the JSONL's steps 2..N of

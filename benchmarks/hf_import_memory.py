@@ -1,7 +1,7 @@
 """Peak resident memory per rank while importing a Hugging Face checkpoint, against the size
 of the rank's share.
 
-    python benchmarks/hf_import_memory.py --dir /tmp/hf_synthetic --gib 4.5 \
+    python -m benchmarks.hf_import_memory --dir /tmp/hf_synthetic --gib 4.5 \
         --layouts pp2_ep2 dp_shard4 pp4
 
 Writes (once; kept when the directory already holds it) a synthetic Qwen3.5-MoE checkpoint of
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -143,5 +141,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.getcwd())
     main()

@@ -24,9 +24,9 @@ Bytes are shape arithmetic, so ``--scale-to T`` runs the layer at ``--tokens`` t
 extrapolates every row as ``a + b * T`` (exact for rows that are affine in T: per-token tensors
 plus parameter-sized ones).
 
-    python benchmarks/layer_copies.py                                  # CPU fp32, small layer
-    python benchmarks/layer_copies.py --hidden 2048 --tokens 128 --scale-to 32768 --dtype bf16
-    python benchmarks/layer_copies.py --device cuda --dtype bf16 --tokens 32768 \\
+    python -m benchmarks.layer_copies                                  # CPU fp32, small layer
+    python -m benchmarks.layer_copies --hidden 2048 --tokens 128 --scale-to 32768 --dtype bf16
+    python -m benchmarks.layer_copies --device cuda --dtype bf16 --tokens 32768 \\
         --gdn-backend triton --compile on                              # the lead, on the GPU
 """
 
@@ -36,7 +36,6 @@ import argparse
 import importlib.util
 import os
 import re
-import sys
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass
@@ -47,7 +46,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import overlap_runtime  # noqa: E402
 

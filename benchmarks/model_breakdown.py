@@ -1,6 +1,6 @@
 """Where one training step of the Qwen3.5-style hybrid goes on one GPU (issue #29, item 1).
 
-    python benchmarks/model_breakdown.py configs/gpu_cp2_16k.yaml --tokens 16384 32768 \
+    python -m benchmarks.model_breakdown configs/gpu_cp2_16k.yaml --tokens 16384 32768 \
         --compile both
 
 The model of the config (cp 1, world 1) in bf16 on one device. Every module of interest gets CUDA
@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.trainer.build import build_model  # noqa: E402
 from overlap_runtime.trainer.config import load_config  # noqa: E402

@@ -17,12 +17,12 @@ share hidden = ``(serial - overlapped) / all-to-all time`` (clamped to [0, 1]).
 
 GPU (NCCL, bf16; grouped GEMMs where ``torch._grouped_mm`` is supported)::
 
-    torchrun --nproc-per-node 2 benchmarks/moe_overlap.py
-    OUT=/tmp/res torchrun --nproc-per-node 2 benchmarks/moe_overlap.py --tokens 16384
+    torchrun --nproc-per-node 2 -m benchmarks.moe_overlap
+    OUT=/tmp/res torchrun --nproc-per-node 2 -m benchmarks.moe_overlap --tokens 16384
 
 CPU smoke test (spawns 2 gloo ranks, fp32, tiny sizes)::
 
-    .venv/bin/python benchmarks/moe_overlap.py --device cpu
+    .venv/bin/python -m benchmarks.moe_overlap --device cpu
 
 Default sizes aim for all-to-all >= 30% of a serial step on one NVLink node; the script prints
 the measured share and warns when it is below 30% (raise ``--tokens``, lower ``--ffn``).

@@ -7,7 +7,7 @@ row of 128K tokens (the last one cut to fit); for CP8 each rule's per-rank work 
 length to be a multiple of 2P, so its documents are padded up (the padding counts as tokens and
 work; its share is reported). Prints max/mean per rule, the mean and worst over seeds::
 
-    python benchmarks/packed_cp_balance.py [--seeds 20] [--cp 8] [--tokens 131072]
+    python -m benchmarks.packed_cp_balance [--seeds 20] [--cp 8] [--tokens 131072]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ plain loop ("bare"), divided by the actions executed: program walk, context book
 state, loss scaling. With several ranks the step time per action also holds gloo point-to-point
 latency and the waits of the schedule's dependencies (max over ranks).
 
-    .venv/bin/python benchmarks/pipeline_overhead.py --ranks 2 --microbatches 32 --steps 30
+    .venv/bin/python -m benchmarks.pipeline_overhead --ranks 2 --microbatches 32 --steps 30
 """
 
 from __future__ import annotations

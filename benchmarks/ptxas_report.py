@@ -1,10 +1,10 @@
 """Registers and spills of our Triton kernels on sm_90, compiled ahead of time on a CPU (no GPU).
 
-    python benchmarks/ptxas_report.py --workload gdn
-    python benchmarks/ptxas_report.py --workload gdn_varlen
-    python benchmarks/ptxas_report.py --workload conv
-    python benchmarks/ptxas_report.py --workload walks
-    python benchmarks/ptxas_report.py --workload gdn_fused
+    python -m benchmarks.ptxas_report --workload gdn
+    python -m benchmarks.ptxas_report --workload gdn_varlen
+    python -m benchmarks.ptxas_report --workload conv
+    python -m benchmarks.ptxas_report --workload walks
+    python -m benchmarks.ptxas_report --workload gdn_fused
 
 (1) A child process runs the workload under ``TRITON_INTERPRET=1`` with
 ``InterpretedFunction.run`` wrapped (the interpreter replaces each ``@triton.jit`` kernel by an
@@ -222,9 +222,7 @@ def run_walks() -> None:
     library's prepare kernels, which make their inputs)."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import gdn_walks
-
+    from benchmarks import gdn_walks
     x = gdn_walks.prepared(128, 2, 128, torch.bfloat16, torch.device("cpu"))
     for name in ("lib", "split"):
         gdn_walks.run_variant(name, x)[0]()
@@ -262,7 +260,8 @@ def capture_in_child(workload: str, timeout_s: float = 1800) -> list[Launch]:
     """:func:`capture` of ``WORKLOADS[workload]`` in a child process under the interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, "--capture", workload], env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.ptxas_report", "--capture",
+                           workload], env=env,
                           capture_output=True, text=True, timeout=timeout_s, cwd=str(ROOT))
     if proc.returncode != 0:
         raise RuntimeError(f"workload {workload!r} failed under the interpreter:\n"
@@ -422,7 +421,6 @@ def main(argv: list[str] | None = None) -> None:
         print(_MARK + json.dumps([asdict(x) for x in capture(WORKLOADS[a.capture])]))
         return
     os.environ["OVERLAP_RUNTIME_GDN_AUTOTUNE"] = "all"
-    sys.path.insert(0, str(ROOT))
     import triton
 
     launches = capture_in_child(a.workload)

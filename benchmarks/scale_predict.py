@@ -9,7 +9,7 @@ calibration point:
 * seed 001 OV-B06: the share of expert all-to-all time hidden behind the other thread's
   compute in OVERLAP_B_F steps (measured 90.5% on 2 H200, docs/benchmarks.md "MoE overlap").
 
-    .venv/bin/python benchmarks/scale_predict.py
+    .venv/bin/python -m benchmarks.scale_predict
 
 Pure simulation (no device): a few seconds.
 """

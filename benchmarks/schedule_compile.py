@@ -1,7 +1,7 @@
 """Time build + lower + validate + compile + simulate of a pipeline schedule.
 
-    .venv/bin/python benchmarks/schedule_compile.py                 # pp=32, v=2, m=256, 5 runs
-    .venv/bin/python benchmarks/schedule_compile.py --pp 8 --virtual 2 --microbatches 64 --runs 7
+    .venv/bin/python -m benchmarks.schedule_compile                 # pp=32, v=2, m=256, 5 runs
+    .venv/bin/python -m benchmarks.schedule_compile --pp 8 --virtual 2 --microbatches 64 --runs 7
 
 Each run starts from the spec and does every pass in a fresh state; the table shows the median
 time of each pass over the runs (wall clock, seconds) and the median of the totals.

@@ -16,7 +16,7 @@ median costs instead (what ``overlap-runtime simulate`` does at scale). With mor
 (``stepgraph.shared_cores``): the costs are turned into full-speed work and the simulation runs
 each computing rank at ``cores / k``.
 
-    .venv/bin/python benchmarks/step_predict.py --steps 6 [--only pp4] [--cores 2]
+    .venv/bin/python -m benchmarks.step_predict --steps 6 [--only pp4] [--cores 2]
 
 The model: hidden 128, 4 layers (3 GDN + 1 attention), seq 256, 8 sequences = 8 microbatches
 per step, fp32, one thread per rank.

@@ -1,6 +1,6 @@
 """Where a profiled training step went: a summary of a torch.profiler chrome trace.
 
-    python benchmarks/trace_summary.py profiles/rank0-*.json [--top 25]
+    python -m benchmarks.trace_summary profiles/rank0-*.json [--top 25]
 
 Reads one chrome trace (``trainer.profiling`` writes one per rank) and prints, over the whole
 window:

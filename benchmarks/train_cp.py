@@ -2,12 +2,12 @@
 
 GPU (2 x H200, the issue #11 figures)::
 
-    torchrun --nproc-per-node 2 benchmarks/train_cp.py configs/gpu_cp2_16k.yaml
+    torchrun --nproc-per-node 2 -m benchmarks.train_cp configs/gpu_cp2_16k.yaml
     # add --align-seq-len 16384 if the single-GPU baseline does not fit at global 32K
 
 CPU smoke test (spawns 2 gloo ranks, tiny model; timings on a shared CPU mean nothing)::
 
-    python benchmarks/train_cp.py --smoke
+    python -m benchmarks.train_cp --smoke
 
 For each GDN CP mode (``--modes``, default ulysses and p2p; the full-attention layers use the
 config's ``full_attention_cp_mode``) the script
@@ -30,14 +30,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from overlap_runtime.trainer import (  # noqa: E402
     TrainConfig,

@@ -5,7 +5,7 @@ median step time (max over ranks, first step left out) next to the single-device
 the same global batch. The layouts and their model are those of tests/trainer/test_trainer_4d.py
 (hidden 32, 4 layers, 4 x 64-token sequences per data-parallel rank, fp32).
 
-    .venv/bin/python benchmarks/trainer_layouts.py --steps 8 [--only pp2_1f1b ep2_cp2]
+    .venv/bin/python -m benchmarks.trainer_layouts --steps 8 [--only pp2_1f1b ep2_cp2]
 
 On 2 cores the ranks share the cores: step times compare layouts with each other on this
 machine, not with a GPU.
@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "trainer"))
 
-from _trainer_util import train_worker  # noqa: E402
-from test_trainer_4d import EIGHT_RANKS, FOUR_RANKS, TWO_RANKS  # noqa: E402
+from tests.support.trainer import train_worker  # noqa: E402
+from tests.support.layouts import EIGHT_RANKS, FOUR_RANKS, TWO_RANKS  # noqa: E402
 
 from overlap_runtime.testing import run_ranks  # noqa: E402
 from overlap_runtime.trainer import TrainResult, compare_runs, config_from_dict, train_single  # noqa: E402

@@ -8,7 +8,7 @@ work. Costs for the simulator are measured on one stage in this process (min of 
 step times on 4 ranks (median over steps, max over ranks; ranks are aligned by an all-gather
 before each step). Memory: ``SavedTensorMeter`` peak per rank, sampled after every action.
 
-    .venv/bin/python benchmarks/zero_bubble.py --hidden 512 --tokens 128 --layers 8 \
+    .venv/bin/python -m benchmarks.zero_bubble --hidden 512 --tokens 128 --layers 8 \
         --microbatches 8 --steps 3
 
 On a shared 2-core machine 4 ranks contend for cores: measured times are noisy and the ranks

@@ -3,18 +3,12 @@ category, and known modules save what a hand count says (CPU, fp32, a tiny hybri
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "activation_memory.py"
-_spec = importlib.util.spec_from_file_location("activation_memory", _PATH)
-am = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-sys.modules["activation_memory"] = am  # dataclasses look their module up
-_spec.loader.exec_module(am)  # type: ignore[union-attr]
+from benchmarks import activation_memory as am
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "gpu_cp2_16k.yaml")
 TINY = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

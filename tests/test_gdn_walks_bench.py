@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_every_walk_variant_matches_the_librarys_walk():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gdn_walks.py"), "--check"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gdn_walks", "--check"],
                           env=env, capture_output=True, text=True, timeout=240, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = json.loads(proc.stdout)

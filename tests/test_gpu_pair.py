@@ -11,7 +11,7 @@ benchmarks' commands through each script's own argument parser.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -27,8 +27,8 @@ from overlap_runtime.trainer.loop import StepMetrics, TrainResult
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_pair.sh"
-PARSERS = {"moe_overlap.py": "_parse", "attention_cp.py": "parse_args",
-           "gdn_cp_gpu.py": "parse_args", "train_cp.py": "parse_args"}
+PARSERS = {"moe_overlap": "_parse", "attention_cp": "parse_args",
+           "gdn_cp_gpu": "parse_args", "train_cp": "parse_args"}
 
 
 def _commands(part: str, results: Path, dry: bool) -> list[list[str]]:
@@ -40,14 +40,7 @@ def _commands(part: str, results: Path, dry: bool) -> list[list[str]]:
 
 
 def _benchmark_parser(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"_bench_{name[:-3]}", ROOT / "benchmarks" / name)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return getattr(module, PARSERS[name])
+    return getattr(importlib.import_module(f"benchmarks.{name}"), PARSERS[name])
 
 
 def _check_cli(argv: list[str]) -> str:
@@ -82,15 +75,15 @@ def test_every_command_of_every_part_parses(tmp_path: Path, dry: bool) -> None:
             if "overlap_runtime.cli" in argv:
                 kind = _check_cli(argv)
             else:
-                script = next(a for a in argv if a.startswith("benchmarks/"))
-                name = Path(script).name
-                _benchmark_parser(name)(argv[argv.index(script) + 1:])
+                module = next(a for a in argv if a.startswith("benchmarks."))
+                name = module.removeprefix("benchmarks.")
+                _benchmark_parser(name)(argv[argv.index(module) + 1:])
                 kind = name
             kinds[kind] = kinds.get(kind, 0) + 1
     # run 1: 5 trainer layouts + the pairing; run 2: 5 predictions; run 3: 3; run 5: 2;
     # run 4: 3 benchmarks + prefix_scan + packed
-    assert kinds == {"train": 12, "simulate": 5, "moe_overlap.py": 1, "gdn_cp_gpu.py": 1,
-                     "attention_cp.py": 1, "train_cp.py": 1}, kinds
+    assert kinds == {"train": 12, "simulate": 5, "moe_overlap": 1, "gdn_cp_gpu": 1,
+                     "attention_cp": 1, "train_cp": 1}, kinds
 
 
 def test_gpu_commands_run_on_two_gpus_under_torchrun(tmp_path: Path) -> None:
@@ -118,7 +111,8 @@ def _metrics(path: Path, losses: list[float], first_step: int = 1,
 
 
 def test_summary_lines_read_the_trainer_json(tmp_path: Path) -> None:
-    summary = _benchmark_parser_module("gpu_pair_summary.py")
+    from benchmarks import gpu_pair_summary as summary
+
     a = _metrics(tmp_path / "a.json", [5.0, 4.0, 3.0])               # median of steps 2..3: 250 ms
     b = _metrics(tmp_path / "b.json", [5.0, 4.0, 3.0, 2.0, 1.0])     # 350 ms
     jsonl = tmp_path / "a.jsonl"
@@ -136,10 +130,3 @@ def test_summary_lines_read_the_trainer_json(tmp_path: Path) -> None:
     line = summary.resume_line("ck", a, resumed)
     assert "steps 2..3" in line and "max rel dloss 1.00e-01" in line
     assert summary.main(["train", "x", str(tmp_path / "missing.json")]) == 1
-
-
-def _benchmark_parser_module(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location("_gpu_pair_summary", ROOT / "benchmarks" / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

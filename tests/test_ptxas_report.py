@@ -7,11 +7,8 @@ Skipped without triton or its ``ptxas-blackwell`` binary, and under ``TRITON_INT
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ptxas_report.py"
-_spec = importlib.util.spec_from_file_location("ptxas_report", _PATH)
-pr = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-sys.modules["ptxas_report"] = pr  # dataclasses look their module up
-_spec.loader.exec_module(pr)  # type: ignore[union-attr]
+from benchmarks import ptxas_report as pr  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not pr.ptxas_path().exists(), reason="no ptxas-blackwell in triton"),

@@ -3,15 +3,10 @@ children, on a hand-made chrome trace whose answers are known."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "trace_summary.py"
-_spec = importlib.util.spec_from_file_location("trace_summary", _PATH)
-trace_summary = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(trace_summary)  # type: ignore[union-attr]
+from benchmarks import trace_summary
 
 
 def _x(name: str, cat: str, ts: float, dur: float, tid: int = 1) -> dict:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from _cp_util import make_qkv, reference_attention
+from tests.support.cp import make_qkv, reference_attention
 from overlap_runtime.context_parallel import (
     CommStats,
     ContextParallel,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _cp_util import make_qkv, reference_attention, reference_grads
+from tests.support.cp import make_qkv, reference_attention, reference_grads
 from overlap_runtime.ops.attention import (
     attention,
     attention_block_backward,

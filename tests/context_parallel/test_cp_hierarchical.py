@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from _cp_util import C10dOpCounter, make_qkv, reference_grads
+from tests.support.cp import C10dOpCounter, make_qkv, reference_grads
 from overlap_runtime.context_parallel import (
     CommStats,
     ContextParallel,

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _cp_util import C10dOpCounter, make_qkv, reference_grads
+from tests.support.cp import C10dOpCounter, make_qkv, reference_grads
 from overlap_runtime.context_parallel import (
     CommStats,
     all_gather_kv_attention,

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from _cp_util import make_qkv
-from _gdn_cp_util import HIDDEN, make_inputs, make_module
+from tests.support.cp import make_qkv
+from tests.support.gdn_cp import HIDDEN, make_inputs, make_module
 from overlap_runtime.context_parallel import (
     LinearAttentionContextParallel,
     all_gather_kv_attention,

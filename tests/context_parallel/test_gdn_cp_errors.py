@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gdn_cp_util import errors_worker, make_module
+from tests.support.gdn_cp import errors_worker, make_module
 
 from overlap_runtime.context_parallel import LinearAttentionContextParallel
 from overlap_runtime.testing import rel_l2, run_ranks

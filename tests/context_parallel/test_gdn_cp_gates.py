@@ -24,7 +24,7 @@ import copy
 
 import pytest
 import torch
-from _gdn_cp_util import HEAD_DIM, HIDDEN, KEY_HEADS, VALUE_HEADS, _cp_run, make_inputs, make_module
+from tests.support.gdn_cp import HEAD_DIM, HIDDEN, KEY_HEADS, VALUE_HEADS, _cp_run, make_inputs, make_module
 from torch.distributed.device_mesh import init_device_mesh
 
 from overlap_runtime.context_parallel import LinearAttentionContextParallel

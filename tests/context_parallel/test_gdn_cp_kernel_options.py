@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _gdn_cp_options_util import MODES, options_worker, triton_options_worker
+from tests.support.gdn_cp_options import MODES, options_worker, triton_options_worker
 
 from overlap_runtime.context_parallel import LinearAttentionContextParallel
 from overlap_runtime.context_parallel.gdn.common import GDNCPPlan

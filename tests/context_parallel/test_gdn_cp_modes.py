@@ -3,13 +3,13 @@
 fp32, tiny Qwen3.5-shaped layer (hidden 32, 2 key / 4 value heads, head dim 8), slow decay so
 the state crossing ranks matters. For every mode: output, input gradient, every parameter
 gradient (summed over the CP group) and the grad norm within rel-L2 1e-5 of the single-process
-module. Worker code: _gdn_cp_util.py.
+module. Worker code: tests/support/gdn_cp.py.
 """
 
 from __future__ import annotations
 
 import pytest
-from _gdn_cp_util import assert_figures, checkpoint_worker, compare_worker
+from tests.support.gdn_cp import assert_figures, checkpoint_worker, compare_worker
 
 from overlap_runtime.testing import run_ranks
 

@@ -4,7 +4,7 @@ Core level (``gdn_prefix_scan`` on each rank's shard), fp32 on gloo ranks, again
 token-by-token recurrence on the whole sequence: the output and the gradient of every input
 (q, k, v, g, beta) within rel-L2 1e-5; in the same run the sequential p2p chain on the same
 shards, which the scan must equal within fp32 rounding (rel-L2 <= 1e-6). One spawn of 8 ranks
-covers CP 2..8 through sub-groups (``_gdn_scan_util.py``); local lengths 40 and 24 with chunk
+covers CP 2..8 through sub-groups (``tests.support.gdn_scan``); local lengths 40 and 24 with chunk
 16 leave a partial last chunk on every rank; B = 2.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from _gdn_cp_util import assert_figures, checkpoint_worker, compare_worker
-from _gdn_scan_util import NAMES, scan_worker
+from tests.support.gdn_cp import assert_figures, checkpoint_worker, compare_worker
+from tests.support.gdn_scan import NAMES, scan_worker
 
 from overlap_runtime.context_parallel.gdn.scan_rounds import scan_messages, scan_rounds
 from overlap_runtime.testing import run_ranks

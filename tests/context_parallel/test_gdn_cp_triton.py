@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from _gdn_cp_util import assert_figures, checkpoint_worker, compare_worker
+from tests.support.gdn_cp import assert_figures, checkpoint_worker, compare_worker
 
 from overlap_runtime.testing import run_ranks
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from overlap_runtime.context_parallel.packed import PackedLayout, causal_work_per_rank
 from overlap_runtime.testing import run_ranks
 
-from _packed_util import Case, attention_worker, cu_of, gdn_worker
+from tests.support.packed_cp import Case, attention_worker, cu_of, gdn_worker
 
 TOL = 1e-6
 

@@ -23,7 +23,7 @@ import pytest
 
 from overlap_runtime.testing import run_ranks
 
-from _packed_util import Case, scan_chain_worker
+from tests.support.packed_cp import Case, scan_chain_worker
 
 TOL = 1e-5  # fp32 against the float64 reference
 SAME = 1e-6  # scan vs chain: the same maps composed in another order

@@ -20,7 +20,7 @@ import pytest
 
 from overlap_runtime.testing import run_ranks
 
-from _packed_util import Case, gdn_worker
+from tests.support.packed_cp import Case, gdn_worker
 
 pytestmark = [
     pytest.mark.triton,

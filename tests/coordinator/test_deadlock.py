@@ -18,7 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import overlap_runtime.coordinator.overlap as overlap_mod
-from _toy import Inject, Injected, chunk, layer, make_input, make_weights
+from tests.support.coordinator_toy import Inject, Injected, chunk, layer, make_input, make_weights
 from overlap_runtime.coordinator import (
     CommComputeOverlap,
     CoordinatorAborted,

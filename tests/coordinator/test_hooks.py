@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _toy import chunk, make_input, make_weights
+from tests.support.coordinator_toy import chunk, make_input, make_weights
 from overlap_runtime.coordinator import (
     CommComputeOverlap,
     CoordinatorProtocolError,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from _toy import layer, make_input, make_weights
+from tests.support.coordinator_toy import layer, make_input, make_weights
 from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
 from overlap_runtime.schedules.overlap_order import comm_turns
 from overlap_runtime.testing import rel_l2, run_ranks

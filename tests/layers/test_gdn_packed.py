@@ -2,14 +2,14 @@
 
 ``LocalGDNMixer.forward_packed`` runs one conv over the packed rows with the taps before each
 document start dropped and one varlen GDN call with ``cu_seqlens``. Checked against every
-document run ALONE (``_packed_ref.py``: the ``F.conv1d`` conv per segment, the layer per
+document run ALONE (``tests.support.packed_ref``: the ``F.conv1d`` conv per segment, the layer per
 document), fp32 rel-L2 <= 1e-5 on the output, the input gradient and every parameter gradient:
 
 * here (eager GDN, torch conv): the conv with ``doc_positions`` (K 2..4, dilation 1 and 2, a
   halo ``left`` reaching only a continuing first document), the layer with documents shorter
   than the halo, cut by a row start, crossing GDN chunks, with padding between them; the loop
   is gone (one conv and one GDN op call per layer forward, ``apply_per_segment`` never called);
-* under the Triton interpreter (a child process, ``_gdn_packed_cases.py``, about 15 s): the
+* under the Triton interpreter (a child process, ``tests.support.gdn_packed_cases``, about 15 s): the
   Triton conv kernels with ``doc_positions`` and the layer on ``backend="triton"`` with
   ``conv_backend="triton"``.
 """
@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from _packed_ref import conv_per_document, layer_packed_vs_alone, reference_layer, slow_decay
+from tests.support.packed_ref import conv_per_document, layer_packed_vs_alone, reference_layer, slow_decay
 
 from overlap_runtime.layers import GatedDeltaNet, document_positions, gated_deltanet, segments
 from overlap_runtime.layers.elementwise import causal_conv_silu, causal_conv_silu_shifted
 from overlap_runtime.testing import rel_l2
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+from tests.support.gdn import ROOT, interpreter_env, support_command
 TOL = 1e-5
 
 # B = 2 rows of T = 12: documents of 3, 1 (shorter than the halo 3), 6, 2 (cut by the row start
@@ -118,10 +114,8 @@ def test_packed_forward_is_one_conv_and_one_gdn_call(monkeypatch: pytest.MonkeyP
 @pytest.mark.triton
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_interpreter_triton_conv_and_gdn_packed_equal_each_document_alone() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "_gdn_packed_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=str(HERE))
+    proc = subprocess.run(support_command("gdn_packed_cases"), env=interpreter_env(),
+                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert proc.returncode == 0, f"cases failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     result = json.loads(line[len("RESULT "):])

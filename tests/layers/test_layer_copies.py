@@ -5,10 +5,7 @@ op), results bitwise unchanged, the forward bytes asserted (a copy added back fa
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,12 +16,8 @@ from overlap_runtime.layers.elementwise import (causal_conv_silu_shifted,
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.testing import rel_l2
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-_spec = importlib.util.spec_from_file_location("layer_copies", ROOT / "benchmarks" / "layer_copies.py")
-layer_copies = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-sys.modules["layer_copies"] = layer_copies
-_spec.loader.exec_module(layer_copies)  # type: ignore[union-attr]
+from benchmarks import layer_copies
+from tests.support.gdn import ROOT, interpreter_env, support_command
 
 
 def _count(fn) -> list:
@@ -89,13 +82,11 @@ def test_shifted_parts_equal_the_whole_conv(packed: bool) -> None:
 def test_interpreter_gdn_layer_copies() -> None:
     """Triton GDN op and Triton conv under the interpreter, bf16: the forward copies only the
     gated norm's and gates' casts (q, k, v reach the op contiguous), results bitwise equal to
-    one conv + split; the eager F.conv1d path unchanged (tests/layers/_layer_copies_cases.py).
+    one conv + split; the eager F.conv1d path unchanged (tests/support/layer_copies_cases.py).
     One child per conv backend, side by side (each single-threaded, ~8 s)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    children = {b: subprocess.Popen([sys.executable, str(HERE / "_layer_copies_cases.py"), b],
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, cwd=str(HERE))
+    children = {b: subprocess.Popen(support_command("layer_copies_cases", b),
+                                    env=interpreter_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
                 for b in ("triton", "torch")}
     try:
         for backend, child in children.items():

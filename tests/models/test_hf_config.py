@@ -86,7 +86,7 @@ def test_yaml_may_repeat_but_not_contradict_the_import(tmp_path: Path) -> None:
 def test_tied_embedding_imports_and_matches_transformers(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     import transformers as tf
-    from _hf_tiny import COMMON
+    from tests.support.hf_tiny import COMMON
 
     torch.manual_seed(9)
     hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**COMMON, intermediate_size=48,

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-from _hf_tiny import save_hf, train_config, train_worker  # noqa: E402
+from tests.support.hf_tiny import save_hf, train_config, train_worker  # noqa: E402
 
 from overlap_runtime.cli import main as cli_main  # noqa: E402
 from overlap_runtime.trainer.hf_export import read_checkpoint_tensors  # noqa: E402

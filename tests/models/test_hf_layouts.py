@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from _hf_tiny import save_hf, train_config, train_worker  # noqa: E402
+from tests.support.hf_tiny import save_hf, train_config, train_worker  # noqa: E402
 
 from overlap_runtime.testing import run_ranks  # noqa: E402
 from overlap_runtime.trainer import (TrainResult, compare_runs, config_from_dict,  # noqa: E402
@@ -60,7 +60,7 @@ def test_tied_embedding_imports_into_dp_shard2(tmp_path) -> None:
     """The small Qwen3.5 models tie the LM head to the embedding: FSDP2 keeps one parameter."""
     import torch
     import transformers as tf
-    from _hf_tiny import COMMON
+    from tests.support.hf_tiny import COMMON
 
     torch.manual_seed(9)
     hf = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**COMMON, intermediate_size=48,

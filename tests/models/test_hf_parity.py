@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from _hf_tiny import save_hf, train_config  # noqa: E402
+from tests.support.hf_tiny import save_hf, train_config  # noqa: E402
 
 from overlap_runtime.models.hf.state_dict import hf_prefix, hf_source  # noqa: E402
 from overlap_runtime.testing import rel_l2  # noqa: E402
@@ -160,7 +160,7 @@ def test_pooled_aux_loss_gradient_equals_transformers(tmp_path) -> None:
     over the layers (``output_router_logits=True``): every router gradient of the loss
     ``CE + coef * aux`` agrees (the CE alone is checked above; a large coefficient makes the
     aux term dominate the router gradients)."""
-    from _hf_tiny import hf_model
+    from tests.support.hf_tiny import hf_model
 
     coef = 5.0
     hf = hf_model("moe", seed=10)

@@ -9,7 +9,7 @@ gradients the single-device gradients.
 from __future__ import annotations
 
 import pytest
-from _parallelize_util import (
+from tests.support.parallelize import (
     SEQ,
     cp1_and_errors_worker,
     cp_forward_backward_worker,

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _moe_util import FFN, HIDDEN, make_moe, objective, tokens
+from tests.support.moe import FFN, HIDDEN, make_moe, objective, tokens
 from overlap_runtime.moe import ExpertParallel, GroupedExperts, MoE
 from overlap_runtime.moe.dispatcher import AllToAllTokenDispatcher, OverlapHooks
 from overlap_runtime.moe.experts import DeferredWUnsupportedError

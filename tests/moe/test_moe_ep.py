@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _moe_util import (EXPERTS, HIDDEN, SlowExperts, SlowFeedForward, ep_errors, make_chunk,
+from tests.support.moe import (EXPERTS, HIDDEN, SlowExperts, SlowFeedForward, ep_errors, make_chunk,
                        make_moe, objective, route_to_first_rank, tokens, train_overlapped)
 from overlap_runtime.coordinator import HookCoordinator
 from overlap_runtime.moe import (CombinePartialResult, DispatchMetadata, ExpertParallel,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _moe_util import HIDDEN, make_chunk, make_moe, objective, tokens
+from tests.support.moe import HIDDEN, make_chunk, make_moe, objective, tokens
 from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
 from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
 from overlap_runtime.moe import (GroupedExperts, OverlapExpertParallel, TopKRouter,

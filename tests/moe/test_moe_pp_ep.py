@@ -2,7 +2,7 @@
 
 2 chunks per rank, 2 MoE layers per chunk (with shared experts), 8 microbatches. The same model
 and data run once without ``overlap_b_f`` (baseline) and once with it and
-``make_overlap_b_f_callback``; the rank function is the hand-built job of ``_pp_ep_job.py`` (the
+``make_overlap_b_f_callback``; the rank function is the hand-built job of ``tests.support.pp_ep_job`` (the
 demo's until it became a training run).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from _pp_ep_job import PPEPConfig, pp_ep_main
+from tests.support.pp_ep_job import PPEPConfig, pp_ep_main
 from overlap_runtime.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)

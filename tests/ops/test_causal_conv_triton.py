@@ -1,7 +1,7 @@
 """The causal depthwise conv + SiLU Triton kernels (``ops.causal_conv``, ``conv_backend="triton"``).
 
 * Under the Triton interpreter (one child process with ``TRITON_INTERPRET=1``, cases in
-  ``_causal_conv_cases.py``): y, dx, dweight and d_left against ``causal_conv_silu`` on float64
+  ``tests.support.causal_conv_cases``): y, dx, dweight and d_left against ``causal_conv_silu`` on float64
   inputs, rel-L2 <= 1e-5 in fp32; with and without ``left``, dilation 1 and 2, K 2..4, T not a
   multiple of the tile (and below the halo), B = 2, several partial sums of dweight; bf16 / fp16
   within their rounding; x a channel slice of a wider tensor (read in place); a whole GatedDeltaNet layer with ``conv_backend="triton"`` against
@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from _gdn_util import run_interpreted
+from tests.support.gdn import run_interpreted
 from overlap_runtime.layers import GatedDeltaNet
 from overlap_runtime.layers.compile import compile_elementwise
 from overlap_runtime.layers.elementwise import causal_conv_silu
@@ -37,7 +37,7 @@ CASE_NAMES = ("k4_d1_left", "k4_d1_left_rows64", "k4_d1", "k4_d1_left_channel_sl
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    return run_interpreted("_causal_conv_cases.py")
+    return run_interpreted("causal_conv_cases")
 
 
 @pytest.mark.triton

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from _gdn_util import make_inputs, rel_l2
+from tests.support.gdn import make_inputs, rel_l2
 from overlap_runtime.ops.gdn import (
     SUPPORTED_BACKENDS,
     EagerBackend,

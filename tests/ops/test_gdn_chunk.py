@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gdn_util import loss_of, make_inputs, output_grads, rel_l2, upcast
+from tests.support.gdn import loss_of, make_inputs, output_grads, rel_l2, upcast
 from overlap_runtime.ops.gdn import (
     EagerBackend,
     chunk_gated_delta_rule,

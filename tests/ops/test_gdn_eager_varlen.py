@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gdn_util import make_inputs, rel_l2, upcast
+from tests.support.gdn import make_inputs, rel_l2, upcast
 from overlap_runtime.ops.gdn import (
     GDNKernelOptions,
     chunk_gated_delta_rule,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _gdn_util import make_inputs, rel_l2, upcast
+from tests.support.gdn import make_inputs, rel_l2, upcast
 from overlap_runtime.ops.gdn import recurrent_gated_delta_rule
 from overlap_runtime.ops.gdn.fla_compat import DEFAULT_BACKEND, chunk_gated_delta_rule
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gdn_util import make_inputs
+from tests.support.gdn import make_inputs
 from overlap_runtime.ops.gdn import (
     EagerBackend,
     GDNKernelOptions,

@@ -3,7 +3,7 @@
 On the CPU the kernels run under the Triton interpreter: each case runs in a child process with
 ``TRITON_INTERPRET=1`` (triton reads it when the kernels are first imported, so setting it here
 would leak into every later test file and could not be undone). The cases live in
-``_gdn_triton_cases.py``: small sizes (T <= 256), output, final state, dH0 and every input
+``tests.support.gdn_triton_cases``: small sizes (T <= 256), output, final state, dH0 and every input
 gradient. On a CUDA machine the full-size check at the end also runs (it is the test that
 catches Hopper miscompiles of the backward, gpu/README.md).
 """
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from _gdn_util import InterpretedCases, children_fixture, make_inputs, rel_l2
+from tests.support.gdn import InterpretedCases, children_fixture, make_inputs, rel_l2
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
 pytestmark = pytest.mark.triton
@@ -26,7 +26,7 @@ needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
 
 
-_CASES = InterpretedCases("_gdn_triton_cases.py", timeout_s=480)
+_CASES = InterpretedCases("gdn_triton_cases", timeout_s=480)
 _CASE_OF_TEST = {"test_interpreter_nan_stays_in_its_chunk": "nan_fp32",
                  "test_interpreter_capability_errors_name_the_rule": "capability_errors"}
 

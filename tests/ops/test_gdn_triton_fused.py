@@ -1,7 +1,7 @@
 """The fused GDN forward (ops/gdn/triton/fused_fwd.py, ``fused_forward=True``).
 
 On the CPU each case runs under the Triton interpreter in a child process (cases in
-``_gdn_triton_fused_cases.py``; why a child: test_gdn_triton.py): dense and packed inputs,
+``tests.support.gdn_triton_fused_cases``; why a child: test_gdn_triton.py): dense and packed inputs,
 value heads sharing key heads, with and without initial states and the l2 norm, one and
 several scan segments, both diagonal-block inverses, forward alone and forward + backward
 (the fused walk writes the tensors the backward reads), against the float64 token recurrence.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gdn_util import InterpretedCases, children_fixture, make_inputs, rel_l2
+from tests.support.gdn import InterpretedCases, children_fixture, make_inputs, rel_l2
 
 pytestmark = pytest.mark.triton
 
@@ -22,7 +22,7 @@ NAMES = ("q", "k", "v", "g", "beta")
 needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
 
-_CASES = InterpretedCases("_gdn_triton_fused_cases.py", timeout_s=480)
+_CASES = InterpretedCases("gdn_triton_fused_cases", timeout_s=480)
 _CASE_OF_TEST = {"test_interpreter_fused_misuse_names_the_rule": "errors"}
 
 _interpreter_children = children_fixture(_CASES, _CASE_OF_TEST)

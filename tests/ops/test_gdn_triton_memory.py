@@ -3,7 +3,7 @@
 The forward keeps the raw q, k and their fp32 1/norm, not the normalised copies (the backward
 forms them again with the forward's norm kernel), never u (no backward kernel reads it), and w
 unless ``GDNKernelOptions(recompute_w=True)``. One child process under the Triton interpreter
-(``_gdn_triton_memory_cases.py``; why a child: test_gdn_triton.py) runs four fp32 configs (key
+(``tests.support.gdn_triton_memory_cases``; why a child: test_gdn_triton.py) runs four fp32 configs (key
 heads shared by value heads, H == HV with dk's norm backward in the WY kernel, no norm,
 cu_seqlens), each with and without ``recompute_w``, and the float64 eager backend.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from _gdn_util import run_interpreted
+from tests.support.gdn import run_interpreted
 
 pytestmark = pytest.mark.triton
 
@@ -22,7 +22,7 @@ needs_triton = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    return run_interpreted("_gdn_triton_memory_cases.py", "all")
+    return run_interpreted("gdn_triton_memory_cases", "all")
 
 
 @needs_triton

@@ -1,7 +1,7 @@
 """Packed variable-length sequences (``cu_seqlens``) in the Triton GDN kernels (issue #22 item 1).
 
 On the CPU each case runs under the Triton interpreter in a child process (cases in
-``_gdn_triton_varlen_cases.py``, why a child: test_gdn_triton.py): lengths shorter than a chunk,
+``tests.support.gdn_triton_varlen_cases``, why a child: test_gdn_triton.py): lengths shorter than a chunk,
 equal to it, one past it, empty, with and without initial states, with and without the l2 norm,
 value heads sharing key heads, one scan segment per sequence and chained segments, against the
 float64 recurrence run on each sequence alone: output, final states and every gradient. On a
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _gdn_util import InterpretedCases, children_fixture, make_inputs, rel_l2
+from tests.support.gdn import InterpretedCases, children_fixture, make_inputs, rel_l2
 
 pytestmark = pytest.mark.triton
 
@@ -24,7 +24,7 @@ needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
 
 
-_CASES = InterpretedCases("_gdn_triton_varlen_cases.py")
+_CASES = InterpretedCases("gdn_triton_varlen_cases")
 _CASE_OF_TEST = {"test_interpreter_one_sequence_is_the_dense_path_bit_for_bit":
                  "one_sequence_is_dense", "test_interpreter_varlen_errors_name_the_value": "errors"}
 

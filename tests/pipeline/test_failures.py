@@ -29,15 +29,15 @@ from overlap_runtime.pipeline.errors import ActionSite, pipeline_error_in, root_
 from overlap_runtime.schedules import ActionKind, ScheduleSpec
 from overlap_runtime.testing import Concurrently, RankFailedError, run_ranks
 
-from test_runtime import _data, _loss, _model
+from tests.support.pipeline_toy import make_schedule, toy_data, toy_loss, toy_model
 
 TIMEOUT_S = 1.5
 
 
 def _schedule(overlap_b_f: bool) -> PipelineSchedule:
     spec = ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=4, overlap_b_f=overlap_b_f)
-    model, rank = _model(2), dist.get_rank()
-    return PipelineSchedule(spec, [PipelineStage(model[rank], rank, 2)], _loss,
+    model, rank = toy_model(2), dist.get_rank()
+    return PipelineSchedule(spec, [PipelineStage(model[rank], rank, 2)], toy_loss,
                             timeout_s=TIMEOUT_S)
 
 
@@ -50,7 +50,7 @@ def _describe(exc: BaseException) -> dict[str, Any]:
 
 
 def _step_catching(sched: PipelineSchedule) -> dict[str, Any]:
-    x, y = _data()
+    x, y = toy_data()
     t0 = time.monotonic()
     try:
         sched.step(x, target=y)
@@ -165,7 +165,7 @@ def _dies_mid_step(rank: int, world: int) -> None:
                 os._exit(7)
             ctx.run_default(action)
         sched.register_custom_function(ActionKind.F, die)
-    x, y = _data()
+    x, y = toy_data()
     sched.step(x, target=y)
 
 
@@ -195,11 +195,8 @@ def test_error_types_are_pipeline_errors() -> None:
 
 
 def _skipping_callback_rank(rank: int, world: int, mode: str) -> None:
-    import sys as _sys
-    _sys.path.insert(0, os.path.dirname(__file__))
-    from test_runtime import _data, _make_schedule
 
-    sched, _, _ = _make_schedule("1f1b", world, 1, 4, True, True, timeout_s=20)
+    sched, _, _ = make_schedule("1f1b", world, 1, 4, True, True, timeout_s=20)
 
     def cb(action, ctx):  # runs at most one of its two sub-actions
         b, f = action.sub_actions
@@ -207,7 +204,7 @@ def _skipping_callback_rank(rank: int, world: int, mode: str) -> None:
             ctx.run(f)
 
     sched.register_custom_function(ActionKind.OVERLAP_B_F, cb)
-    x, y = _data()
+    x, y = toy_data()
     sched.step(x, target=y)
 
 
@@ -222,15 +219,11 @@ def test_a_callback_that_skips_its_sub_actions_is_named(mode: str) -> None:
 
 
 def _microbatch_mismatch_rank(rank: int, world: int) -> None:
-    import sys as _sys
-    _sys.path.insert(0, os.path.dirname(__file__))
-    from test_runtime import _data, _loss, _model
-
     from overlap_runtime.pipeline import PipelineStage, Schedule1F1B
 
-    model = _model(2)
-    sched = Schedule1F1B(PipelineStage(model[rank], rank, 2), 4 if rank == 0 else 2, _loss)
-    x, y = _data()
+    model = toy_model(2)
+    sched = Schedule1F1B(PipelineStage(model[rank], rank, 2), 4 if rank == 0 else 2, toy_loss)
+    x, y = toy_data()
     sched.step(x, target=y)
 
 

@@ -7,8 +7,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from overlap_runtime.pipeline import (ExecutionTrace, PipelineActionError, PipelineSchedule,
                                       PipelineStage, Schedule1F1B, ScheduleGPipe,
@@ -16,60 +14,16 @@ from overlap_runtime.pipeline import (ExecutionTrace, PipelineActionError, Pipel
                                       write_execution_trace)
 from overlap_runtime.schedules import ActionKind, ScheduleSpec
 from overlap_runtime.testing import RankFailedError, rel_l2, run_ranks
+from tests.support.pipeline_toy import (BATCH, HIDDEN, make_schedule, toy_data, toy_loss, toy_model,
+                                         toy_reference)
 
 TOL = 1e-6
-HIDDEN = 8
-BATCH = 8
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x)) + x
-
-
-def _model(num_stages: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block(HIDDEN) for _ in range(num_stages)])
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, HIDDEN, generator=g), torch.randn(BATCH, HIDDEN, generator=g)
-
-
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
-
-
-def _reference(num_stages: int) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
-    model = _model(num_stages)
-    x, y = _data()
-    out = model(x)
-    loss = _loss(out, y)
-    loss.backward()
-    return model, loss.detach(), out.detach()
-
-
-def _make_schedule(kind: str, world: int, virtual: int, m: int, overlap_p2p: bool,
-                   overlap_b_f: bool = False, timeout_s: float = 60.0):
-    num_stages = world * virtual
-    model = _model(num_stages)
-    spec = ScheduleSpec(kind=kind, pp_size=world, num_microbatches=m, virtual_stages=virtual,
-                        overlap_p2p=overlap_p2p, overlap_b_f=overlap_b_f)
-    rank = dist.get_rank()
-    stages = [PipelineStage(model[s], s, num_stages)
-              for s in range(num_stages) if spec.stage_to_rank(s) == rank]
-    return PipelineSchedule(spec, stages, _loss, timeout_s=timeout_s), model, stages
 
 
 def _run_and_compare(rank: int, world: int, kind: str, virtual: int, m: int, overlap_p2p: bool,
                      overlap_b_f: bool = False) -> dict:
-    sched, model, stages = _make_schedule(kind, world, virtual, m, overlap_p2p, overlap_b_f)
-    x, y = _data()
+    sched, model, stages = make_schedule(kind, world, virtual, m, overlap_p2p, overlap_b_f)
+    x, y = toy_data()
     calls: list[str] = []
     if overlap_b_f:
         def cb(action, ctx):  # noqa: ANN001 - the documented callback signature
@@ -83,7 +37,7 @@ def _run_and_compare(rank: int, world: int, kind: str, virtual: int, m: int, ove
             p.grad = None
         losses.clear()
         out = sched.step(x, target=y, losses=losses)
-        ref_model, ref_loss, ref_out = _reference(world * virtual)
+        ref_model, ref_loss, ref_out = toy_reference(world * virtual)
         for st in stages:
             for (name, p), (_, q) in zip(model[st.stage_index].named_parameters(),
                                          ref_model[st.stage_index].named_parameters()):
@@ -121,14 +75,14 @@ def test_overlap_b_f_callback_runs_exactly_for_paired_steps(kind, world, virtual
 
 
 def _raises_mid_step(rank: int, world: int) -> None:
-    sched, model, stages = _make_schedule("1f1b", world, 1, 4, True, timeout_s=20)
+    sched, model, stages = make_schedule("1f1b", world, 1, 4, True, timeout_s=20)
     if rank == 1:
         def boom(action, ctx):  # noqa: ANN001
             if action.microbatch == 2:
                 raise RuntimeError("stage failure on purpose")
             ctx.run_default(action)
         sched.register_custom_function(ActionKind.F, boom)
-    x, y = _data()
+    x, y = toy_data()
     sched.step(x, target=y)
 
 
@@ -142,8 +96,8 @@ def test_a_rank_that_raises_mid_step_fails_the_job_fast() -> None:
 
 
 def _stalled_peer(rank: int, world: int) -> str:
-    sched, model, stages = _make_schedule("1f1b", world, 1, 4, False, timeout_s=1.5)
-    x, y = _data()
+    sched, model, stages = make_schedule("1f1b", world, 1, 4, False, timeout_s=1.5)
+    x, y = toy_data()
     sched.step(x, target=y)  # first step: metadata exchanged, all good
     if rank == 1:
         time.sleep(6)  # never takes part in the second step
@@ -165,23 +119,23 @@ def test_a_stalled_peer_becomes_a_pipeline_timeout_naming_rank_step_action_peer(
 
 
 def _bad_configs(rank: int, world: int) -> list[str]:
-    model = _model(4)
+    model = toy_model(4)
     msgs = []
     spec = ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=4)
     cases = [
         # a stage count that does not match the modules
         lambda: PipelineSchedule(spec, [PipelineStage(model[0], 0, 2),
-                                        PipelineStage(model[1], 1, 2)], _loss),
-        lambda: PipelineSchedule(spec, [PipelineStage(model[rank], rank, 4)], _loss),
+                                        PipelineStage(model[1], 1, 2)], toy_loss),
+        lambda: PipelineSchedule(spec, [PipelineStage(model[rank], rank, 4)], toy_loss),
         # group size against pp_size
         lambda: PipelineSchedule(ScheduleSpec(kind="1f1b", pp_size=4, num_microbatches=4),
-                                 [PipelineStage(model[rank], rank, 4)], _loss),
+                                 [PipelineStage(model[rank], rank, 4)], toy_loss),
         # inputs that cannot be split
-        lambda: Schedule1F1B(PipelineStage(model[rank], rank, 2), 3, _loss).step(
+        lambda: Schedule1F1B(PipelineStage(model[rank], rank, 2), 3, toy_loss).step(
             torch.zeros(8, HIDDEN), target=torch.zeros(8, HIDDEN)),
-        lambda: Schedule1F1B(PipelineStage(model[rank], rank, 2), 16, _loss).step(
+        lambda: Schedule1F1B(PipelineStage(model[rank], rank, 2), 16, toy_loss).step(
             torch.zeros(8, HIDDEN), target=torch.zeros(8, HIDDEN)),
-        lambda: ScheduleGPipe(PipelineStage(model[rank], rank, 2), 2, _loss).register_custom_function(
+        lambda: ScheduleGPipe(PipelineStage(model[rank], rank, 2), 2, toy_loss).register_custom_function(
             ActionKind.SEND_F, print),
     ]
     for case in cases:
@@ -206,11 +160,11 @@ def test_bad_configurations_raise_clear_errors() -> None:
 
 
 def _shape_mismatch(rank: int, world: int) -> str:
-    model = _model(2)
+    model = toy_model(2)
     spec = ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=2)
     stage = PipelineStage(model[rank], rank, 2)
-    sched = PipelineSchedule(spec, [stage], _loss, timeout_s=3)  # rank 1 ends by this timeout
-    x, y = _data()
+    sched = PipelineSchedule(spec, [stage], toy_loss, timeout_s=3)  # rank 1 ends by this timeout
+    x, y = toy_data()
     sched.step(x, target=y)
     # second step with a wider batch: microbatch activations no longer match the agreed shape
     try:
@@ -232,8 +186,8 @@ def test_shape_mismatch_is_an_error_naming_both_shapes_not_a_hang() -> None:
 
 
 def _traced(rank: int, world: int, path: str) -> dict:
-    sched, model, stages = _make_schedule("1f1b", world, 1, 8, True)
-    x, y = _data()
+    sched, model, stages = make_schedule("1f1b", world, 1, 8, True)
+    x, y = toy_data()
     trace = ExecutionTrace()
     sched.step(x, target=y, trace=trace)
     events = gather_traces(trace)

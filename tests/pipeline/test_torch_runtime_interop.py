@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _torch_jobs import (csv_in_torch_runtime, pp2_ep2_overlap_f_b, reference_grads,
+from tests.support.torch_jobs import (csv_in_torch_runtime, pp2_ep2_overlap_f_b, reference_grads,
                          torch_dump_in_our_runtime, torch_style_reference, torch_style_step)
 from overlap_runtime.pipeline import torch_interop
 from overlap_runtime.pipeline.torch_interop import (PINNED, TESTED_TORCH, TorchInteropError,

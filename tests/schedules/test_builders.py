@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _schedule_helpers import compact, dummy_stages, to_torch, torch_pipelining
+from tests.support.schedules import compact, dummy_stages, to_torch, torch_pipelining
 
 from overlap_runtime.schedules import ActionKind, ScheduleSpec, build_schedule, parse_action
 

@@ -19,7 +19,7 @@ from overlap_runtime.schedules import (
     parse_action,
 )
 
-from _schedule_helpers import torch_pipelining
+from tests.support.schedules import torch_pipelining
 
 K = ActionKind
 
@@ -141,7 +141,7 @@ def test_csv_file_round_trip_and_torch_format(tmp_path) -> None:  # type: ignore
 
 def test_torch_dumped_csv_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A CSV written by torch's own ``_dump_csv`` reads back into the same actions."""
-    from _schedule_helpers import dummy_stages
+    from tests.support.schedules import dummy_stages
 
     ts = torch_pipelining()
     sched = ts.ScheduleInterleaved1F1B(dummy_stages(2, 2), 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from _schedule_helpers import lazy_lowering
+from tests.support.schedules import lazy_lowering
 
 from overlap_runtime.graph import DeadlockError, UnmatchedCommError
 from overlap_runtime.schedules import (

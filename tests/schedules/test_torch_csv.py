@@ -6,7 +6,7 @@ import inspect
 import io
 
 import pytest
-from _schedule_helpers import dummy_stages, torch_pipelining
+from tests.support.schedules import dummy_stages, torch_pipelining
 
 from overlap_runtime.cli import main
 from overlap_runtime.schedules import (ScheduleSpec, build_schedule, compile_spec, compile_table,

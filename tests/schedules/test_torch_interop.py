@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _schedule_helpers import dummy_stages, to_torch, torch_pipelining
+from tests.support.schedules import dummy_stages, to_torch, torch_pipelining
 
 from overlap_runtime.graph import CostModel
 from overlap_runtime.schedules import (

@@ -20,7 +20,7 @@ from overlap_runtime.schedules.bubbles import (analytic_idle, couple_overlapped_
 from overlap_runtime.schedules.ir import parse_action
 from overlap_runtime.testing import rel_l2, run_ranks
 
-from _schedule_helpers import torch_pipelining
+from tests.support.schedules import torch_pipelining
 
 TOL = 1e-6
 HIDDEN = 8

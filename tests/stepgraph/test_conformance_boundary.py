@@ -11,16 +11,13 @@ the planted run passes conformance.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-from test_trainer_4d import MOE, layout  # noqa: E402
+from tests.support.layouts import MOE, layout  # noqa: E402
 
 from overlap_runtime.moe.layer import MoE  # noqa: E402
 from overlap_runtime.ops import step_record  # noqa: E402

@@ -9,14 +9,11 @@ all-to-all, a skipped GDN chain message, a send to the wrong peer.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-from test_trainer_4d import EIGHT_RANKS, FOUR_RANKS, TWO_RANKS  # noqa: E402
+from tests.support.layouts import EIGHT_RANKS, FOUR_RANKS, TWO_RANKS  # noqa: E402
 
 from overlap_runtime.graph import DeadlockError  # noqa: E402
 from overlap_runtime.stepgraph import layer_program  # noqa: E402

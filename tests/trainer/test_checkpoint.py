@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _trainer_util import train_worker
+from tests.support.trainer import train_worker
 
 from overlap_runtime.testing import run_ranks
 from overlap_runtime.trainer import TrainResult, compare_runs, config_from_dict, train_single

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
-from _trainer_util import tiny_config
+from tests.support.trainer import tiny_config
 
 from overlap_runtime.cli import main
 from overlap_runtime.failure import LOG_DIR_ENV, exit_code

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import pytest
-from _trainer_util import tiny_config, train_worker
+from tests.support.trainer import tiny_config, train_worker
 
 from overlap_runtime.testing import run_ranks
 from overlap_runtime.trainer import TrainResult, compare_runs, config_from_dict, train_single

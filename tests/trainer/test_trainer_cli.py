@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
-from _trainer_util import tiny_config
+from tests.support.trainer import tiny_config
 
 from overlap_runtime.cli import build_parser, main
 from overlap_runtime.testing import Concurrently

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _trainer_util import tiny_config, train_worker
+from tests.support.trainer import tiny_config, train_worker
 
 from overlap_runtime.context_parallel import LINEAR_ATTENTION_CP_MODES
 from overlap_runtime.testing import run_ranks

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from _data_util import DOCS, make_tokenizer, write_jsonl, write_parquet, write_text
+from tests.support.data import DOCS, make_tokenizer, write_jsonl, write_parquet, write_text
 
 from overlap_runtime.trainer import (ConfigError, DataStateMismatch, PackedDataset, TextDataset,
                                      build_dataset, config_from_dict)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _data_util import make_tokenizer, write_jsonl
-from _trainer_util import tiny_config, train_worker
+from tests.support.data import make_tokenizer, write_jsonl
+from tests.support.trainer import tiny_config, train_worker
 
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 from overlap_runtime.testing import run_ranks

@@ -1,4 +1,4 @@
-"""Cases of tests/ops/test_gdn_triton.py, run as ``python _gdn_triton_cases.py CASE`` in a child
+"""Cases of tests/ops/test_gdn_triton.py, run as ``python tests/support/gdn_triton_cases.py CASE`` in a child
 process with ``TRITON_INTERPRET=1`` (triton reads it when a kernel module is imported, so it
 must be set before; a child keeps it out of the other test files). Prints one JSON object:
 ``{"errors": {name: rel-L2}, "tolerance": float}`` (or ``{"raised": ...}`` for the error cases).
@@ -15,7 +15,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 torch.set_num_threads(1)
 
-from _gdn_util import make_inputs, rel_l2, upcast  # noqa: E402
+from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule, summary  # noqa: E402
 from overlap_runtime.ops.gdn.backend import TritonBackend  # noqa: E402
 from overlap_runtime.ops.gdn.chunk import prepare_chunks  # noqa: E402

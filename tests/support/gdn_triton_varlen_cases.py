@@ -1,5 +1,5 @@
-"""Cases of tests/ops/test_gdn_triton_varlen.py, run as ``python _gdn_triton_varlen_cases.py
-CASE`` in a child process with ``TRITON_INTERPRET=1`` (as _gdn_triton_cases.py, for the same
+"""Cases of tests/ops/test_gdn_triton_varlen.py, run as ``python tests/support/gdn_triton_varlen_cases.py
+CASE`` in a child process with ``TRITON_INTERPRET=1`` (as tests/support/gdn_triton_cases.py, for the same
 reason). Prints one JSON object ``{"errors": {name: rel-L2}, "tolerance": float, ...}``.
 
 Every case packs sequences of the given lengths into ``B = 1`` and runs the Triton op with
@@ -18,7 +18,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 torch.set_num_threads(1)
 
-from _gdn_util import make_inputs, rel_l2, upcast  # noqa: E402
+from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import chunk_gated_delta_rule_triton  # noqa: E402
 
@@ -26,7 +26,7 @@ NAMES = ("q", "k", "v", "g", "beta")
 STATE = "initial_state"
 
 # (lengths, H, HV, K, V, dtype, num_segments, initial_state, l2norm, cu_seqlens dtype, tolerance)
-# fp32 at the bound of the dense fp32 cases of _gdn_triton_cases.py (1e-5), bf16 at theirs
+# fp32 at the bound of the dense fp32 cases of tests/support/gdn_triton_cases.py (1e-5), bf16 at theirs
 # (4e-2: the interpreter truncates fp32 -> bf16 casts). num_segments 1: one scan segment per
 # sequence (no summaries); 2 and 3: the longest sequences are cut into segments whose summaries
 # are chained per sequence (and an empty sequence keeps its initial state).

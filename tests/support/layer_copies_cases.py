@@ -4,17 +4,11 @@ benchmarks/layer_copies.py's CopyCounter."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("layer_copies", ROOT / "benchmarks" / "layer_copies.py")
-layer_copies = importlib.util.module_from_spec(_spec)
-sys.modules["layer_copies"] = layer_copies
-_spec.loader.exec_module(layer_copies)
+from benchmarks import layer_copies
 
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet  # noqa: E402
 
@@ -71,6 +65,6 @@ def main(conv_backends: tuple[str, ...] = ("triton", "torch")) -> None:
 
 
 if __name__ == "__main__":
-    # ``python _layer_copies_cases.py [triton|torch ...]``: the conv backends to check (default
+    # ``python tests/support/layer_copies_cases.py [triton|torch ...]``: the conv backends to check (default
     # both; the test runs one child per backend, side by side)
     sys.exit(main(tuple(sys.argv[1:]) or ("triton", "torch")))

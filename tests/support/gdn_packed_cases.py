@@ -1,7 +1,7 @@
 """Cases of tests/layers/test_gdn_packed.py under the Triton interpreter, run as ``python
-_gdn_packed_cases.py`` in a child process with ``TRITON_INTERPRET=1`` (triton reads it when the
+tests/support/gdn_packed_cases.py`` in a child process with ``TRITON_INTERPRET=1`` (triton reads it when the
 kernels are first imported; a child keeps it out of other test files). Prints one line
-``RESULT {case: {name: rel-L2}}``, each against the documents run alone (``_packed_ref.py``):
+``RESULT {case: {name: rel-L2}}``, each against the documents run alone (``tests.support.packed_ref``):
 
 * ``conv_*``: the Triton conv with ``doc_positions`` (y, dx, dweight, d_left) against the
   ``F.conv1d`` conv of each segment alone on the float64 inputs;
@@ -21,7 +21,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 torch.set_num_threads(1)
 
-from _packed_ref import (conv_per_document, layer_packed_vs_alone,  # noqa: E402
+from tests.support.packed_ref import (conv_per_document, layer_packed_vs_alone,  # noqa: E402
                          reference_layer, slow_decay)
 from overlap_runtime.layers import GatedDeltaNet, document_positions  # noqa: E402
 from overlap_runtime.ops.causal_conv import causal_conv_silu_triton  # noqa: E402

@@ -1,5 +1,5 @@
 """Independent references for packed documents (tests/layers/test_gdn_packed.py and its Triton
-cases in ``_gdn_packed_cases.py``): every document run ALONE, never the packed path's masks.
+cases in ``tests.support.gdn_packed_cases``): every document run ALONE, never the packed path's masks.
 
 * :func:`conv_per_document`: the ``F.conv1d`` conv (``layers.elementwise.causal_conv_silu``) on
   each segment of each row alone, from zero padding, or from ``left`` for a first segment whose
@@ -84,7 +84,7 @@ def layer_packed_vs_alone(layer: GatedDeltaNet, ref: GatedDeltaNet, hidden: torc
 def slow_decay(layer: GatedDeltaNet) -> GatedDeltaNet:
     """Slow decay (``exp(g)`` about 0.97-0.9995 per token; the default init forgets within a few
     tokens) so a state leaking across a document start would show, and a non-trivial norm
-    weight; as tests/context_parallel/_gdn_cp_util.py. Also keeps the decay parameters'
+    weight; as tests/support/gdn_cp.py. Also keeps the decay parameters'
     gradients (sums over tokens) away from cancellation, where fp32 rounding of the GDN
     backends' different summation orders would dominate their rel-L2. Returns the layer."""
     with torch.no_grad():

@@ -26,7 +26,7 @@ from overlap_runtime.context_parallel.varlen_attention import (
 from overlap_runtime.ops.attention import attention
 from overlap_runtime.testing import rel_l2
 
-from _gdn_cp_util import HEAD_DIM, HIDDEN, make_module
+from tests.support.gdn_cp import HEAD_DIM, HIDDEN, make_module
 
 Case = tuple[int, int, list[int]]
 

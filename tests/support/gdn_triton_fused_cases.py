@@ -1,5 +1,5 @@
-"""Cases of tests/ops/test_gdn_triton_fused.py, run as ``python _gdn_triton_fused_cases.py
-CASE`` in a child process with ``TRITON_INTERPRET=1`` (as _gdn_triton_cases.py, for the same
+"""Cases of tests/ops/test_gdn_triton_fused.py, run as ``python tests/support/gdn_triton_fused_cases.py
+CASE`` in a child process with ``TRITON_INTERPRET=1`` (as tests/support/gdn_triton_cases.py, for the same
 reason). Prints ``RESULT {"errors": {name: rel-L2}, "tolerance": float, ...}``.
 
 The fused forward (ops/gdn/triton/fused_fwd.py) against the float64 token recurrence (run per
@@ -19,7 +19,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 torch.set_num_threads(1)
 
-from _gdn_util import make_inputs, rel_l2, upcast  # noqa: E402
+from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
     chunk_gated_delta_rule_triton, gdn_forward)

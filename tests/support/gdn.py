@@ -17,14 +17,26 @@ import torch.nn.functional as F
 
 from overlap_runtime.testing import rel_l2  # noqa: F401  (re-exported for the GDN tests)
 
-_HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _interpreter_env() -> dict[str, str]:
+def interpreter_env() -> dict[str, str]:
+    """The environment of a Triton-interpreter child: ``TRITON_INTERPRET=1``, one thread, and
+    the repository root on ``PYTHONPATH`` (the child imports ``tests.support``)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_HERE), str(_HERE.parents[1]),
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
+
+
+def support_command(module: str, *args: str) -> list[str]:
+    """``python -m tests.support.<module> *args``: run it with ``cwd=ROOT``."""
+    return [sys.executable, "-m", f"tests.support.{module}", *args]
+
+
+def _default_workers() -> int:
+    """Two children at a time fill the two CI cores; under pytest-xdist each worker process
+    already holds a core, so each runs its children one at a time."""
+    return 1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2
 
 
 def _result(script: str, args: tuple[str, ...], returncode: int, stdout: str, stderr: str
@@ -35,26 +47,27 @@ def _result(script: str, args: tuple[str, ...], returncode: int, stdout: str, st
 
 
 def run_interpreted(script: str, *args: str, timeout_s: float = 300) -> dict:
-    """Run ``tests/ops/<script> *args`` in a child process with ``TRITON_INTERPRET=1`` (triton
+    """Run ``python -m tests.support.<script> *args`` in a child process with ``TRITON_INTERPRET=1`` (triton
     reads it when the kernels are first imported, so it must be set before) and return the dict
     of its last ``RESULT <json>`` line; a failing child fails the test with its output."""
-    proc = subprocess.run([sys.executable, str(_HERE / script), *args], env=_interpreter_env(),
-                          capture_output=True, text=True, timeout=timeout_s, cwd=str(_HERE))
+    proc = subprocess.run(support_command(script, *args), env=interpreter_env(),
+                          capture_output=True, text=True, timeout=timeout_s, cwd=str(ROOT))
     return _result(script, args, proc.returncode, proc.stdout, proc.stderr)
 
 
 class InterpretedCases:
     """The interpreter children of one test module's cases, run two at a time.
 
-    ``start(cases)`` launches ``tests/ops/<script> <case>`` for each case, at most ``workers``
-    at once (each child is single-threaded and the Triton interpreter is CPU-bound, so two
-    children use the CI machine's two cores while the test process waits); ``result(case)``
+    ``start(cases)`` launches ``python -m tests.support.<script> <case>`` for each case, at
+    most ``workers`` at once (each child is single-threaded and the Triton interpreter is
+    CPU-bound: see :func:`_default_workers`); ``result(case)``
     returns that child's ``RESULT`` dict as :func:`run_interpreted` does, running the case now
     if it was not started. Every wait is bounded by ``timeout_s`` per child (a child past it is
     killed and the test fails naming the case)."""
 
-    def __init__(self, script: str, timeout_s: float = 300, workers: int = 2) -> None:
-        self.script, self.timeout_s, self.workers = script, timeout_s, workers
+    def __init__(self, script: str, timeout_s: float = 300, workers: int | None = None) -> None:
+        self.script, self.timeout_s = script, timeout_s
+        self.workers = _default_workers() if workers is None else workers
         self._queue: list[str] = []
         self._running: dict[str, tuple[subprocess.Popen, float]] = {}
         self._done: dict[str, tuple[int, str, str]] = {}
@@ -67,9 +80,9 @@ class InterpretedCases:
     def _fill(self) -> None:
         while self._queue and len(self._running) < self.workers:
             case = self._queue.pop(0)
-            proc = subprocess.Popen([sys.executable, str(_HERE / self.script), case],
-                                    env=_interpreter_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=str(_HERE))
+            proc = subprocess.Popen(support_command(self.script, case),
+                                    env=interpreter_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
             self._running[case] = (proc, time.monotonic())
 
     def _finish(self, case: str) -> None:

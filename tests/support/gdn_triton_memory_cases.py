@@ -1,5 +1,5 @@
-"""Cases of tests/ops/test_gdn_triton_memory.py, run as ``python _gdn_triton_memory_cases.py
-CASE`` in a child process with ``TRITON_INTERPRET=1`` (as _gdn_triton_cases.py, for the same
+"""Cases of tests/ops/test_gdn_triton_memory.py, run as ``python tests/support/gdn_triton_memory_cases.py
+CASE`` in a child process with ``TRITON_INTERPRET=1`` (as tests/support/gdn_triton_cases.py, for the same
 reason). Prints one JSON object per case.
 
 ``all``, per config: what the autograd Function keeps for backward (``grad_fn.saved_tensors``)
@@ -21,7 +21,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 torch.set_num_threads(1)
 
-from _gdn_util import make_inputs, rel_l2, upcast  # noqa: E402
+from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn import GDNKernelOptions, chunk_gated_delta_rule  # noqa: E402
 from overlap_runtime.ops.gdn.triton import function as fn  # noqa: E402
 
