@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gdn_chain_step import predict_chain
+from benchmarks.gdn_chain_step import predict_chain
 from overlap_runtime.context_parallel.gdn.step_costs import GDN_P2P_FUSED_NODE_KINDS
 from overlap_runtime.ops.gdn.state_link import StateLink
 

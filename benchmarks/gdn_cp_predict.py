@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from gdn_chain_step import predict_chain
+from benchmarks.gdn_chain_step import predict_chain
 from overlap_runtime.ops.gdn import (
     apply_summary,
     apply_summary_backward,

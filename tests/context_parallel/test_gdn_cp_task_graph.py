@@ -3,20 +3,17 @@ with node costs (``gdn.step_costs``): validation and the simulator against the a
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.step_configs import gdn_chain_config  # noqa: E402
+from tests.support.step_configs import gdn_chain_config
 
-from overlap_runtime.context_parallel.gdn.step_costs import (  # noqa: E402
+from overlap_runtime.context_parallel.gdn.step_costs import (
     GDN_P2P_NODE_KINDS,
     chain_op_seconds,
 )
-from overlap_runtime.stepgraph.compose import compile_step  # noqa: E402
-from overlap_runtime.stepgraph.pricing import predict_priced  # noqa: E402
+from overlap_runtime.stepgraph.compose import compile_step
+from overlap_runtime.stepgraph.pricing import predict_priced
 
 
 def _chain_messages(step, name: str) -> list:

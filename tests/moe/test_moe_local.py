@@ -154,8 +154,7 @@ def _compiled(**kw):  # a compiled step of a small MoE config (tests/support/ste
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from support.step_configs import moe_config
+    from tests.support.step_configs import moe_config
 
     from overlap_runtime.stepgraph.compose import compile_step
 

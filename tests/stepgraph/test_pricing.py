@@ -3,18 +3,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.step_configs import moe_config  # noqa: E402
+from tests.support.step_configs import moe_config
 
-from overlap_runtime.graph.tasks import Task  # noqa: E402
-from overlap_runtime.stepgraph.compose import compile_step  # noqa: E402
-from overlap_runtime.stepgraph.layer_program import LayerOp  # noqa: E402
-from overlap_runtime.stepgraph.pricing import by_op_name, predict_priced, price_step  # noqa: E402
+from overlap_runtime.graph.tasks import Task
+from overlap_runtime.stepgraph.compose import compile_step
+from overlap_runtime.stepgraph.layer_program import LayerOp
+from overlap_runtime.stepgraph.pricing import by_op_name, predict_priced, price_step
 
 
 def test_every_op_of_an_overlap_b_f_step_is_tagged_with_its_side() -> None:

@@ -83,8 +83,7 @@ def predict_job(cfg: PPEPConfig, baseline_events: list[Any]) -> dict[str, Any]:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from support.step_configs import moe_config
+    from tests.support.step_configs import moe_config
 
     from overlap_runtime.graph import chrome_trace
     from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
