@@ -101,7 +101,8 @@ class Package:
         self.function_level: list[tuple[str, int, str]] = []
         for mod, tree in self.trees.items():
             package = mod if is_pkg[mod] else mod.rpartition(".")[0]
-            targets = [f"{package}.{sub}" for sub in _lazy_targets(tree)]
+            targets = [sub if sub.startswith(PACKAGE + ".") else f"{package}.{sub}"
+                       for sub in _lazy_targets(tree)]
             for node, in_function in _imports(tree):
                 found = self._targets(node, package, modules)
                 own = [t for t in found if t.split(".")[0] == PACKAGE]

@@ -130,7 +130,7 @@ def load_demo_config(path: str | None, steps: int | None = None, pp: int | None 
     """The validated ``TrainConfig`` of the demo: ``path`` (None: the embedded default) with the
     command line's overrides; every size is checked here, before any rank starts.
 
-    ``sets`` are ``--set DOTTED.FIELD=VALUE`` assignments (``trainer.config.apply_overrides``),
+    ``sets`` are ``--set DOTTED.FIELD=VALUE`` assignments (``config.train.apply_overrides``),
     applied first; ``steps`` sets ``train.steps``; ``pp`` / ``ep`` set those degrees, ``dp_shard =
     ep`` (EP over the whole data-parallel dimension) and the world size to ``pp x dp_replicate x
     ep x cp``. Everything is validated once, together, by the trainer's rules. ``timeout_s``
@@ -142,7 +142,7 @@ def load_demo_config(path: str | None, steps: int | None = None, pp: int | None 
     """
     import yaml
 
-    from overlap_runtime.trainer.config import (ConfigError, apply_overrides, config_from_dict,
+    from overlap_runtime.config.train import (ConfigError, apply_overrides, config_from_dict,
                                                 load_config)
 
     if path is None:
@@ -250,7 +250,7 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
     device = torch.device(device)
     world, rank = dist.get_world_size(), dist.get_rank()
     # sizes and coordinates only: train_distributed checks the world size and builds the meshes
-    dims = config.train.accelerator.parallel_dims()
+    dims = config.train.accelerator.layout()
     coords = dims.coordinates(rank)
 
     runs: dict[str, dict[str, Any]] = {}
@@ -313,7 +313,7 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
 def _spawned_rank(rank: int, world: int, config_dict: dict[str, Any],
                   timeout_s: float) -> dict[str, Any] | None:
     """Entry point of a spawned rank."""
-    from overlap_runtime.trainer.config import config_from_dict
+    from overlap_runtime.config.train import config_from_dict
 
     config = config_from_dict(config_dict)
     return demo_rank(config, config.train.accelerator.device, timeout_s)
@@ -344,10 +344,10 @@ def print_header(config: Any, label: str, how: str) -> None:
     from overlap_runtime.graph import format_grid
     from overlap_runtime.models.pipeline_split import split_layers
     from overlap_runtime.schedules import compile_spec
-    from overlap_runtime.trainer.config import schedule_spec
+    from overlap_runtime.config.train import schedule_spec
 
     m, acc, pl = config.model, config.train.accelerator, config.train.pipeline
-    dims = acc.parallel_dims()
+    dims = acc.layout()
     types = m.layer_types
     n_gdn = types.count("linear_attention")
     shared = " + a shared expert" if m.shared_expert_intermediate_size else ""
@@ -447,7 +447,7 @@ def print_report(report: dict[str, Any], out: str, wall_s: float) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from overlap_runtime.launch import check_world, launched_by_torchrun
-    from overlap_runtime.trainer.config import ConfigError
+    from overlap_runtime.config.train import ConfigError
 
     if not args.timeout > 0:
         print(f"error: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)

@@ -95,7 +95,7 @@ def parallelize_qwen3_5_cp(
             ``"ring"``, ``"all_gather_kv"`` or ``"hierarchical"``
             (needs ``hierarchical_cp_mesh``); always contiguous.
         timeout_s: bound on every CP communication wait (None: the comm default).
-        layer_modes: one mode per decoder layer (``trainer.cp_config.layer_cp_modes``: a GDN
+        layer_modes: one mode per decoder layer (``config.cp.layer_cp_modes``: a GDN
             mode for a ``linear_attention`` layer, an attention mode for a ``full_attention``
             one); None: the two scalar modes above for every layer of their kind.
         hierarchical_cp_mesh: the 2-D ``("cp_ring", "cp_a2a")`` mesh of ``cp_mesh``

@@ -113,7 +113,7 @@ def _flops_qwen3_5(config: Any, seq_len: int, tokens: int) -> float:
 def _builtin() -> None:
     if "qwen3_5" in _SPECS:
         return
-    from overlap_runtime.models.hf.config import config_from_hf, hf_config_from
+    from overlap_runtime.config.hf import config_from_hf, hf_config_from
     from overlap_runtime.models.hf.load import load_hf_weights
     from overlap_runtime.models.parallelize import (apply_fsdp, parallelize_qwen3_5_cp,
                                                     parallelize_qwen3_5_ep)

@@ -6,7 +6,7 @@ every rank of the layout, validated deadlock-free), ``record`` / ``conformance``
 ran, per rank, checked against the graph; the recorder itself is ``ops.step_record``).
 
 May import: ``graph``, ``models`` (lazily, the layer split), the trainer's configuration
-(``trainer.config``, ``trainer.cp_config``; the same layer as ``trainer``, which validates and checks through this
+(``config.train``, ``config.cp``; the same layer as ``trainer``, which validates and checks through this
 package), the standard library. No torch.distributed: it runs at any scale without ranks.
 """
 

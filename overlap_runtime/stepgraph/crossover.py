@@ -22,10 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Literal
 
+from overlap_runtime.config.train import config_from_dict
+
 from .costs import MachineProfile
+from .scale import predict_at_scale
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import TrainConfig
+    from overlap_runtime.config.train import TrainConfig
 
 __all__ = ["ATTENTION_MODES", "GDN_MODES", "LayerKind", "ModePrediction", "crossover_cp",
            "layer_config", "predict_grid", "predict_mode", "winner"]
@@ -54,8 +57,6 @@ def layer_config(base: "TrainConfig", kind: LayerKind, mode: str, cp: int, local
                  a2a: int | None = None) -> "TrainConfig":
     """The one-layer model of ``base`` running ``mode`` on ``cp`` ranks of ``local_len`` tokens
     (validated like ``train``: a refused combination raises the configuration's ValueError)."""
-    from overlap_runtime.trainer.config import config_from_dict
-
     if kind not in _MODES:
         raise ValueError(f"kind={kind!r}: one of {sorted(_MODES)}")
     if mode not in _MODES[kind]:
@@ -95,8 +96,6 @@ def predict_mode(base: "TrainConfig", kind: LayerKind, mode: str, cp: int, local
                  profile: MachineProfile) -> ModePrediction:
     """One layer's predicted forward + backward (module doc); a refused mode is a row with
     ``refused`` set to the configuration's message."""
-    from .scale import predict_at_scale
-
     splits: list[int | None] = _splits(cp, profile.gpus_per_node) if mode == "hierarchical" \
         else [None]
     if not splits:

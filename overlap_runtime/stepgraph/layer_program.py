@@ -10,7 +10,7 @@ on the wire and the FLOPs of a compute op, as functions of the microbatch shape
 (:class:`MicrobatchShape`). Pure Python: no torch, no process group; the step graph
 (``stepgraph.compose``) and the simulator build on it.
 
-Each layer's mode is its own (``trainer.cp_config.layer_cp_modes``: the per-layer lists, or the
+Each layer's mode is its own (``config.cp.layer_cp_modes``: the per-layer lists, or the
 scalar modes). Read from the code (``context_parallel/*``, ``moe/dispatcher.py``; the conformance checker of
 ``stepgraph.conformance`` compares a recorded run with it, so a drift fails the tests):
 
@@ -56,8 +56,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
+from overlap_runtime.config.cp import layer_cp_modes
+
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import TrainConfig
+    from overlap_runtime.config.train import TrainConfig
 
 __all__ = ["Direction", "GroupName", "LayerOp", "MicrobatchShape", "OpKind", "layer_program",
            "microbatch_shape", "stage_program"]
@@ -146,9 +148,7 @@ def _p2p(name: str, kind: OpKind, peer: int, nbytes: int, group: GroupName = "cp
 
 def layer_mode(config: "TrainConfig", layer: int) -> str:
     """The CP mode of decoder layer ``layer`` (its kind's per-layer list entry, or the scalar
-    mode: ``trainer.cp_config.layer_cp_modes``)."""
-    from overlap_runtime.trainer.cp_config import layer_cp_modes
-
+    mode: ``config.cp.layer_cp_modes``)."""
     return layer_cp_modes(config.train.accelerator, config.model.layer_types)[layer]
 
 

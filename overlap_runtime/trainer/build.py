@@ -42,8 +42,8 @@ from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from overlap_runtime.models.spec import get_model_spec
 from overlap_runtime.moe import MoE
 from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S
-from overlap_runtime.trainer.config import TrainConfig, schedule_spec
-from overlap_runtime.trainer.cp_config import layer_cp_modes
+from overlap_runtime.config.train import TrainConfig, schedule_spec
+from overlap_runtime.config.cp import layer_cp_modes
 from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:

@@ -87,7 +87,7 @@ def _config(args: argparse.Namespace) -> Any:
     """The validated configuration with the command line's overrides; any problem (a field, a
     device count, a half-set torchrun environment) is a ConfigError."""
     from overlap_runtime.launch import check_world, launched_by_torchrun
-    from overlap_runtime.trainer.config import ConfigError, apply_overrides, load_config
+    from overlap_runtime.config.train import ConfigError, apply_overrides, load_config
 
     try:
         config = load_config(args.config)
@@ -119,8 +119,8 @@ def _check_before_ranks(config: Any, metrics_path: str | None,
     from overlap_runtime.trainer.checkpoint import (CheckpointError, checkpoint_step,
                                                     resolve_resume)
     from overlap_runtime.trainer.ckpt_lock import check_unlocked
-    from overlap_runtime.trainer.config import ConfigError
-    from overlap_runtime.trainer.config_run import check_output_path
+    from overlap_runtime.config.train import ConfigError
+    from overlap_runtime.config.run import check_output_path
     from overlap_runtime.trainer.documents import check_first_records
 
     if metrics_path:
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from overlap_runtime.launch import launched_by_torchrun
-    from overlap_runtime.trainer.cp_config import describe_cp_modes
+    from overlap_runtime.config.cp import describe_cp_modes
     from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
 
     config = _config(args)
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     _check_before_ranks(config, metrics_path)
-    dims = acc.parallel_dims()
+    dims = acc.layout()
     print(f"spawning {acc.resolved_world_size} {acc.device} ranks: {dims.describe()}, "
           f"dp={dims.dp}, cp modes (GDN/attention or per layer)="
           f"{describe_cp_modes(acc, config.model.layer_types)}"

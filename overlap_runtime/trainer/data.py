@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from overlap_runtime.trainer.batch import Batch, Packing, make_batch
-from overlap_runtime.trainer.byte_tokenizer import (BOS_ID, EOS_ID, PAD_ID, SEP_ID,
+from overlap_runtime.config.byte_tokenizer import (BOS_ID, EOS_ID, PAD_ID, SEP_ID,
                                                     SPECIAL_TOKENS, VOCAB_SIZE, ByteTokenizer)
 from overlap_runtime.trainer.data_state import StepPositionState
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import DataConfig
+    from overlap_runtime.config.train import DataConfig
 
 __all__ = [
     "BOS_ID",

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overlap_runtime.models.hf.config import HFConfigError
+    from overlap_runtime.config.hf import HFConfigError
     from overlap_runtime.trainer.hf_export import CheckpointError, ExportError, export_checkpoint
 
     try:

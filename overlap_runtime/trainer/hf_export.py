@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from overlap_runtime.models.hf.config import hf_config_from
+from overlap_runtime.config.hf import hf_config_from
 from overlap_runtime.trainer.ckpt_reader import SafeFileSystemReader, SafeLoadPlanner
 from overlap_runtime.trainer.errors import CheckpointError
 from overlap_runtime.trainer.manifest import verify_checkpoint

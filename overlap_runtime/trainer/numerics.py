@@ -42,7 +42,7 @@ from torch import nn
 
 from overlap_runtime.testing import rel_l2
 from overlap_runtime.trainer.build import build_model, build_parallel_model, ce_sum
-from overlap_runtime.trainer.config import TrainConfig
+from overlap_runtime.config.train import TrainConfig
 from overlap_runtime.trainer.data import build_dataset
 
 if TYPE_CHECKING:
@@ -187,8 +187,8 @@ def distributed_gradients(config: TrainConfig, weights: Weights | None, step: in
     _check_layout(config)
     device = torch.device(device)
     acc = config.train.accelerator
-    dims: ParallelDims = acc.model_copy(update={"world_size": dist.get_world_size()}
-                                        ).parallel_dims()
+    dims = ParallelDims.of(acc.model_copy(update={"world_size": dist.get_world_size()}
+                                           ).layout())
     dims.build_meshes(device.type)
     coords = dims.coordinates(dist.get_rank())
     pm = build_parallel_model(config, dims, device, coords["pp"])

@@ -39,7 +39,7 @@ class StepCheck:
         t = config.train
         if t.validate_step_graph or t.check_conformance:
             from overlap_runtime.stepgraph.compose import compile_step, estimate_tasks
-            from overlap_runtime.trainer.config import ConfigError
+            from overlap_runtime.config.train import ConfigError
 
             n = estimate_tasks(config)
             if n > t.step_graph_max_tasks:

@@ -9,6 +9,8 @@
 - Lower never imports higher: every import goes down (or sideways inside one layer) the layer
   map of docs/architecture.md, written out as :data:`LAYERS`.
 - Every package ``__init__`` docstring says what the package may import.
+- The configuration floor ``config/`` reaches no module that imports ``torch.distributed``;
+  ``stepgraph/`` reaches none either, and no ``trainer`` module (it sits below the trainer).
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ def _import_graph_of(root: Path) -> tuple[nx.DiGraph, dict[str, set[str]]]:
     external: dict[str, set[str]] = {m: set() for m in modules}
     for mod, tree in trees.items():
         package = mod if is_pkg[mod] else mod.rpartition(".")[0]
-        targets: list[str] = [f"{package}.{sub}" for sub in _lazy_targets(tree)]
+        targets: list[str] = [sub if sub.startswith("overlap_runtime.") else f"{package}.{sub}"
+                                for sub in _lazy_targets(tree)]
         for node in _import_nodes(tree):
             if isinstance(node, ast.Import):
                 targets += [alias.name for alias in node.names]
@@ -173,6 +176,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("overlap_runtime.ops",),
     ("overlap_runtime.graph",),
     ("overlap_runtime.schedules",),
+    ("overlap_runtime.config",),
     ("overlap_runtime.pipeline",),
     ("overlap_runtime.coordinator",),
     ("overlap_runtime.layers",),
@@ -240,6 +244,52 @@ def test_schedules_reach_no_torch_distributed_and_not_the_runtime() -> None:
                  for m in reached}
     assert not {m: x for m, x in offenders.items() if x}, offenders
     assert "overlap_runtime.graph.task_graph" in reached  # the walk does follow imports
+
+
+def _reach(package: str) -> tuple[set[str], dict[str, set[str]]]:
+    """Every module the modules of ``package`` reach (themselves included), importing a module
+    counting as importing its parent packages too (Python runs them first)."""
+    graph, external = import_graph()
+    graph = graph.copy()
+    for mod in list(graph):
+        for i in range(1, mod.count(".") + 1):
+            parent = mod.rsplit(".", i)[0]
+            if parent in graph and parent != "overlap_runtime":
+                for u in list(graph.predecessors(mod)):
+                    if u != parent:
+                        graph.add_edge(u, parent)
+    start = [m for m in graph if _in(m, package)]
+    return set(start).union(*(nx.descendants(graph, m) for m in start)), external
+
+
+def _distributed(reached: set[str], external: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m in reached if any(
+        x == "torch.distributed" or x.startswith("torch.distributed.") for x in external[m]))
+
+
+def test_config_floor_reaches_no_torch_distributed() -> None:
+    reached, external = _reach("overlap_runtime.config")
+    assert "overlap_runtime.config.train" in reached  # the floor is there and walked
+    assert not _distributed(reached, external), _distributed(reached, external)
+    higher = sorted(m for m in reached if layer_of(m) > layer_of("overlap_runtime.config"))
+    assert not higher, higher
+
+
+def test_stepgraph_reaches_no_trainer_and_no_torch_distributed() -> None:
+    reached, external = _reach("overlap_runtime.stepgraph")
+    assert "overlap_runtime.config.train" in reached  # it reads the configuration floor
+    assert not _distributed(reached, external), _distributed(reached, external)
+    trainer = sorted(m for m in reached if _in(m, "overlap_runtime.trainer"))
+    assert not trainer, trainer
+
+
+def test_the_reach_sees_parent_packages_and_function_level_imports() -> None:
+    """A module reached through a function-level import, or a parent package run by an import
+    of its submodule, counts (the walk on the real package: the trainer's loop reaches
+    ``torch.distributed``; ``ops.comm``'s package runs when a submodule is imported)."""
+    reached, external = _reach("overlap_runtime.trainer.loop")
+    assert _distributed(reached, external)
+    assert "overlap_runtime.ops.comm" in reached
 
 
 # Loading these runs code chosen by whoever wrote the bytes; the pipeline runtime reads bytes

@@ -24,6 +24,7 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, MixerInputs, check_layer_inputs
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.gdn import GDNKernelOptions
+from overlap_runtime.ops.gdn.options import TRITON_CHUNK
 
 __all__ = [
     "GDNCPPlan",
@@ -35,10 +36,6 @@ __all__ = [
     "check_ranks_agree_on_call",
     "TRITON_CHUNK",
 ]
-
-#: The Triton backend's chunk length; with it every rank's shard must be whole chunks.
-TRITON_CHUNK = 64
-
 
 @dataclass(frozen=True)
 class GDNCPPlan:
