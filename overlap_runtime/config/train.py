@@ -509,8 +509,9 @@ def _gdn_length_problems(config: "TrainConfig") -> list[str]:
                 f"tokens per CP rank")
     out: list[str] = []
     halo = m.linear_conv_kernel_dim - 1
+    gdn_names = cp_mode_names("linear_attention")  # an unknown name has its own error
     halo_modes = sorted(mode for mode in modes_of_kind(acc, "linear_attention")
-                        if get_cp_mode("linear_attention", mode).halo)
+                        if mode in gdn_names and get_cp_mode("linear_attention", mode).halo)
     if halo_modes and local < halo:
         # a head-split mode gathers the whole sequence before the conv; the others pass a halo
         out.append(f"{per_rank} is shorter than the GDN conv halo model.linear_conv_kernel_dim "
