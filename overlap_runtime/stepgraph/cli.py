@@ -21,12 +21,6 @@ import json
 import sys
 from dataclasses import replace
 
-from overlap_runtime.config.hf import ARCHITECTURE_FIELDS
-from overlap_runtime.config.train import apply_overrides, config_from_dict, load_config
-
-from .costs import h200_profile
-from .scale import predict_at_scale
-
 __all__ = ["add_arguments", "run"]
 
 PROFILES = ("h200",)
@@ -53,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _profile(args: argparse.Namespace):  # noqa: ANN202
+    from .costs import h200_profile  # the command's dependencies load when it runs (fast --help)
+
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
     if not args.compute_scale > 0:
@@ -66,12 +62,19 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202
 def _with_hf_model(config, path: str):  # noqa: ANN001, ANN202
     """``config`` with the architecture of the Hugging Face config at ``path`` (the YAML's
     architecture fields dropped; its backends and kernel choices kept)."""
+    from overlap_runtime.config.hf import ARCHITECTURE_FIELDS
+    from overlap_runtime.config.train import config_from_dict
+
     data = config.model_dump(mode="json", exclude_unset=True)
     model = {k: v for k, v in data.get("model", {}).items() if k not in ARCHITECTURE_FIELDS}
     return config_from_dict({**data, "model": {**model, "init_from": path}}, f"--model {path}")
 
 
 def run(args: argparse.Namespace) -> int:
+    from overlap_runtime.config.train import apply_overrides, load_config
+
+    from .scale import predict_at_scale
+
     try:
         config = load_config(args.config)
         if args.model:
