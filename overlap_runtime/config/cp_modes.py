@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from overlap_runtime.ops.gdn.options import GDNKernelOptions
 
-__all__ = ["CPMode", "cp_mode_names", "get_cp_mode", "register_cp_mode",
+__all__ = ["CPMode", "cp_mode_names", "get_cp_mode", "register_cp_mode", "unregister_cp_mode",
            "GDN_ULYSSES", "GDN_P2P", "GDN_ALL_GATHER", "GDN_PREFIX_SCAN", "DEFAULT_GDN_CP_MODE",
            "ATTN_ULYSSES", "ATTN_RING", "ATTN_ALL_GATHER_KV", "ATTN_HIERARCHICAL",
            "DEFAULT_ATTENTION_CP_MODE", "kernel_option_problems"]
@@ -41,6 +41,8 @@ class CPMode:
         halo: each rank receives the previous rank's conv halo (GDN modes).
         head_split: heads are split over the CP ranks (Ulysses): the head counts must divide.
         triton_min_segments: least Triton scan segments per rank its state link needs.
+        passes_state: an fp32 state from the other ranks enters the local GDN op (the Triton
+            capability check then includes an initial state).
         strategy: the layer strategy of a mode registered from outside the package: a callable
             ``(plan) -> mixer`` (a ``ContextParallelGDNMixer`` subclass); None for built-ins.
         program: its layer program: ``(config, shape, cp_rank, forward_ops | None) -> ops``,
@@ -54,6 +56,7 @@ class CPMode:
     halo: bool = False
     head_split: bool = False
     triton_min_segments: int = 1
+    passes_state: bool = False
     strategy: Callable[[Any], Any] | None = None
     program: Callable[..., list[Any]] | None = None
 
@@ -84,6 +87,14 @@ def register_cp_mode(mode: CPMode) -> CPMode:
     return mode
 
 
+def unregister_cp_mode(layer_type: str, name: str) -> None:
+    """Remove a mode registered with :func:`register_cp_mode` (a built-in raises ValueError)."""
+    mode = get_cp_mode(layer_type, name)
+    if mode.strategy is None:
+        raise ValueError(f"the built-in {layer_type} CP mode {name!r} cannot be removed")
+    del _REGISTRY[(layer_type, name)]
+
+
 def get_cp_mode(layer_type: str, name: str) -> CPMode:
     """The entry of ``name`` for ``layer_type``; ValueError naming the known names."""
     try:
@@ -100,10 +111,12 @@ def cp_mode_names(layer_type: str) -> tuple[str, ...]:
 
 _BUILTINS_DONE = False
 GDN_ULYSSES = register_cp_mode(CPMode("ulysses", "linear_attention", head_split=True))
-GDN_P2P = register_cp_mode(CPMode("p2p", "linear_attention", halo=True, triton_min_segments=2))
-GDN_ALL_GATHER = register_cp_mode(CPMode("all_gather", "linear_attention", halo=True))
+GDN_P2P = register_cp_mode(CPMode("p2p", "linear_attention", halo=True, triton_min_segments=2,
+                                  passes_state=True))
+GDN_ALL_GATHER = register_cp_mode(CPMode("all_gather", "linear_attention", halo=True,
+                                         passes_state=True))
 GDN_PREFIX_SCAN = register_cp_mode(CPMode("prefix_scan", "linear_attention", halo=True,
-                                          triton_min_segments=2))
+                                          triton_min_segments=2, passes_state=True))
 ATTN_ULYSSES = register_cp_mode(CPMode("ulysses", "full_attention", head_split=True))
 ATTN_RING = register_cp_mode(CPMode("ring", "full_attention"))
 ATTN_ALL_GATHER_KV = register_cp_mode(CPMode("all_gather_kv", "full_attention"))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlap_runtime.config.cp_modes import get_cp_mode
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, MixerInputs, check_layer_inputs
 from overlap_runtime.ops import comm
@@ -231,7 +232,7 @@ def check_backend_before_comm(layer: GatedDeltaNet, hidden: torch.Tensor, plan: 
     gb = torch.empty(1, 1, 1, dtype=gate_dtype, device=device)
     beta = torch.empty(1, 1, 1, dtype=dtype, device=device)
     state = None
-    if plan.mode in ("p2p", "all_gather", "prefix_scan"):  # H_in reaches the op as fp32
+    if get_cp_mode("linear_attention", plan.mode).passes_state:  # H_in reaches the op as fp32
         state = torch.empty(1, 1, layer.head_k_dim, layer.head_v_dim, dtype=gate_dtype,
                             device=device)
     check_triton_inputs(qk, qk, v, gb, beta, state, layer.chunk_size)
