@@ -52,6 +52,7 @@ from overlap_runtime.config.model import (KERNEL_TUNING_FIELDS, GDNKernelOptions
 from overlap_runtime.layers import GatedDeltaNet, Qwen3_5Attention, RMSNorm
 from overlap_runtime.layers.segments import document_positions
 from overlap_runtime.models.mlp import build_mlp
+from overlap_runtime.moe.pooled_aux import RouterStatsPool
 
 # the configuration classes live in the configuration floor (``config.model``); the model
 # package presents them with the modules they configure
@@ -220,8 +221,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         pool = None
         if self.config.mlp == "moe" and self.config.moe_aux_loss_pooling == "model":
-            from overlap_runtime.moe.pooled_aux import RouterStatsPool
-
             pool = RouterStatsPool(self.config.moe_aux_loss_coef)
         for layer in self.layers:
             h = layer(h, position_ids, cu_seqlens, pool)

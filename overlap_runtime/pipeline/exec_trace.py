@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_runtime.graph.intervals import WAIT_CATEGORIES, busy_intervals, measured_bubble
+from overlap_runtime.ops.comm import all_gather
 
 __all__ = ["TraceEvent", "ExecutionTrace", "gather_traces", "encode_events", "decode_events",
            "chrome_trace_events", "write_execution_trace", "measured_bubble", "busy_intervals",
@@ -103,8 +104,6 @@ def gather_traces(trace: ExecutionTrace, group: dist.ProcessGroup | None = None,
                   timeout_s: float | None = None) -> list[TraceEvent]:
     """Every rank's events of ``group``, on every rank (two bounded all-gathers of cpu tensors:
     the lengths, then the JSON bytes padded to the longest; a gloo group)."""
-    from overlap_runtime.ops.comm import all_gather
-
     with trace._lock:
         raw = encode_events(trace.events)
     payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8)

@@ -18,8 +18,13 @@ import os
 import sys
 from typing import Any
 
+from ..graph import CostModel, format_grid, format_timeline, write_chrome_trace
 from .bubbles import simulate_compute_only
+from .compile import compile_spec
+from .ir import dump_csv
 from .registry import get_schedule_kind, schedule_kinds
+from .spec import ScheduleSpec
+from .torch_csv import to_torch_csv
 
 __all__ = ["add_arguments", "run"]
 
@@ -65,11 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
-
-    from ..graph import CostModel, format_grid, format_timeline, write_chrome_trace
-    from .compile import compile_spec
-    from .ir import dump_csv
-    from .spec import ScheduleSpec
 
     for flag in ("--cost-f", "--cost-b", "--cost-i", "--cost-w", "--comm-latency"):
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -132,8 +132,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.trace}")
     if args.csv:
         if args.csv_format == "torch":
-            from .torch_csv import to_torch_csv
-
             to_torch_csv(compiled.compute, args.csv)
         else:
             dump_csv(compiled.compute, args.csv)

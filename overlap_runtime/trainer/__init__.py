@@ -10,8 +10,8 @@ single-device baseline, comparison), ``cli`` (``overlap-runtime train``). See do
 
 May import every other package of overlap_runtime (it is the top of the stack, below the CLI).
 
-The names below are loaded on first use (PEP 562): ``overlap-runtime --help`` imports
-``trainer.cli``, and with it this package, without paying for torch.
+The names below are loaded on first use (PEP 562): importing one module of the package does not
+load the others.
 """
 
 from __future__ import annotations

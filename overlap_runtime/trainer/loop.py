@@ -37,12 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_runtime import platform
+from overlap_runtime.config.cp import describe_cp_modes
+from overlap_runtime.config.train import ConfigError, TrainConfig, config_from_dict
+from overlap_runtime.launch import spawn
+from overlap_runtime.layers.compile import compile_elementwise
 from overlap_runtime.models.parallelize import parameter_count
 from overlap_runtime.ops.step_record import task_scope
 from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.checkpoint import CheckpointError, Checkpointer
-from overlap_runtime.config.train import ConfigError, TrainConfig, config_from_dict
-from overlap_runtime.config.cp import describe_cp_modes
 from overlap_runtime.trainer.data import Batch, build_dataset
 from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
@@ -318,8 +320,6 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     if config.train.precision == "bf16":
         compute = copy.deepcopy(model).to(torch.bfloat16)
     if config.train.compile:
-        from overlap_runtime.layers.compile import compile_elementwise
-
         compile_elementwise(compute)
     master_params = list(model.parameters())
     compute_params = list(compute.parameters())
@@ -470,8 +470,6 @@ def spawn_training(config: TrainConfig, quiet: bool = False,
 
     The embedded default: CPU ranks on gloo (``launch.spawn``); each rank uses one thread.
     """
-    from overlap_runtime.launch import spawn
-
     acc = config.train.accelerator
     results = spawn(rank_main, acc.resolved_world_size, args=(config.model_dump(), quiet),
                     device=acc.device, timeout_s=timeout_s)

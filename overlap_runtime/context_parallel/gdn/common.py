@@ -25,6 +25,7 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, MixerInputs, check_layer_inputs
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.gdn import GDNKernelOptions
+from overlap_runtime.ops.gdn import get_backend, validate_inputs
 from overlap_runtime.ops.gdn.options import TRITON_CHUNK
 
 __all__ = [
@@ -246,8 +247,6 @@ def check_state_passing_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     everywhere instead of leaving a peer waiting: the inputs, the backend's rules for an fp32
     incoming state (``H_in``'s dtype and layout), and a backend the mode knows (eager, triton).
     Raises, never falls back."""
-    from overlap_runtime.ops.gdn import get_backend, validate_inputs
-
     validate_inputs(q, k, v, g, beta, None, chunk_size)
     state = q.new_empty((1, 1, q.shape[-1], v.shape[-1]),
                         dtype=torch.promote_types(q.dtype, torch.float32))
