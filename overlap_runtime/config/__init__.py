@@ -10,7 +10,7 @@ profiling sections), ``data_sources`` / ``byte_tokenizer`` (data files and token
 ``data`` section names), ``yaml_io`` (strict YAML).
 
 May import: ``ops.gdn.options`` (the GDN kernel options' rules), ``schedules`` (schedule kinds
-and specs, pure), pydantic, yaml, torch (the byte tokenizer's tensors), the standard library;
+and specs, pure), ``layers.rope`` (the rotary rule; ``layers`` imports torch and ``ops`` only), pydantic, yaml, torch (the byte tokenizer's tensors), the standard library;
 optional packages (``tokenizers``, ``datasets``) only inside the function that needs them. No
 ``torch.distributed`` and nothing that imports it: ``stepgraph`` plans any scale from this
 package without a process group.

@@ -13,28 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from overlap_runtime.layers.rope import rotary_dim_for
 from overlap_runtime.ops.gdn.options import GDNKernelOptions
 
 __all__ = ["GDNKernelOptionsConfig", "KERNEL_TUNING_FIELDS", "PROVENANCE_FIELDS", "LayerType",
-           "Qwen3_5Config", "rotary_dim_for"]
-
-
-def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
-    """Rotated channels per head: ``int(head_dim * factor)``; must be even and >= 2.
-
-    Raises:
-        ValueError: naming head_dim and partial_rotary_factor when the result is odd or < 2.
-    """
-    if not 0.0 < partial_rotary_factor <= 1.0:
-        raise ValueError(f"partial_rotary_factor={partial_rotary_factor} must be in (0, 1]")
-    dim = int(head_dim * partial_rotary_factor)
-    if dim < 2 or dim % 2:
-        raise ValueError(
-            f"head_dim={head_dim} * partial_rotary_factor={partial_rotary_factor} gives "
-            f"{dim} rotary channels; it must be even and >= 2"
-        )
-    return dim
-
+           "Qwen3_5Config"]
 
 LayerType = Literal["linear_attention", "full_attention"]
 #: the decoder-layer kinds (``model.layer_types`` entries)

@@ -1,8 +1,7 @@
 """Plain model layers: Gated DeltaNet, attention, norms, RoPE, SwiGLU.
 
 The floor between ``ops`` (kernels and collectives) and the packages that parallelise or compose
-layers (``context_parallel``, ``models``). May import ``torch``, ``overlap_runtime.ops`` and ``overlap_runtime.config`` (the rotary rule)
-only.
+layers (``context_parallel``, ``models``). May import ``torch`` and ``overlap_runtime.ops`` only.
 
 Every layer runs on one device as built. Each parallel concern is one swappable strategy
 submodule on the layer, holding configuration only:

@@ -15,9 +15,24 @@ from __future__ import annotations
 
 import torch
 
-from overlap_runtime.config.model import rotary_dim_for
-
 __all__ = ["rotary_dim_for", "apply_partial_rotary", "apply_rotary"]
+
+
+def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
+    """Rotated channels per head: ``int(head_dim * factor)``; must be even and >= 2.
+
+    Raises:
+        ValueError: naming head_dim and partial_rotary_factor when the result is odd or < 2.
+    """
+    if not 0.0 < partial_rotary_factor <= 1.0:
+        raise ValueError(f"partial_rotary_factor={partial_rotary_factor} must be in (0, 1]")
+    dim = int(head_dim * partial_rotary_factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(
+            f"head_dim={head_dim} * partial_rotary_factor={partial_rotary_factor} gives "
+            f"{dim} rotary channels; it must be even and >= 2"
+        )
+    return dim
 
 
 def apply_partial_rotary(
