@@ -40,7 +40,7 @@
         linear_attention_cp_mode: prefix_scan # ulysses | p2p | all_gather | prefix_scan
         linear_attention_gdn_backend: eager   # eager | triton
         full_attention_cp_mode: ring          # ulysses | ring | all_gather_kv | hierarchical
-        hierarchical_cp: null                 # {a2a: 2, ring: 2} for hierarchical (cp_config)
+        hierarchical_cp: null                 # {a2a: 2, ring: 2} for hierarchical (config.cp)
         full_attention_cp_modes: null         # per full_attention layer, e.g. [ring, ulysses]
         linear_attention_cp_modes: null       # per GDN layer, e.g. [p2p, all_gather, p2p]
       pipeline:                   # used when accelerator.pp > 1
