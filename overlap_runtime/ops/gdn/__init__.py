@@ -11,8 +11,6 @@ May import: torch, ``overlap_runtime._lazy`` and (in ``triton/``, lazily) triton
 of ``overlap_runtime``: no communication, no layers.
 """
 
-from __future__ import annotations
-
 from ..._lazy import lazy_exports
 
 # loaded on first use: ``ops.gdn.options`` (the configuration floor reads it) must not pull in
@@ -44,3 +42,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+del lazy_exports  # the package lists its names only (``dir`` is ``__all__``)
