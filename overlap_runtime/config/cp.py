@@ -13,17 +13,17 @@
 
 A per-layer list (as Megatron's ``cp_comm_type`` list) has one entry per layer **of its kind**
 (``model.layer_types``), in layer order: entry ``i`` of ``full_attention_cp_modes`` is the
-``i``-th ``full_attention`` layer. Its names are the ones the scalar field accepts: the allowed
-names are read from the scalar field's ``Literal`` (``AcceleratorConfig``), so a mode added
-there is accepted here with no other change. A list and its scalar field set together is an
+``i``-th ``full_attention`` layer. Its names are the ones the scalar field accepts: the modes
+of that layer type registered in ``config.cp_modes``, so a mode registered there is accepted
+here with no other change. A list and its scalar field set together is an
 error (two answers for one layer). ``hierarchical_cp``: ``a2a x ring == cp``, both ``>= 2``
-(``context_parallel.hierarchical.check_hierarchical_degrees``); set without a hierarchical
+(:func:`check_hierarchical_degrees`); set without a hierarchical
 layer it is an error too (it would be silently unused).
 
 Every rule is checked at load (:func:`cp_mode_problems`, called by ``TrainConfig``) and the
 messages name the fields; with cp > 1 that includes ``model.gdn_kernel_options`` against each
-GDN layer's mode and ``linear_attention_gdn_backend`` (the rules
-``LinearAttentionContextParallel.apply`` checks). :func:`layer_cp_modes` is what the model
+GDN layer's mode and ``linear_attention_gdn_backend`` (``config.cp_modes.
+kernel_option_problems``: the rules ``LinearAttentionContextParallel.apply`` checks). :func:`layer_cp_modes` is what the model
 build and the step graph read: each decoder layer's own mode.
 """
 
