@@ -151,3 +151,13 @@ def test_a_registered_schedule_kind_trains_and_simulates(toys: None) -> None:
     gpipe = predict_at_scale(config_from_dict(_toy_pp_config("gpipe")), h200_profile())
     assert toy.step_s == gpipe.step_s
     assert [r.bubble for r in toy.ranks] == [r.bubble for r in gpipe.ranks]
+
+
+def test_the_registry_agrees_with_the_built_in_strategies() -> None:
+    """The built-in GDN entries state what their mixers do (the state link's least Triton
+    segments), so the configuration refuses what ``apply`` would."""
+    from overlap_runtime.context_parallel.gdn.style import _BUILTIN_MIXERS
+
+    for name, mixer in _BUILTIN_MIXERS.items():
+        assert get_cp_mode("linear_attention", name).triton_min_segments == \
+            mixer.triton_min_segments, name
