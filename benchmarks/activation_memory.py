@@ -233,7 +233,7 @@ def run(config_path: str, tokens: int, compile_: bool, checkpoint: bool, device:
         ) -> dict[str, Any]:
     """One forward + backward + AdamW step of the config's model; the ledger and memory."""
     from overlap_runtime.trainer.build import build_model
-    from overlap_runtime.trainer.config import load_config
+    from overlap_runtime.config.train import load_config
 
     base = load_config(config_path)
     config = base.model_copy(update={

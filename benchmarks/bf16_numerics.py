@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from overlap_runtime.launch import spawn
-from overlap_runtime.trainer.config import TrainConfig, load_config
+from overlap_runtime.config.train import TrainConfig, load_config
 from overlap_runtime.trainer.loop import spawn_training, train_single
 from overlap_runtime.trainer.numerics import (distributed_gradients, floor_config,
                                               gate_gradient_scales, gate_scaled_errors,

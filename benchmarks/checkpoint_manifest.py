@@ -56,7 +56,7 @@ class _NoState:
 
 def _checkpointer(directory: Path, resume: str | None, model: nn.Module, opt: Any) -> Any:
     from overlap_runtime.trainer.checkpoint import Checkpointer
-    from overlap_runtime.trainer.config_run import CheckpointConfig
+    from overlap_runtime.config.run import CheckpointConfig
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     config = CheckpointConfig(dir=str(directory), resume=resume, timeout_s=3600.0)

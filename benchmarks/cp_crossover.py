@@ -173,7 +173,7 @@ def predict(args: argparse.Namespace) -> None:
     from overlap_runtime.stepgraph.costs import h200_profile
     from overlap_runtime.stepgraph.crossover import crossover_cp, predict_grid, winner
     from overlap_runtime.stepgraph.scale import predict_at_scale
-    from overlap_runtime.trainer.config import apply_overrides, load_config
+    from overlap_runtime.config.train import apply_overrides, load_config
 
     t0 = time.perf_counter()
     base = load_config(ROOT / "configs" / "gpu_cp2_16k.yaml")

@@ -93,9 +93,10 @@ def _status(field: str) -> int:
 def rank_worker(rank: int, world: int, config_dict: dict[str, Any]) -> dict[str, Any]:
     from overlap_runtime.trainer import config_from_dict
     from overlap_runtime.trainer.build import build_parallel_model
+    from overlap_runtime.trainer.parallel_dims import ParallelDims
 
     config = config_from_dict(config_dict)
-    dims = config.train.accelerator.parallel_dims()
+    dims = ParallelDims.of(config.train.accelerator.layout())
     dims.build_meshes("cpu")
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 
 from overlap_runtime.trainer.build import build_model  # noqa: E402
-from overlap_runtime.trainer.config import load_config  # noqa: E402
+from overlap_runtime.config.train import load_config  # noqa: E402
 from overlap_runtime.trainer.flops import train_flops_per_step  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12

@@ -30,7 +30,7 @@ MEASURED_CP2_STEP = {"ulysses": 154.6, "p2p": 137.0}  # configs/gpu_cp2_16k.yaml
 
 
 def _config(overrides: dict[str, Any]) -> Any:
-    from overlap_runtime.trainer.config import apply_overrides, load_config
+    from overlap_runtime.config.train import apply_overrides, load_config
 
     root = Path(__file__).resolve().parents[1]
     return apply_overrides(load_config(root / "configs" / "gpu_cp2_16k.yaml"),

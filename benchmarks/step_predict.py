@@ -64,7 +64,7 @@ def layouts(steps: int) -> dict[str, dict[str, Any]]:
 def run_layout(cfg: dict[str, Any], cores: int) -> dict[str, Any]:
     """Train ``cfg`` traced, then predict it from its own measured costs."""
     from overlap_runtime.stepgraph.costs import measured_costs
-    from overlap_runtime.stepgraph.measure import merge_ranks, traced_training
+    from overlap_runtime.trainer.measure import merge_ranks, traced_training
     from overlap_runtime.stepgraph.predict import measured_step, predict_step
     from overlap_runtime.testing import run_ranks
     from overlap_runtime.trainer import config_from_dict

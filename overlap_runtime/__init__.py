@@ -13,6 +13,8 @@ architecture.md has the map and tests/schedules/test_import_graph.py checks it):
   ``ops.gdn`` (Gated DeltaNet math and backends), ``ops.attention`` (local blocks, lse merge)
 - ``graph``: the task DAG (validate, simulate, interval arithmetic, traces)
 - ``schedules``: pipeline schedules as pure data (IR, spec, kinds, lowering, compile)
+- ``config``: the run configuration as pure data (``TrainConfig``, the model's fields, the
+  layout's rules, the context-parallel mode registry); no ``torch.distributed``
 - ``pipeline``: the torch runtime of schedules (``PipelineStage``, ``PipelineSchedule.step``,
   ``ActionContext``)
 - ``coordinator``: the forward/backward comm-token coordinator of ``OVERLAP_B_F`` steps
@@ -21,8 +23,9 @@ architecture.md has the map and tests/schedules/test_import_graph.py checks it):
 - ``moe``: the MoE layer, token dispatcher, expert parallelism and its overlap
 - ``context_parallel``: sequence sharding, full-attention CP and (``context_parallel.gdn``) GDN CP
 - ``models``: the Qwen3.5-style hybrid decoder and its parallelisation
-- ``trainer``: ``ParallelDims``, the YAML config and the training loop; ``stepgraph`` (same
-  layer): one task graph per training step, validated before the run, checked after it
+- ``stepgraph``: one task graph per training step from the configuration, validated before the
+  run, checked after it; no ``torch.distributed`` (it plans any scale)
+- ``trainer``: ``ParallelDims`` (the meshes) and the training loop
 - ``cli``, ``demo``, ``info``: the ``overlap-runtime`` command and its subcommands;
   ``failure``: how the command reports an error (one line, an exit code, a log file)
 """

@@ -23,14 +23,17 @@ def lazy_exports(package: str, exports: Mapping[str, str]
 
     Args:
         package: the package's ``__name__``.
-        exports: public name -> the submodule (relative to ``package``) that defines it.
+        exports: public name -> the submodule (relative to ``package``) that defines it, or a
+            module's absolute name (``overlap_runtime.config.train``) for a name a lower
+            package defines and this one presents.
     """
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f".{module}", package), name)
+        target = module if module.startswith("overlap_runtime.") else f"{package}.{module}"
+        value = getattr(importlib.import_module(target), name)
         setattr(sys.modules[package], name, value)
         return value
 

@@ -33,9 +33,27 @@ import sys
 import time
 from typing import Any, Sequence
 
+from overlap_runtime.cli import demo_arguments as add_arguments
+from overlap_runtime.cli import DEMO_CONFIG_NAME as DEFAULT_CONFIG_NAME
+from overlap_runtime.config.train import (ConfigError, apply_overrides, config_from_dict,
+                                          load_config, schedule_spec)
+from overlap_runtime.graph import chrome_trace, format_grid
+from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
+from overlap_runtime.launch import check_world, init_from_env, launched_by_torchrun, spawn
+from overlap_runtime.models.pipeline_split import split_layers
+from overlap_runtime.moe.parallel import moe_layers
+from overlap_runtime.moe.step_costs import moe_op_seconds, op_costs_from_trace
+from overlap_runtime.ops import comm
+from overlap_runtime.pipeline import ExecutionTrace, gather_traces
+from overlap_runtime.pipeline.exec_trace import chrome_trace_events
+from overlap_runtime.schedules import ActionKind, compile_spec
+from overlap_runtime.stepgraph.compose import compile_step
+from overlap_runtime.stepgraph.pricing import predict_priced
+from overlap_runtime.testing import rel_l2
+from overlap_runtime.trainer.a2a_overlap import trace_a2a_overlap
+from overlap_runtime.trainer.loop import train_distributed
+
 TOL = 1e-6
-DEFAULT_OUT = os.path.join("out", "moe_pp_ep_trace.json")
-DEFAULT_CONFIG_NAME = "configs/demo_pp2_ep2.yaml"
 
 # The text of configs/demo_pp2_ep2.yaml (tests/test_demo.py keeps the two equal): embedded so that
 # the installed command runs from any directory.
@@ -85,27 +103,6 @@ train:
     overlap_b_f: true
 """
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None,
-                        help=f"YAML training config (default: the embedded {DEFAULT_CONFIG_NAME})")
-    parser.add_argument("--steps", type=int, default=None, help="override train.steps")
-    parser.add_argument("--pp", type=int, default=None,
-                        help="override train.accelerator.pp (world size: pp x dp_replicate x ep "
-                             "x cp, dp_shard = ep)")
-    parser.add_argument("--ep", type=int, default=None,
-                        help="override train.accelerator.ep (world size as for --pp)")
-    parser.add_argument("--set", action="append", default=[], metavar="DOTTED.FIELD=VALUE",
-                        help="override one field of the config, validated with the rest before "
-                             "any rank starts (repeatable), e.g. --set "
-                             "train.pipeline.microbatches=2 --set model.num_experts=8")
-    parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"merged Chrome trace (default {DEFAULT_OUT})")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds before giving up: the spawned ranks' deadline, and every "
-                             "communication wait when the config sets no "
-                             "train.accelerator.comm_timeout_s (default 120)")
-
-
 # ----------------------------------------------------------------------------- configuration
 
 
@@ -130,7 +127,7 @@ def load_demo_config(path: str | None, steps: int | None = None, pp: int | None 
     """The validated ``TrainConfig`` of the demo: ``path`` (None: the embedded default) with the
     command line's overrides; every size is checked here, before any rank starts.
 
-    ``sets`` are ``--set DOTTED.FIELD=VALUE`` assignments (``trainer.config.apply_overrides``),
+    ``sets`` are ``--set DOTTED.FIELD=VALUE`` assignments (``config.train.apply_overrides``),
     applied first; ``steps`` sets ``train.steps``; ``pp`` / ``ep`` set those degrees, ``dp_shard =
     ep`` (EP over the whole data-parallel dimension) and the world size to ``pp x dp_replicate x
     ep x cp``. Everything is validated once, together, by the trainer's rules. ``timeout_s``
@@ -141,9 +138,6 @@ def load_demo_config(path: str | None, steps: int | None = None, pp: int | None 
         ConfigError: one message naming every broken rule (trainer rules, then the demo's).
     """
     import yaml
-
-    from overlap_runtime.trainer.config import (ConfigError, apply_overrides, config_from_dict,
-                                                load_config)
 
     if path is None:
         source = f"(embedded {DEFAULT_CONFIG_NAME})"
@@ -187,8 +181,6 @@ def _one_line(exc: BaseException) -> str:
 
 def _ep_group(pm: Any) -> Any:
     """The process group every MoE dispatcher of ``pm`` all-to-alls over (its launch log's key)."""
-    from overlap_runtime.moe.parallel import moe_layers
-
     groups = {id(m.dispatcher.group): m.dispatcher.group
               for part in pm.modules() for m in moe_layers(part)}
     if len(groups) != 1:
@@ -199,8 +191,6 @@ def _ep_group(pm: Any) -> Any:
 
 def _param_diff(baseline: Any, overlapped: Any) -> tuple[float, int]:
     """Worst relative L2 difference of this rank's parameter shards between the two models."""
-    from overlap_runtime.testing import rel_l2
-
     a, b = ({f"S{s}.{n}": p for s, part in sorted(pm.parts.items())
              for n, p in part.named_parameters()} for pm in (baseline, overlapped))
     if a.keys() != b.keys():
@@ -223,12 +213,6 @@ def predict_overlap(config: Any, baseline_events: list[Any]) -> dict[str, Any]:
     costs measured in the baseline's trace (``moe.step_costs``) and simulated
     (``stepgraph.pricing``). Returns the predicted shares (OVERLAP_B_F all-to-alls, all
     all-to-alls), both step times, the costs and the overlapped step's timeline."""
-    from overlap_runtime.graph import chrome_trace
-    from overlap_runtime.graph.comm_overlap import simulated_a2a_overlap
-    from overlap_runtime.moe.step_costs import moe_op_seconds, op_costs_from_trace
-    from overlap_runtime.stepgraph.compose import compile_step
-    from overlap_runtime.stepgraph.pricing import predict_priced
-
     steps = {}
     for name, overlap_b_f in (("baseline", False), ("overlap", True)):
         data = config.model_dump()
@@ -255,16 +239,10 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
     import torch
     import torch.distributed as dist
 
-    from overlap_runtime.ops import comm
-    from overlap_runtime.pipeline import ExecutionTrace, gather_traces
-    from overlap_runtime.schedules import ActionKind
-    from overlap_runtime.trainer.a2a_overlap import trace_a2a_overlap
-    from overlap_runtime.trainer.loop import train_distributed
-
     device = torch.device(device)
     world, rank = dist.get_world_size(), dist.get_rank()
     # sizes and coordinates only: train_distributed checks the world size and builds the meshes
-    dims = config.train.accelerator.parallel_dims()
+    dims = config.train.accelerator.layout()
     coords = dims.coordinates(rank)
 
     runs: dict[str, dict[str, Any]] = {}
@@ -318,8 +296,6 @@ def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | No
 def _spawned_rank(rank: int, world: int, config_dict: dict[str, Any],
                   timeout_s: float) -> dict[str, Any] | None:
     """Entry point of a spawned rank."""
-    from overlap_runtime.trainer.config import config_from_dict
-
     config = config_from_dict(config_dict)
     return demo_rank(config, config.train.accelerator.device, timeout_s)
 
@@ -346,13 +322,8 @@ def _rel(a: float, b: float) -> float:
 
 def print_header(config: Any, label: str, how: str) -> None:
     """The job's description and the schedule grid (before the ranks run)."""
-    from overlap_runtime.graph import format_grid
-    from overlap_runtime.models.pipeline_split import split_layers
-    from overlap_runtime.schedules import compile_spec
-    from overlap_runtime.trainer.config import schedule_spec
-
     m, acc, pl = config.model, config.train.accelerator, config.train.pipeline
-    dims = acc.parallel_dims()
+    dims = acc.layout()
     types = m.layer_types
     n_gdn = types.count("linear_attention")
     shared = " + a shared expert" if m.shared_expert_intermediate_size else ""
@@ -384,8 +355,6 @@ def write_merged_trace(events: list[Any], predicted: dict[str, Any], path: str) 
     """Measured execution trace (a process per rank, a track per thread) plus the simulated
     step (``graph.chrome_trace`` dict; a process per rank, pid 100+) in one Chrome trace
     file."""
-    from overlap_runtime.pipeline.exec_trace import chrome_trace_events
-
     measured = chrome_trace_events(events)
     for ev in predicted["traceEvents"]:
         ev["pid"] = 100 + ev["pid"]
@@ -452,9 +421,6 @@ def print_report(report: dict[str, Any], out: str, wall_s: float) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overlap_runtime.launch import check_world, launched_by_torchrun
-    from overlap_runtime.trainer.config import ConfigError
-
     if not args.timeout > 0:
         print(f"error: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)
         return 2
@@ -474,8 +440,6 @@ def run(args: argparse.Namespace) -> int:
     if torchrun:
         return _run_under_torchrun(config, label, args, t0)
 
-    from overlap_runtime.launch import spawn
-
     print_header(config, label, "spawned here (gloo)" if acc.device == "cpu" else "spawned here")
     reports = spawn(_spawned_rank, world, args=(config.model_dump(), args.timeout),
                     device=acc.device, timeout_s=args.timeout)
@@ -485,8 +449,6 @@ def run(args: argparse.Namespace) -> int:
 def _run_under_torchrun(config: Any, label: str, args: argparse.Namespace, t0: float) -> int:
     """Every torchrun process joins the group; global rank 0 prints."""
     import torch.distributed as dist
-
-    from overlap_runtime.launch import init_from_env
 
     acc = config.train.accelerator
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

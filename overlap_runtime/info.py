@@ -10,6 +10,10 @@ import argparse
 import importlib.metadata
 import importlib.util
 
+from overlap_runtime import __version__
+from overlap_runtime.cli import info_arguments as add_arguments
+from overlap_runtime.platform import platform_info
+
 #: optional packages -> what they enable (and where they come from: an extra of pyproject.toml)
 OPTIONAL_PARTS: dict[str, str] = {
     "triton": "the Triton GDN backend (extra 'triton')",
@@ -35,16 +39,9 @@ def installed_version(name: str) -> str | None:
         return None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser  # no options
-
-
 def run(args: argparse.Namespace) -> int:
     del args
     import torch
-
-    from overlap_runtime import __version__
-    from overlap_runtime.platform import platform_info
 
     info = platform_info()
     print(f"overlap_runtime {__version__}, torch {torch.__version__}")

@@ -30,6 +30,8 @@ import signal
 import sys
 from typing import Any, Iterator
 
+import overlap_runtime
+
 __all__ = ["PATH_ENV", "check_same_package", "context", "die_with_parent", "expected_parent",
            "package_dir", "python_env", "release_forkserver", "restore_python_env",
            "start_forkserver"]
@@ -44,8 +46,6 @@ _CTX: Any = None
 
 def package_dir() -> str:
     """The directory of the ``overlap_runtime`` package this process imported (real path)."""
-    import overlap_runtime
-
     return os.path.dirname(os.path.realpath(overlap_runtime.__file__))
 
 
@@ -66,8 +66,6 @@ def restore_python_env(values: dict[str, str | None]) -> None:
 def check_same_package(expected_dir: str, rank: int) -> None:
     """Raise ``ImportError`` unless this rank's ``overlap_runtime`` (and this module) come from
     ``expected_dir``, the parent's :func:`package_dir`."""
-    import overlap_runtime
-
     mine = os.path.dirname(os.path.realpath(overlap_runtime.__file__))
     here = os.path.dirname(os.path.realpath(__file__))
     for what, got in (("overlap_runtime", mine), ("overlap_runtime.rank_start", here)):

@@ -4,7 +4,7 @@ config loads with its overrides; the one-line summaries read the trainer's real 
 The CPU dry run of a part (``gpu_pair.sh --dry-run part1``) takes 50 s or more here, over the
 20 s a test may cost, so the test asks the script for its commands (``--print``, nothing run)
 and checks each: trainer and simulator commands through the CLI's own argument parser,
-``trainer.config.load_config`` and ``apply_overrides`` (the same flags the CLI applies), the
+``config.train.load_config`` and ``apply_overrides`` (the same flags the CLI applies), the
 benchmarks' commands through each script's own argument parser.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from overlap_runtime.trainer.cli import add_arguments as train_arguments
-from overlap_runtime.trainer.config import apply_overrides, load_config
+from overlap_runtime.config.train import apply_overrides, load_config
 from overlap_runtime.trainer.loop import StepMetrics, TrainResult
 
 ROOT = Path(__file__).resolve().parents[1]

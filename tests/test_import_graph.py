@@ -9,6 +9,11 @@
 - Lower never imports higher: every import goes down (or sideways inside one layer) the layer
   map of docs/architecture.md, written out as :data:`LAYERS`.
 - Every package ``__init__`` docstring says what the package may import.
+- The configuration floor ``config/`` reaches no module that imports ``torch.distributed``;
+  ``stepgraph/`` reaches none either, and no ``trainer`` module (it sits below the trainer).
+- A function-level import of the package's own modules (the walk counts it, but a reader of the
+  module's header does not see it) appears only where the module must not load an optional
+  dependency when imported (:data:`FUNCTION_LEVEL`).
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ def _import_graph_of(root: Path) -> tuple[nx.DiGraph, dict[str, set[str]]]:
     external: dict[str, set[str]] = {m: set() for m in modules}
     for mod, tree in trees.items():
         package = mod if is_pkg[mod] else mod.rpartition(".")[0]
-        targets: list[str] = [f"{package}.{sub}" for sub in _lazy_targets(tree)]
+        targets: list[str] = [sub if sub.startswith("overlap_runtime.") else f"{package}.{sub}"
+                                for sub in _lazy_targets(tree)]
         for node in _import_nodes(tree):
             if isinstance(node, ast.Import):
                 targets += [alias.name for alias in node.names]
@@ -176,6 +182,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("overlap_runtime.pipeline",),
     ("overlap_runtime.coordinator",),
     ("overlap_runtime.layers",),
+    ("overlap_runtime.config",),
     ("overlap_runtime.moe",),
     ("overlap_runtime.context_parallel",),
     ("overlap_runtime.models",),
@@ -242,6 +249,102 @@ def test_schedules_reach_no_torch_distributed_and_not_the_runtime() -> None:
     assert "overlap_runtime.graph.task_graph" in reached  # the walk does follow imports
 
 
+def _reach(package: str) -> tuple[set[str], dict[str, set[str]]]:
+    """Every module the modules of ``package`` reach (themselves included), importing a module
+    counting as importing its parent packages too (Python runs them first)."""
+    graph, external = import_graph()
+    graph = graph.copy()
+    for mod in list(graph):
+        for i in range(1, mod.count(".") + 1):
+            parent = mod.rsplit(".", i)[0]
+            if parent in graph and parent != "overlap_runtime":
+                for u in list(graph.predecessors(mod)):
+                    if u != parent:
+                        graph.add_edge(u, parent)
+    start = [m for m in graph if _in(m, package)]
+    return set(start).union(*(nx.descendants(graph, m) for m in start)), external
+
+
+def _distributed(reached: set[str], external: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m in reached if any(
+        x == "torch.distributed" or x.startswith("torch.distributed.") for x in external[m]))
+
+
+def test_config_floor_reaches_no_torch_distributed() -> None:
+    reached, external = _reach("overlap_runtime.config")
+    assert "overlap_runtime.config.train" in reached  # the floor is there and walked
+    assert not _distributed(reached, external), _distributed(reached, external)
+    higher = sorted(m for m in reached if layer_of(m) > layer_of("overlap_runtime.config"))
+    assert not higher, higher
+
+
+def test_stepgraph_reaches_no_trainer_and_no_torch_distributed() -> None:
+    reached, external = _reach("overlap_runtime.stepgraph")
+    assert "overlap_runtime.config.train" in reached  # it reads the configuration floor
+    assert not _distributed(reached, external), _distributed(reached, external)
+    trainer = sorted(m for m in reached if _in(m, "overlap_runtime.trainer"))
+    assert not trainer, trainer
+
+
+def test_the_reach_sees_parent_packages_and_function_level_imports() -> None:
+    """A module reached through a function-level import, or a parent package run by an import
+    of its submodule, counts (the walk on the real package: the trainer's loop reaches
+    ``torch.distributed``; ``ops.comm``'s package runs when a submodule is imported)."""
+    reached, external = _reach("overlap_runtime.trainer.loop")
+    assert _distributed(reached, external)
+    assert "overlap_runtime.ops.comm" in reached
+
+
+# module -> why it imports some of the package's own modules inside functions (each import there
+# loads an optional dependency, or a seam a test removes); anything else imports at module level
+FUNCTION_LEVEL: dict[str, str] = {
+    "overlap_runtime.ops.gdn.backend": "the Triton GDN kernels (triton)",
+    "overlap_runtime.ops.causal_conv.function": "the Triton conv kernels (triton)",
+    "overlap_runtime.context_parallel.gdn.common": "the Triton capability check (triton)",
+    "overlap_runtime.context_parallel.gdn.halo": "the Triton halo conv (triton)",
+    "overlap_runtime.context_parallel.gdn.state_passing": "the Triton GDN forward (triton)",
+    "overlap_runtime.models.mlp": "the MoE package, refused by name when it cannot load",
+    "overlap_runtime.context_parallel.gdn.task_graph": "a hand-written graph builder that is "
+                                                       "being removed",
+}
+FUNCTION_LEVEL_BUDGET = 20
+
+
+def function_level_imports(root: Path | None = None) -> list[tuple[str, int]]:
+    """``(module, line)`` of every import of an ``overlap_runtime`` module inside a function
+    (outside ``if TYPE_CHECKING:``)."""
+    trees, is_pkg = _parsed(root or ROOT)
+    out: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, mod: str, in_function: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child, mod, in_function)
+            return
+        if in_function and isinstance(node, ast.ImportFrom) and (
+                node.level or (node.module or "").split(".")[0] == "overlap_runtime"):
+            out.append((mod, node.lineno))
+        if in_function and isinstance(node, ast.Import) and any(
+                a.name.split(".")[0] == "overlap_runtime" for a in node.names):
+            out.append((mod, node.lineno))
+        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for child in ast.iter_child_nodes(node):
+            visit(child, mod, inner)
+
+    for mod, tree in trees.items():
+        visit(tree, mod, False)
+    return sorted(out)
+
+
+def test_function_level_imports_only_for_optional_dependencies() -> None:
+    found = function_level_imports()
+    unexplained = [f"{m}:{line}" for m, line in found if m not in FUNCTION_LEVEL]
+    assert not unexplained, (f"imports inside functions of modules that may import at module "
+                             f"level (hoist them, or say why in FUNCTION_LEVEL): {unexplained}")
+    assert len(found) <= FUNCTION_LEVEL_BUDGET, found
+    assert ("overlap_runtime.ops.gdn.backend" in {m for m, _ in found})  # the walk sees them
+
+
 # Loading these runs code chosen by whoever wrote the bytes; the pipeline runtime reads bytes
 # from peer ranks (gathered traces, tensor headers), so it uses checked JSON and tensors only.
 CODE_LOADING = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle"}
@@ -274,3 +377,5 @@ def test_the_checker_sees_what_it_must(tmp_path, monkeypatch, source, cyclic, re
     graph, external = import_graph()
     assert bool(_cycles(graph)) is cyclic
     assert ("torch.distributed" in external["overlap_runtime.schedules.a"]) is reaches_dist
+    in_function = source.startswith("def f():\n    from .")
+    assert bool(function_level_imports(pkg)) is in_function

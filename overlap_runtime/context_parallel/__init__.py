@@ -11,8 +11,8 @@ One algorithm per module: ``sharding`` (contiguous and zigzag splits), ``ulysses
 subpackage. Internal helpers (zigzag permutations, head-layout checks, the GDN CP mixers) are
 imported from their modules.
 
-May import ``torch``, ``overlap_runtime.ops``, ``overlap_runtime.graph`` and
-``overlap_runtime.layers``; never the ``models`` package (which imports this one).
+May import ``torch``, ``overlap_runtime.ops``, ``overlap_runtime.graph``, ``overlap_runtime.config``
+(the CP-mode registry) and ``overlap_runtime.layers``; never the ``models`` package (which imports this one).
 """
 
 from overlap_runtime.context_parallel.all_gather_kv import all_gather_kv_attention

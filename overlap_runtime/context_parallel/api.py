@@ -37,9 +37,11 @@ from overlap_runtime.context_parallel.sharding import (
     shard_positions,
     shard_sequence,
 )
-from overlap_runtime.ops.comm_stats import CommStats
 from overlap_runtime.context_parallel.ulysses import ulysses_attention
 from overlap_runtime.ops.attention import Backend
+from overlap_runtime.ops.comm_stats import CommStats
+from .packed import PackedLayout
+from .varlen_attention import packed_ring_attention, packed_ulysses_attention
 
 Mode = Literal["ulysses", "ring", "all_gather_kv", "hierarchical"]
 MODES: tuple[str, ...] = ("ulysses", "ring", "all_gather_kv", "hierarchical")
@@ -99,9 +101,6 @@ class ContextParallelCoreAttention(nn.Module):
 
     def _packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 cu_seqlens: torch.Tensor) -> torch.Tensor:
-        from .packed import PackedLayout
-        from .varlen_attention import packed_ring_attention, packed_ulysses_attention
-
         if self.mode not in ("ring", "ulysses") or not causal:
             raise NotImplementedError(
                 f"ContextParallel(mode={self.mode!r}) with cu_seqlens (packed documents, "

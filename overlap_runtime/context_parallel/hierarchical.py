@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlap_runtime.config.cp import check_hierarchical_degrees
 from overlap_runtime.context_parallel.peers import check_attention_call
 from overlap_runtime.context_parallel.ring import ring_attention
 from overlap_runtime.context_parallel.sharding import LoadBalance, check_load_balance
@@ -71,23 +72,6 @@ __all__ = ["HIERARCHICAL_MESH_DIMS", "hierarchical_attention", "hierarchical_cp_
 
 #: Dimension names of the 2-D hierarchical CP mesh: outer (ring) first, inner (all-to-all).
 HIERARCHICAL_MESH_DIMS = ("cp_ring", "cp_a2a")
-
-
-def check_hierarchical_degrees(cp: int, a2a: int, ring: int, prefix: str = "") -> list[str]:
-    """Every rule the degrees break (empty: valid): ``a2a, ring >= 2`` and ``a2a x ring = cp``.
-
-    A degree of 1 is a flat mode (``a2a = 1``: ring, ``ring = 1``: ulysses): the message says
-    which to use instead. ``prefix`` names the fields (``"train.accelerator.hierarchical_cp."``).
-    """
-    out = []
-    for name, value, flat in (("a2a", a2a, "ring"), ("ring", ring, "ulysses")):
-        if not isinstance(value, int) or value < 2:
-            out.append(f"{prefix}{name}={value!r} must be an integer >= 2 (a degree of 1 is flat "
-                       f"{flat}: use full_attention_cp_mode {flat!r})")
-    if not out and a2a * ring != cp:
-        out.append(f"{prefix}a2a={a2a} x {prefix}ring={ring} = {a2a * ring} must equal the cp "
-                   f"size {cp}")
-    return out
 
 
 def hierarchical_cp_mesh(cp_mesh: DeviceMesh, a2a: int) -> DeviceMesh:

@@ -46,6 +46,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from overlap_runtime.ops import comm
 
 LoadBalance = Optional[Literal["zigzag"]]
 
@@ -193,8 +194,6 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, seq
     Differentiable (``comm.all_gather``; backward hands each rank its slice's gradient summed
     over ranks). One all-gather collective.
     """
-    from overlap_runtime.ops import comm
-
     dim = _seq_dim(x, seq_dim, "gather_sequence")  # before the collective, on every rank
     full = comm.all_gather(x, dim, group, timeout_s)
     return reorder_to_sequence(full, comm.group_size(group), dim, load_balance)

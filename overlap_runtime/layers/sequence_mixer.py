@@ -55,6 +55,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 import torch
 from torch import nn
 
+from overlap_runtime.layers.segments import apply_per_segment, document_positions
+
 if TYPE_CHECKING:
     from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 
@@ -140,8 +142,6 @@ class GDNSequenceMixer(nn.Module):
     def forward_packed(self, layer: "GatedDeltaNet", proj: "GDNProjections",
                        mask: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """``o [B, T, HV, V]`` of a packed batch: :meth:`forward` on each document alone."""
-        from overlap_runtime.layers.segments import apply_per_segment
-
         return apply_per_segment(
             lambda qkv, z, b, a, m: self(layer, GDNProjections(qkv, z, b, a), m),
             (proj.mixed_qkv, proj.z, proj.b, proj.a, mask), cu_seqlens)
@@ -164,8 +164,6 @@ class LocalGDNMixer(GDNSequenceMixer):
         (``layer.core``; the eager or Triton backend, conv torch or triton). Equal to
         ``forward`` on each document alone. Raises ``ValueError`` for an invalid
         ``cu_seqlens`` (``layers.segments.segments_of``)."""
-        from overlap_runtime.layers.segments import document_positions
-
         batch, seq_len = proj.mixed_qkv.shape[:2]
         positions = document_positions(cu_seqlens, batch, seq_len)  # checks cu_seqlens
         q, k, v = layer.causal_conv_qkv(proj.mixed_qkv, doc_positions=positions)

@@ -7,9 +7,9 @@ Composes ``overlap_runtime.layers`` (GatedDeltaNet, Qwen3_5Attention, RMSNorm, S
 imports Hugging Face checkpoints into any layout (``trainer.hf_export`` exports ours back). The layer
 classes are imported from ``overlap_runtime.layers``.
 
-May import ``torch``, ``overlap_runtime.layers``, ``overlap_runtime.ops`` (``GDNKernelOptions``
-for ``model.gdn_kernel_options``), ``overlap_runtime.context_parallel`` and (lazily, when
-``mlp="moe"``) ``overlap_runtime.moe``.
+May import ``torch``, ``overlap_runtime.config`` (``Qwen3_5Config``, the layer split, the
+Hugging Face config translation), ``overlap_runtime.layers``, ``overlap_runtime.ops``,
+``overlap_runtime.context_parallel`` and (when ``mlp="moe"``) ``overlap_runtime.moe``.
 """
 
 from .parallelize import (

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from overlap_runtime.config.cp_modes import ATTN_HIERARCHICAL, ATTN_ULYSSES, GDN_ULYSSES
 from overlap_runtime.context_parallel import MODES as FULL_ATTENTION_CP_MODES
 from overlap_runtime.context_parallel import ContextParallel, LinearAttentionContextParallel
 from overlap_runtime.context_parallel.ulysses import ulysses_kv_heads
@@ -72,9 +73,9 @@ def parallelize_qwen3_5_cp(
     model: Qwen3_5ForCausalLM,
     cp_mesh: DeviceMesh,
     ulysses_degree: int | None = None,
-    linear_attention_cp_mode: str = "ulysses",
+    linear_attention_cp_mode: str = GDN_ULYSSES.name,
     linear_attention_gdn_backend: str = "eager",
-    full_attention_cp_mode: str = "ulysses",
+    full_attention_cp_mode: str = ATTN_ULYSSES.name,
     timeout_s: float | None = None,
     *,
     layer_modes: Sequence[str] | None = None,
@@ -95,7 +96,7 @@ def parallelize_qwen3_5_cp(
             ``"ring"``, ``"all_gather_kv"`` or ``"hierarchical"``
             (needs ``hierarchical_cp_mesh``); always contiguous.
         timeout_s: bound on every CP communication wait (None: the comm default).
-        layer_modes: one mode per decoder layer (``trainer.cp_config.layer_cp_modes``: a GDN
+        layer_modes: one mode per decoder layer (``config.cp.layer_cp_modes``: a GDN
             mode for a ``linear_attention`` layer, an attention mode for a ``full_attention``
             one); None: the two scalar modes above for every layer of their kind.
         hierarchical_cp_mesh: the 2-D ``("cp_ring", "cp_a2a")`` mesh of ``cp_mesh``
@@ -141,9 +142,9 @@ def parallelize_qwen3_5_cp(
         if mode not in FULL_ATTENTION_CP_MODES:
             raise ValueError(f"layer {i} (full_attention): unknown full_attention_cp_mode "
                              f"{mode!r}; supported: {FULL_ATTENTION_CP_MODES}")
-        if cp_size > 1 and mode == "ulysses":
+        if cp_size > 1 and mode == ATTN_ULYSSES.name:
             ulysses_kv_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cp_size)
-        if cp_size > 1 and mode == "hierarchical":
+        if cp_size > 1 and mode == ATTN_HIERARCHICAL.name:
             if hierarchical_cp_mesh is None or hierarchical_cp_mesh.size() != cp_size:
                 raise ValueError(f"layer {i}: full_attention_cp_mode 'hierarchical' needs "
                                  f"hierarchical_cp_mesh, the 2-D (cp_ring, cp_a2a) mesh of the "
@@ -158,7 +159,7 @@ def parallelize_qwen3_5_cp(
         if layer.linear_attn is not None:
             style.apply(layer.linear_attn, cp_mesh)
         else:
-            mesh = hierarchical_cp_mesh if style.mode == "hierarchical" else cp_mesh
+            mesh = hierarchical_cp_mesh if style.mode == ATTN_HIERARCHICAL.name else cp_mesh
             style.apply(layer.self_attn, mesh)
     model.cp_size = cp_size
     model.cp_rank = cp_mesh.get_local_rank()

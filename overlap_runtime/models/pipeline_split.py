@@ -32,35 +32,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from overlap_runtime.config.layout import split_layers
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 
 __all__ = ["Qwen3_5Stage", "split_layers", "split_qwen3_5"]
-
-
-def split_layers(num_layers: int, num_stages: int,
-                 layers_per_stage: Sequence[int] | None = None) -> list[range]:
-    """Decoder-layer index ranges of each stage (see the module docstring for the rule).
-
-    Raises:
-        ValueError: more stages than layers, or ``layers_per_stage`` that does not have
-            ``num_stages`` positive entries summing to ``num_layers``.
-    """
-    if num_stages < 1 or num_stages > num_layers:
-        raise ValueError(f"{num_stages} pipeline stages for {num_layers} decoder layers: every "
-                         f"stage must hold at least one layer (1 <= stages <= layers)")
-    if layers_per_stage is None:
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    else:
-        counts = list(layers_per_stage)
-        if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
-            raise ValueError(f"layers_per_stage={counts} must have {num_stages} entries, each "
-                             f">= 1, summing to {num_layers}")
-    out, start = [], 0
-    for n in counts:
-        out.append(range(start, start + n))
-        start += n
-    return out
 
 
 class Qwen3_5Stage(nn.Module):

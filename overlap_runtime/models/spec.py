@@ -21,6 +21,14 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from overlap_runtime.config.hf import config_from_hf, hf_config_from
+from overlap_runtime.models.flops import train_flops_per_step
+from overlap_runtime.models.hf.load import load_hf_weights
+from overlap_runtime.models.hf.state_dict import export_tensors
+from overlap_runtime.models.parallelize import apply_fsdp, parallelize_qwen3_5_cp, parallelize_qwen3_5_ep
+from overlap_runtime.models.pipeline_split import split_qwen3_5
+from overlap_runtime.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+
 __all__ = ["ModelSpec", "get_model_spec", "model_specs", "register_model_spec"]
 
 
@@ -89,8 +97,6 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def _build_qwen3_5(config: Any, device: Any = "cpu", meta: bool = False) -> nn.Module:
-    from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
-
     if meta:
         with torch.device("meta"):
             return Qwen3_5ForCausalLM(config)
@@ -99,27 +105,16 @@ def _build_qwen3_5(config: Any, device: Any = "cpu", meta: bool = False) -> nn.M
 
 def _export_qwen3_5(name: str, value: torch.Tensor, config: Any,
                     expert: int | None = None) -> list[tuple[str, torch.Tensor]]:
-    from overlap_runtime.models.hf.state_dict import export_tensors
-
     return export_tensors(name, value, config.zero_centered_norms, expert)
 
 
 def _flops_qwen3_5(config: Any, seq_len: int, tokens: int) -> float:
-    from overlap_runtime.models.flops import train_flops_per_step
-
     return train_flops_per_step(config, seq_len, tokens)
 
 
 def _builtin() -> None:
     if "qwen3_5" in _SPECS:
         return
-    from overlap_runtime.models.hf.config import config_from_hf, hf_config_from
-    from overlap_runtime.models.hf.load import load_hf_weights
-    from overlap_runtime.models.parallelize import (apply_fsdp, parallelize_qwen3_5_cp,
-                                                    parallelize_qwen3_5_ep)
-    from overlap_runtime.models.pipeline_split import split_qwen3_5
-    from overlap_runtime.models.qwen3_5 import Qwen3_5Config
-
     register_model_spec(ModelSpec(
         name="qwen3_5", config_cls=Qwen3_5Config, build=_build_qwen3_5, split=split_qwen3_5,
         parallelize_cp=parallelize_qwen3_5_cp, parallelize_ep=parallelize_qwen3_5_ep,

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlap_runtime.graph.intervals import minus, total_length, union
+from overlap_runtime.graph.intervals import WAIT_CATEGORIES, busy_intervals, measured_bubble
+from overlap_runtime.ops.comm import all_gather
 
 __all__ = ["TraceEvent", "ExecutionTrace", "gather_traces", "encode_events", "decode_events",
            "chrome_trace_events", "write_execution_trace", "measured_bubble", "busy_intervals",
@@ -103,8 +104,6 @@ def gather_traces(trace: ExecutionTrace, group: dist.ProcessGroup | None = None,
                   timeout_s: float | None = None) -> list[TraceEvent]:
     """Every rank's events of ``group``, on every rank (two bounded all-gathers of cpu tensors:
     the lengths, then the JSON bytes padded to the longest; a gloo group)."""
-    from overlap_runtime.ops.comm import all_gather
-
     with trace._lock:
         raw = encode_events(trace.events)
     payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -147,42 +146,3 @@ def write_execution_trace(events: list[TraceEvent], path: str | os.PathLike[str]
         json.dump(chrome_trace_events(events), fh)
 
 
-#: event categories during which a thread waits (a receive, an all-to-all, a hook hand-over)
-WAIT_CATEGORIES = ("comm", "a2a", "hook")
-
-
-def busy_intervals(events: list[TraceEvent], rank: int) -> list[tuple[int, int]]:
-    """When ``rank``'s device computes: per thread, its ``compute`` spans minus its own waits
-    (:data:`WAIT_CATEGORIES`), then the union over threads.
-
-    An F waits for its input inside its own span (``ActionContext.forward`` calls
-    ``wait_recv``), and an MoE layer waits for its all-to-alls inside the F or B span; that time
-    is idle, not compute. Counting it as busy made a 1F1B pp=4 step measure a bubble of 0.089
-    where the trace's own idle time gives ~0.3 (docs/benchmarks.md, "Predicted step times").
-    """
-    threads: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
-    for e in events:
-        if e.rank != rank:
-            continue
-        comp, wait = threads.setdefault(e.thread, ([], []))
-        if e.cat == "compute":
-            comp.append((e.start_ns, e.end_ns))
-        elif e.cat in WAIT_CATEGORIES:
-            wait.append((e.start_ns, e.end_ns))
-    busy: list[tuple[int, int]] = []
-    for comp, wait in threads.values():
-        busy.extend(minus(union(comp), union(wait)))
-    return union(busy)
-
-
-def measured_bubble(events: list[TraceEvent]) -> float:
-    """``1 - mean_r busy_r / makespan``: busy is :func:`busy_intervals` (compute of any thread
-    less the waits inside it), the makespan spans every rank's first to last event."""
-    if not events:
-        return 0.0
-    start = min(e.start_ns for e in events)
-    end = max(e.end_ns for e in events)
-    span = max(1, end - start)
-    ranks = sorted({e.rank for e in events})
-    busy = [total_length(busy_intervals(events, r)) for r in ranks]
-    return 1.0 - (sum(busy) / len(ranks)) / span

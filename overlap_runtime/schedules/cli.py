@@ -18,13 +18,20 @@ import os
 import sys
 from typing import Any
 
+from ..graph import CostModel, format_grid, format_timeline, write_chrome_trace
+from .bubbles import simulate_compute_only
+from .compile import compile_spec
+from .ir import dump_csv
+from .registry import get_schedule_kind, schedule_kinds
+from .spec import ScheduleSpec
+from .torch_csv import to_torch_csv
+
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the ``schedule`` subcommand (keep imports light: nothing heavy here; the
     registry is plain Python)."""
-    from .registry import schedule_kinds
 
     parser.add_argument("--kind", default="1f1b",
                         help=f"schedule kind: {', '.join(schedule_kinds())} (default 1f1b)")
@@ -63,11 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
-
-    from ..graph import CostModel, format_grid, format_timeline, write_chrome_trace
-    from .compile import compile_spec
-    from .ir import dump_csv
-    from .spec import ScheduleSpec
 
     for flag in ("--cost-f", "--cost-b", "--cost-i", "--cost-w", "--comm-latency"):
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -130,8 +132,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.trace}")
     if args.csv:
         if args.csv_format == "torch":
-            from .torch_csv import to_torch_csv
-
             to_torch_csv(compiled.compute, args.csv)
         else:
             dump_csv(compiled.compute, args.csv)
@@ -142,78 +142,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-#: the published bubble each kind is compared with (docs/schedules.md sections 7 and 9)
-PUBLISHED: dict[str, str] = {
-    "gpipe": "GPipe (Huang et al. 2019)",
-    "1f1b": "1F1B (Narayanan et al. 2021)",
-    "interleaved_1f1b": "interleaved 1F1B (Narayanan et al. 2021)",
-    "zero_bubble": "ZB-H1 (Qi et al. 2023, section 3.1)",
-    "dualpipev": "DualPipe (DeepSeek-V3 report, table 2)",
-}
 _SAME = 5e-5  # ratios printed with 4 decimals: closer than this reads as equal
 
 
 def bubble_notes(spec: Any, costs: Any, result: Any) -> list[str]:
     """Two lines under the makespan: which bubble figure is printed (the simulated timeline, and
-    under which costs), then the published formula's figure and, when the two differ, why.
+    under which costs), then the kind's published bubble (``ScheduleKind.published_bubble``)
+    and, when the two differ, why.
 
     Args:
         spec: the ``ScheduleSpec``.  costs: the ``CostModel`` simulated.  result: the
         ``SimulationResult`` of the lowered schedule under ``costs``.
     """
-    from .bubbles import analytic_bubble_ratio, analytic_idle, simulate_compute_only
-
-    p, m, v = spec.pp_size, spec.num_microbatches, spec.virtual_stages
     c = costs
     lane = "a comm lane" if spec.overlap_p2p else "the compute lane"
     lines = [f"bubble = idle / (ranks x makespan) of the simulated timeline above (the lowered "
              f"schedule, SEND/RECV on {lane} per rank; F={c.F:g} B={c.B:g} I={c.I:g} W={c.W:g}, "
              f"SEND latency {c.comm_latency:g}); the published formulas take free communication"]
-    why: list[str] = []
-    if spec.kind in ("gpipe", "1f1b", "interleaved_1f1b"):
-        # docs/schedules.md section 7: 1 - v m / (v max(m, p) + min(m, p) - 1), (p - 1)/(v m + p
-        # - 1) when m >= p; any F:B ratio, every stage equally costly, free communication
-        published = 1 - v * m / (v * max(m, p) + min(m, p) - 1)
-        formula = ("(p - 1)/(v m + p - 1)" if m >= p else
-                   "1 - v m/(v max(m, p) + min(m, p) - 1)") + " (every stage equally costly)"
-        if spec.split_backward:
-            why.append("with --split-backward only I crosses the ranks and W runs after it, so a "
-                       "rank idles (p - 1)(F + I), not (p - 1)(F + B)")
-    elif spec.kind in ("zero_bubble", "dualpipev"):
-        published = analytic_bubble_ratio(spec, c)
-        idle = analytic_idle(spec.kind, p, c)
-        if spec.kind == "zero_bubble":
-            formula = f"idle (p - 1)(F + I - W) = {idle:g} per rank"
-            if not c.W == c.F <= c.I:
-                why.append(f"ZB-H1's fixed order reaches the formula only for W = F <= I (here "
-                           f"F={c.F:g} I={c.I:g} W={c.W:g}); Qi et al. search other ratios")
-            if m < p:
-                why.append(f"m={m} < p={p}: the formula assumes m >= p")
-        else:
-            formula = (f"idle (PP/2 - 1)(F&B + B - 3W), PP = 2p = {2 * p} stages, F&B = F + B "
-                       f"(no overlap gain at this granularity), B = I + W: {idle:g} per rank")
-            unit = simulate_compute_only(spec, c, overlapped_as_unit=True).bubble_ratio
-            why.append(f"the formula starts each overlapped F&B step as one unit once both inputs "
-                       f"are here ({unit:.4f} in that model, compute only); the timeline above "
-                       f"starts each half on its own input (less idle) and puts a rank's SEND/RECV "
-                       f"on one in-order comm lane, where a receive can hold up a send a peer "
-                       f"needs now (more idle from p = 4)")
-            if c.B != c.I + c.W:
-                why.append(f"B steps cost {c.B:g} here, the formula takes B = I + W = "
-                           f"{c.I + c.W:g}")
-    else:
+    kind = get_schedule_kind(spec.kind)
+    if kind.published_bubble is None:
         return lines + [f"no published bubble formula for kind {spec.kind!r}"]
+    pub = kind.published_bubble(
+        spec, c, lambda unit: simulate_compute_only(spec, c, overlapped_as_unit=unit).bubble_ratio)
+    why = list(pub.why_different)
     if c.comm_latency > 0:
         why.insert(0, f"each SEND takes {c.comm_latency:g} here ({result.exposed_comm:g} exposed "
                       f"on the worst rank)")
-    head = f"published {PUBLISHED[spec.kind]}: {published:.4f} = {formula}"
-    if abs(result.bubble_ratio - published) < _SAME:
+    head = f"published {kind.published or kind.name}: {pub.ratio:.4f} = {pub.formula}"
+    if abs(result.bubble_ratio - pub.ratio) < _SAME:
         return lines + [f"{head}; the simulation gives it"]
     if not why:
         why.append("with these costs the schedule's order is not the one the formula counts")
-    section = 7 if spec.kind in ("gpipe", "1f1b", "interleaved_1f1b") else 9
+    where = f" (docs/schedules.md section {kind.docs_section})" if kind.docs_section else ""
     return lines + [f"{head}; the simulated {result.bubble_ratio:.4f} differs: " + "; ".join(why)
-                    + f" (docs/schedules.md section {section})"]
+                    + where]
 
 
 def _output_problem(path: str | None) -> str | None:

@@ -18,13 +18,29 @@ if TYPE_CHECKING:
     from ..graph.simulate import CostModel
     from .spec import ScheduleSpec
 
-__all__ = ["ScheduleKind", "Builder", "IdleFormula", "stages_of_rank", "interleave_1f1b"]
+__all__ = ["ScheduleKind", "Builder", "IdleFormula", "PublishedBubble", "BubbleFormula",
+           "one_f_one_b_bubble", "stages_of_rank", "interleave_1f1b"]
 
 Builder = Callable[["ScheduleSpec"], Schedule]
 """``build(spec) -> Schedule``: the compute actions of every rank (no SEND/RECV)."""
 
 IdleFormula = Callable[[int, "CostModel"], float]
 """``idle(pp, costs) -> float``: the published idle time per rank of one step (free comm)."""
+
+
+@dataclass(frozen=True)
+class PublishedBubble:
+    """A kind's published bubble for one spec and cost model: the ratio, the formula as text
+    (with its figure filled in), and why a simulated timeline may differ from it here."""
+
+    ratio: float
+    formula: str
+    why_different: tuple[str, ...] = ()
+
+
+BubbleFormula = Callable[["ScheduleSpec", "CostModel", Callable[[bool], float]], PublishedBubble]
+"""``formula(spec, costs, compute_only) -> PublishedBubble``; ``compute_only(overlapped_as_unit)``
+is the bubble of the compute-only simulation of the spec (for a note that compares with it)."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +56,12 @@ class ScheduleKind:
       paired; ``split_backward``: the kind accepts ``split_backward=True``.
     - ``check(spec)``: the kind's own rules (raise ``ValueError`` naming the values and the
       rule); runs after the virtual-stage and placement rules, before the flag rules.
-    - ``idle_per_rank(pp, costs)``: the published bubble formula, if there is one
+    - ``idle_per_rank(pp, costs)``: the published idle time per rank, if there is one
       (:mod:`overlap_runtime.schedules.bubbles`).
+    - ``published``: where the published bubble comes from (``"GPipe (Huang et al. 2019)"``)
+      and ``published_bubble``: its figure, formula text and caveats for a spec
+      (:class:`PublishedBubble`); ``docs_section``: the section of docs/schedules.md that
+      derives it. ``overlap-runtime schedule`` prints them beside the simulated bubble.
     """
 
     name: str
@@ -54,6 +74,9 @@ class ScheduleKind:
     split_backward: bool = True
     check: Callable[["ScheduleSpec"], None] | None = None
     idle_per_rank: IdleFormula | None = None
+    published: str = ""
+    published_bubble: BubbleFormula | None = None
+    docs_section: str = ""
 
 
 def stages_of_rank(spec: "ScheduleSpec", rank: int) -> list[int]:
@@ -86,3 +109,20 @@ def interleave_1f1b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[A
         order.append(bwd[i])
     order.extend(bwd[n - warmup:])
     return order
+
+
+def one_f_one_b_bubble(spec: "ScheduleSpec", costs: "CostModel",
+                       compute_only: Callable[[bool], float]) -> PublishedBubble:
+    """The published bubble of GPipe, 1F1B and interleaved 1F1B: ``1 - v m / (v max(m, p) +
+    min(m, p) - 1)``, ``(p - 1)/(v m + p - 1)`` when m >= p; any F:B ratio, every stage equally
+    costly, free communication (docs/schedules.md section 7)."""
+    p, m, v = spec.pp_size, spec.num_microbatches, spec.virtual_stages
+    ratio = 1 - v * m / (v * max(m, p) + min(m, p) - 1)
+    formula = ("(p - 1)/(v m + p - 1)" if m >= p else
+               "1 - v m/(v max(m, p) + min(m, p) - 1)") + " (every stage equally costly)"
+    why = ()
+    if spec.split_backward:
+        why = ("with --split-backward only I crosses the ranks and W runs after it, so a rank "
+               "idles (p - 1)(F + I), not (p - 1)(F + B)",)
+    return PublishedBubble(ratio, formula, why)
+

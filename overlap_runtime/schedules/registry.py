@@ -12,7 +12,8 @@ from __future__ import annotations
 from .kind import ScheduleKind
 from .kinds import dualpipev, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
 
-__all__ = ["get_schedule_kind", "register_schedule_kind", "schedule_kinds"]
+__all__ = ["get_schedule_kind", "register_schedule_kind", "schedule_kinds",
+           "unregister_schedule_kind"]
 
 _BUILTIN: tuple[ScheduleKind, ...] = (
     gpipe.KIND,
@@ -54,3 +55,11 @@ def register_schedule_kind(kind: ScheduleKind, *, replace: bool = False) -> Sche
         )
     _KINDS[kind.name] = kind
     return kind
+
+
+def unregister_schedule_kind(name: str) -> None:
+    """Remove a kind added with :func:`register_schedule_kind` (a built-in raises ValueError)."""
+    kind = get_schedule_kind(name)
+    if kind in _BUILTIN:
+        raise ValueError(f"the built-in schedule kind {name!r} cannot be removed")
+    del _KINDS[name]

@@ -35,6 +35,7 @@ from typing import Literal, TextIO
 from ..graph._gc import gc_paused
 from .compile import CompiledSchedule, _prove_deadlock_free, compile_schedule
 from .ir import Action, ActionKind, Schedule, parse_action
+from .ir import dump_csv
 from .lowering import lower
 from .rules import check_pipeline_rules
 from .spec import stage_to_rank as placement_rank
@@ -69,8 +70,6 @@ def to_torch_csv(schedule: Schedule,
                  target: str | os.PathLike[str] | TextIO | None = None) -> str:
     """Write ``schedule`` as a CSV that torch's ``_PipelineScheduleRuntime._load_csv`` loads
     (see :func:`to_torch`); returns the text. ``target``: a path, an open text file or None."""
-    from .ir import dump_csv
-
     return dump_csv(to_torch(schedule), target)
 
 

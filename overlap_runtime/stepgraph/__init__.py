@@ -5,9 +5,10 @@ shape), ``compose`` (``compile_step(config) -> StepGraph``: the pipeline schedul
 every rank of the layout, validated deadlock-free), ``record`` / ``conformance`` (what really
 ran, per rank, checked against the graph; the recorder itself is ``ops.step_record``).
 
-May import: ``graph``, ``models`` (lazily, the layer split), the trainer's configuration
-(``trainer.config``, ``trainer.cp_config``; the same layer as ``trainer``, which validates and checks through this
-package), the standard library. No torch.distributed: it runs at any scale without ranks.
+May import: ``graph``, ``schedules`` and the configuration floor ``config`` (the run
+configuration, the layout, the CP-mode registry), the standard library; never ``trainer`` (the
+same layer, which validates and checks through this package) and nothing that imports
+torch.distributed: it runs at any scale without ranks.
 """
 
 from .layer_program import (Direction, LayerOp, MicrobatchShape, layer_program,

@@ -19,36 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
+
+from overlap_runtime.config.hf import ARCHITECTURE_FIELDS
+from overlap_runtime.config.train import apply_overrides, config_from_dict, load_config
+
+from .cli_args import add_arguments
+from .costs import h200_profile
+from .scale import predict_at_scale
 
 __all__ = ["add_arguments", "run"]
 
-PROFILES = ("h200",)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML training configuration (see configs/)")
-    parser.add_argument("--set", action="append", default=[], metavar="DOTTED.FIELD=VALUE",
-                        help="override one field, validated like the YAML (repeatable)")
-    parser.add_argument("--model", metavar="CONFIG_JSON",
-                        help="a Hugging Face Qwen3.5 config.json (or its directory): the model "
-                        "architecture of the simulation, replacing the YAML's (e.g. "
-                        "configs/hf/Qwen3.5-35B-A3B.json); only the config is read")
-    parser.add_argument("--profile", default="h200", choices=PROFILES,
-                        help="machine profile (default h200)")
-    parser.add_argument("--gpus-per-node", type=int, default=8,
-                        help="GPUs sharing NVLink in one node (default 8)")
-    parser.add_argument("--compute-scale", type=float, default=1.0,
-                        help="multiply every compute cost (a calibration factor; default 1)")
-    parser.add_argument("--full", action="store_true",
-                        help="simulate every rank instead of one per pipeline rank (small "
-                             "layouts: checks the symmetry reduction)")
-    parser.add_argument("--json", metavar="PATH", help="also write the prediction as JSON")
-
-
 def _profile(args: argparse.Namespace):  # noqa: ANN202
-    from dataclasses import replace
-
-    from .costs import h200_profile
 
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
@@ -63,18 +45,12 @@ def _profile(args: argparse.Namespace):  # noqa: ANN202
 def _with_hf_model(config, path: str):  # noqa: ANN001, ANN202
     """``config`` with the architecture of the Hugging Face config at ``path`` (the YAML's
     architecture fields dropped; its backends and kernel choices kept)."""
-    from overlap_runtime.models.hf import ARCHITECTURE_FIELDS
-    from overlap_runtime.trainer.config import config_from_dict
-
     data = config.model_dump(mode="json", exclude_unset=True)
     model = {k: v for k, v in data.get("model", {}).items() if k not in ARCHITECTURE_FIELDS}
     return config_from_dict({**data, "model": {**model, "init_from": path}}, f"--model {path}")
 
 
 def run(args: argparse.Namespace) -> int:
-    from overlap_runtime.trainer.config import apply_overrides, load_config
-
-    from .scale import predict_at_scale
 
     try:
         config = load_config(args.config)

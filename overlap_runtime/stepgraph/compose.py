@@ -38,15 +38,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Hashable
 
+from overlap_runtime.config.layout import split_layers
+from overlap_runtime.config.train import schedule_spec
 from overlap_runtime.graph import CommInfo, Task, TaskGraph
 from overlap_runtime.graph.validate import CommMatching
+from overlap_runtime.schedules import compile_spec
 from overlap_runtime.schedules.overlap_order import BACKWARD, comm_turns
 
 from .layer_program import LayerOp, MicrobatchShape, microbatch_shape, stage_program
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import TrainConfig
-    from overlap_runtime.trainer.parallel_dims import ParallelDims
+    from overlap_runtime.config.layout import Layout as ParallelDims
+    from overlap_runtime.config.train import TrainConfig
 
 __all__ = ["StepGraph", "compile_step", "estimate_tasks", "group_key", "message_name",
            "pipeline_graph", "stage_layers_of"]
@@ -107,8 +110,6 @@ class StepGraph:
 
 
 def stage_layers_of(config: "TrainConfig", num_stages: int) -> list[list[int]]:
-    from overlap_runtime.models.pipeline_split import split_layers
-
     return [list(r) for r in split_layers(config.model.num_hidden_layers, num_stages,
                                           config.train.pipeline.layers_per_stage)]
 
@@ -146,9 +147,6 @@ def _pp_peer(dims: "ParallelDims", rank: int, pp: int) -> int:
 def pipeline_graph(config: "TrainConfig") -> Any:
     """The per-pp-rank pipeline graph: ``compile_spec`` (pp > 1) or ``0F0 -> 0B0``."""
     if config.train.accelerator.pp > 1:
-        from overlap_runtime.schedules import compile_spec
-        from overlap_runtime.trainer.config import schedule_spec
-
         return compile_spec(schedule_spec(config)).graph
     g = TaskGraph("pp1")
     g.add_tasks([Task("0F0", 0, "compute", "F", step=0, meta={"stage": 0, "microbatch": 0}),
@@ -185,7 +183,7 @@ def estimate_tasks(config: "TrainConfig") -> int:
     """About how many tasks :func:`compile_step` builds for ``config``: each pipeline rank's
     actions expanded into their ops (as on CP rank 0), times the ranks per pipeline rank. Cheap
     (no graph is built), so the trainer checks it before compiling."""
-    dims = config.train.accelerator.parallel_dims()
+    dims = config.train.accelerator.layout()
     shape = microbatch_shape(config)
     pipe = pipeline_graph(config)
     num_stages = max((t.meta.get("stage", 0) for t in pipe.tasks() if t.meta), default=0) + 1
@@ -211,10 +209,10 @@ def compile_step(config: "TrainConfig", *, validate: bool = True,
 
     With ``validate`` the graph is proven deadlock-free before it is returned (raises a
     :class:`~overlap_runtime.graph.GraphValidationError` naming the tasks). ``dims``: the
-    layout (default: ``config.train.accelerator.parallel_dims()``).
+    layout (default: ``config.train.accelerator.layout()``).
     """
     t0 = time.perf_counter()
-    dims = dims if dims is not None else config.train.accelerator.parallel_dims()
+    dims = dims if dims is not None else config.train.accelerator.layout()
     shape = microbatch_shape(config)
     pipe = pipeline_graph(config)
     num_stages = max((t.meta.get("stage", 0) for t in pipe.tasks() if t.meta), default=0) + 1

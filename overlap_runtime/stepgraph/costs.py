@@ -31,7 +31,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from overlap_runtime.graph.intervals import WAIT_CATEGORIES, minus, total_length, union
 from overlap_runtime.schedules.ir import parse_compute_action
+
+from .shared_cores import work_of_spans
 
 
 __all__ = ["Link", "MachineProfile", "MeasuredCosts", "h200_profile", "cpu_profile",
@@ -229,14 +232,11 @@ def action_busy(events: Iterable[object]) -> dict[tuple[int, str, str], list[tup
     """Busy intervals (ns) of every ``compute`` event: its span minus the waits of the same
     rank and thread inside it (an F whose input is still in flight waits inside its span; an MoE
     layer waits for its all-to-alls inside the F or B; categories
-    :data:`~overlap_runtime.pipeline.exec_trace.WAIT_CATEGORIES`).
+    :data:`~overlap_runtime.graph.intervals.WAIT_CATEGORIES`).
 
     Returns ``{(rank, thread, name): intervals}``; events are :class:`~overlap_runtime.pipeline.
     exec_trace.TraceEvent` objects.
     """
-    from overlap_runtime.graph.intervals import minus, union
-    from overlap_runtime.pipeline.exec_trace import WAIT_CATEGORIES
-
     by_thread: dict[tuple[int, str], list[Any]] = {}
     for e in events:
         by_thread.setdefault((e.rank, e.thread), []).append(e)  # type: ignore[attr-defined]
@@ -314,7 +314,6 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
         busy = action_busy(events)
         ranks = sorted({k[0] for k in busy})
         if cores is not None and cores < len(ranks):
-            from .shared_cores import work_of_spans
 
             work = work_of_spans(busy, cores, {k: (k[0], k[1]) for k in busy})
             seconds = {k: w / 1e9 for k, w in work.items()}
@@ -404,8 +403,6 @@ def _deliveries(events: list[Any]) -> list[tuple[int, str, float]]:
 def _gaps(events: list[Any]) -> list[tuple[int, float]]:
     """Per rank: seconds between its first and last event that no event of any thread covers,
     divided by its program steps (compute actions outside OVERLAP steps, and OVERLAP steps)."""
-    from overlap_runtime.graph.intervals import minus, total_length, union
-
     out = []
     for rank in sorted({e.rank for e in events}):
         mine = [e for e in events if e.rank == rank]
@@ -427,9 +424,6 @@ def _nested_a2a(events: list[Any]) -> Iterable[tuple[int, tuple[int, str, bool],
     """Per compute action: ``(rank, (stage, kind, inside an OVERLAP step), number of all-to-all spans
     of its thread inside it, their seconds, the action's busy seconds in each of the n + 1
     compute regions around them)``."""
-    from overlap_runtime.graph.intervals import minus, union
-    from overlap_runtime.pipeline.exec_trace import WAIT_CATEGORIES
-
     by_thread: dict[tuple[int, str], list[Any]] = {}
     waits: dict[tuple[int, str], list[tuple[int, int]]] = {}
     compound: dict[int, list[tuple[int, int]]] = {}

@@ -22,18 +22,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Literal
 
+from overlap_runtime.config.cp_modes import (ATTN_HIERARCHICAL, ATTN_RING, ATTN_ULYSSES,
+                                             GDN_ALL_GATHER, GDN_P2P, GDN_PREFIX_SCAN,
+                                             GDN_ULYSSES, cp_mode_names)
+from overlap_runtime.config.train import config_from_dict
+
 from .costs import MachineProfile
+from .scale import predict_at_scale
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import TrainConfig
+    from overlap_runtime.config.train import TrainConfig
 
 __all__ = ["ATTENTION_MODES", "GDN_MODES", "LayerKind", "ModePrediction", "crossover_cp",
-           "layer_config", "predict_grid", "predict_mode", "winner"]
+           "layer_config", "modes_of", "predict_grid", "predict_mode", "winner"]
 
 LayerKind = Literal["gdn", "attention"]
-GDN_MODES = ("p2p", "prefix_scan", "all_gather", "ulysses")
-ATTENTION_MODES = ("ring", "ulysses", "hierarchical")
-_MODES = {"gdn": GDN_MODES, "attention": ATTENTION_MODES}
+#: the built-in modes in table order; a GDN mode registered in ``config.cp_modes`` joins the
+#: table after them (:func:`modes_of`)
+GDN_MODES = tuple(m.name for m in (GDN_P2P, GDN_PREFIX_SCAN, GDN_ALL_GATHER, GDN_ULYSSES))
+ATTENTION_MODES = tuple(m.name for m in (ATTN_RING, ATTN_ULYSSES, ATTN_HIERARCHICAL))
+_LAYER_TYPE = {"gdn": "linear_attention", "attention": "full_attention"}
+
+
+def modes_of(kind: LayerKind) -> tuple[str, ...]:
+    """The modes the crossover table compares for ``kind``: the built-ins, then every other
+    registered GDN mode (attention: the built-ins)."""
+    if kind not in _LAYER_TYPE:
+        raise ValueError(f"kind={kind!r}: one of {sorted(_LAYER_TYPE)}")
+    if kind == "attention":
+        return ATTENTION_MODES
+    return GDN_MODES + tuple(m for m in cp_mode_names(_LAYER_TYPE[kind]) if m not in GDN_MODES)
 
 
 @dataclass(frozen=True)
@@ -54,14 +72,10 @@ def layer_config(base: "TrainConfig", kind: LayerKind, mode: str, cp: int, local
                  a2a: int | None = None) -> "TrainConfig":
     """The one-layer model of ``base`` running ``mode`` on ``cp`` ranks of ``local_len`` tokens
     (validated like ``train``: a refused combination raises the configuration's ValueError)."""
-    from overlap_runtime.trainer.config import config_from_dict
-
-    if kind not in _MODES:
-        raise ValueError(f"kind={kind!r}: one of {sorted(_MODES)}")
-    if mode not in _MODES[kind]:
+    if mode not in modes_of(kind):
         raise ValueError(f"mode={mode!r} is not a {kind} mode of the crossover; "
-                         f"known: {list(_MODES[kind])}")
-    if (mode == "hierarchical") != (a2a is not None):
+                         f"known: {list(modes_of(kind))}")
+    if (mode == ATTN_HIERARCHICAL.name) != (a2a is not None):
         raise ValueError(f"mode={mode!r} with a2a={a2a}: a2a is given for hierarchical only")
     sets = {"model.num_hidden_layers": 1, "model.intermediate_size": 1, "model.mlp": "swiglu",
             "model.full_attention_interval": 1 if kind == "attention" else 1000,
@@ -95,9 +109,8 @@ def predict_mode(base: "TrainConfig", kind: LayerKind, mode: str, cp: int, local
                  profile: MachineProfile) -> ModePrediction:
     """One layer's predicted forward + backward (module doc); a refused mode is a row with
     ``refused`` set to the configuration's message."""
-    from .scale import predict_at_scale
-
-    splits: list[int | None] = _splits(cp, profile.gpus_per_node) if mode == "hierarchical" \
+    splits: list[int | None] = _splits(cp, profile.gpus_per_node) \
+        if mode == ATTN_HIERARCHICAL.name \
         else [None]
     if not splits:
         return ModePrediction(kind, mode, cp, local_len, None, refused=(
@@ -123,7 +136,7 @@ def predict_grid(base: "TrainConfig", kind: LayerKind, cps: Iterable[int],
                  local_lens: Iterable[int], profile: MachineProfile,
                  modes: Iterable[str] | None = None) -> list[ModePrediction]:
     """:func:`predict_mode` for every mode x CP size x local length."""
-    modes = tuple(modes) if modes is not None else _MODES[kind]
+    modes = tuple(modes) if modes is not None else modes_of(kind)
     return [predict_mode(base, kind, m, cp, n, profile)
             for n in local_lens for cp in cps for m in modes]
 

@@ -10,7 +10,7 @@ on the wire and the FLOPs of a compute op, as functions of the microbatch shape
 (:class:`MicrobatchShape`). Pure Python: no torch, no process group; the step graph
 (``stepgraph.compose``) and the simulator build on it.
 
-Each layer's mode is its own (``trainer.cp_config.layer_cp_modes``: the per-layer lists, or the
+Each layer's mode is its own (``config.cp.layer_cp_modes``: the per-layer lists, or the
 scalar modes). Read from the code (``context_parallel/*``, ``moe/dispatcher.py``; the conformance checker of
 ``stepgraph.conformance`` compares a recorded run with it, so a drift fails the tests):
 
@@ -54,12 +54,17 @@ every expert: such ops have ``exact=False`` and the group's total is what is exa
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
+
+from overlap_runtime.config.cp import layer_cp_modes
+from overlap_runtime.config.cp_modes import (GDN_ALL_GATHER, GDN_P2P, GDN_PREFIX_SCAN, GDN_ULYSSES,
+                                             get_cp_mode)
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import TrainConfig
+    from overlap_runtime.config.train import TrainConfig
 
-__all__ = ["Direction", "GroupName", "LayerOp", "MicrobatchShape", "OpKind", "layer_program",
+__all__ = ["Direction", "GroupName", "LayerOp", "MicrobatchShape", "OpKind", "builtin_gdn_program",
+           "layer_program",
            "microbatch_shape", "stage_program"]
 
 Direction = Literal["F", "B", "I", "W"]
@@ -160,9 +165,7 @@ def _p2p(name: str, kind: OpKind, peer: int, nbytes: int, group: GroupName = "cp
 
 def layer_mode(config: "TrainConfig", layer: int) -> str:
     """The CP mode of decoder layer ``layer`` (its kind's per-layer list entry, or the scalar
-    mode: ``trainer.cp_config.layer_cp_modes``)."""
-    from overlap_runtime.trainer.cp_config import layer_cp_modes
-
+    mode: ``config.cp.layer_cp_modes``)."""
     return layer_cp_modes(config.train.accelerator, config.model.layer_types)[layer]
 
 
@@ -179,10 +182,13 @@ def _gdn_forward(config: "TrainConfig", s: MicrobatchShape, r: int, mode: str) -
     core = 6 * t * hv * k * v + 2 * t * hv * m.gdn_chunk_size * (k + v)
     if p == 1:
         return [_c("gdn.proj", proj), _c("gdn.core", core)]
+    program = get_cp_mode("linear_attention", mode).program
+    if program is not None:  # a registered mode's own plan
+        return list(program(config, s, r, None))
     ops = [_coll("gdn.agree", "cp", "all_gather", AGREE_GDN_FIELDS * _INT64), _c("gdn.proj", proj)]
     state = s.rows * hv * k * v * _FP32
     halo = s.rows * (m.linear_conv_kernel_dim - 1) * conv_dim * e
-    if mode == "ulysses":
+    if mode == GDN_ULYSSES.name:
         h_l = h // p if h % p == 0 else 1
         hv_l = hv // p
         width = 2 * h_l * k + hv_l * v + 2 * hv_l
@@ -193,7 +199,7 @@ def _gdn_forward(config: "TrainConfig", s: MicrobatchShape, r: int, mode: str) -
         ops.append(_p2p("gdn.halo.recv", "recv", -1, halo))
     if r < p - 1:
         ops.append(_p2p("gdn.halo.send", "send", +1, halo))
-    if mode == "p2p":
+    if mode == GDN_P2P.name:
         if r > 0:
             ops.append(replace(_p2p("gdn.chain.recv_H", "recv", -1, state),
                                flops=_chain_hop_flops(s, m)))
@@ -201,20 +207,21 @@ def _gdn_forward(config: "TrainConfig", s: MicrobatchShape, r: int, mode: str) -
         if r < p - 1:
             ops.append(_p2p("gdn.chain.send_H", "send", +1, state))
         return ops + [_c("gdn.output", core / 2)]
-    if mode == "all_gather":
+    if mode == GDN_ALL_GATHER.name:
         summary = s.rows * hv * k * (k + v) * _FP32
         gather = replace(_coll("gdn.gather_summary", "cp", "all_gather", summary),
                          flops=max(p - 2, 0) * _compose_flops(s, m))  # the far end's prefix
         return ops + [_c("gdn.summary", core / 2), gather,
                       _c("gdn.core", core)]
-    if mode == "prefix_scan":
+    if mode == GDN_PREFIX_SCAN.name:
         pair = s.rows * hv * k * (k + v) * _FP32
         recvs, sends = _scan_messages(p, r, reverse=False, state=state, pair=pair, tag="",
                                       compose=_compose_flops(s, m))
         return (ops + recvs + [_c("gdn.prepare_summary", core / 2)] + sends
                 + [_c("gdn.output", core / 2)])
-    raise ValueError(f"train.accelerator.linear_attention_cp_mode={mode!r}: layer_program knows "
-                     f"ulysses, p2p, all_gather and prefix_scan")
+    raise ValueError(f"train.accelerator.linear_attention_cp_mode={mode!r}: a registered mode "
+                     f"without a program (config.cp_modes.CPMode.program) that layer_program "
+                     f"does not know")
 
 
 def _chain_hop_flops(s: MicrobatchShape, m: object) -> float:
@@ -263,11 +270,14 @@ def _gdn_backward(config: "TrainConfig", s: MicrobatchShape, r: int,
     core = 2 * sum(o.flops for o in fwd if o.kind == "compute")
     if p == 1:
         return [_c("gdn.bwd", core)]
-    if mode == "ulysses":
+    program = get_cp_mode("linear_attention", mode).program
+    if program is not None:  # a registered mode's own plan
+        return list(program(config, s, r, fwd))
+    if mode == GDN_ULYSSES.name:
         return [replace(by["gdn.a2a_out"], name="gdn.a2a_out.bwd"), _c("gdn.core.bwd", core),
                 replace(by["gdn.a2a_in"], name="gdn.a2a_in.bwd")]
     ops: list[LayerOp] = []
-    if mode == "p2p":
+    if mode == GDN_P2P.name:
         state = s.rows * config.model.linear_num_value_heads * config.model.linear_key_head_dim \
             * config.model.linear_value_head_dim * _FP32
         if r < p - 1:
@@ -277,7 +287,7 @@ def _gdn_backward(config: "TrainConfig", s: MicrobatchShape, r: int,
         if r > 0:
             ops.append(_p2p("gdn.chain.send_dH", "send", -1, state))
         ops.append(_c("gdn.summary.bwd", core / 2))
-    elif mode == "prefix_scan":  # the reversed scan over (M^T, dH_local)
+    elif mode == GDN_PREFIX_SCAN.name:  # the reversed scan over (M^T, dH_local)
         m = config.model
         state = s.rows * m.linear_num_value_heads * m.linear_key_head_dim \
             * m.linear_value_head_dim * _FP32
@@ -516,3 +526,19 @@ def stage_program(config: "TrainConfig", layers: list[int], direction: Direction
     if direction == "F" and last:
         out.append((-1, _c("head", head)))
     return tuple(out)
+
+
+def builtin_gdn_program(mode: str) -> Callable[..., list[LayerOp]]:
+    """The layer program of the built-in GDN CP mode ``mode`` in the form a registered mode
+    gives (``config.cp_modes.CPMode.program``): ``(config, shape, cp_rank, forward_ops | None)
+    -> ops`` of the mixer, cp > 1. A mode that runs a built-in algorithm under a new strategy
+    can reuse its plan and cost."""
+    if get_cp_mode("linear_attention", mode).program is not None:
+        raise ValueError(f"{mode!r} is a registered mode with its own program, not a built-in")
+
+    def program(config: "TrainConfig", s: MicrobatchShape, r: int,
+                fwd: list[LayerOp] | None) -> list[LayerOp]:
+        return _gdn_forward(config, s, r, mode) if fwd is None else \
+            _gdn_backward(config, s, r, fwd, mode)
+
+    return program

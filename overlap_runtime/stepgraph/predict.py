@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from overlap_runtime.graph.intervals import measured_bubble
+from overlap_runtime.graph.simulate import simulate
 from overlap_runtime.graph.task_graph import TaskGraph
 from overlap_runtime.graph.tasks import Task
 
@@ -23,6 +25,7 @@ from .compose import pipeline_graph
 from .costs import MeasuredCosts
 from .layer_program import LayerOp
 from .layout_graph import layout_graph, priced_op
+from .shared_cores import simulate_shared_cores
 
 __all__ = ["StepFigures", "measured_ops", "measured_step", "predict_step"]
 
@@ -77,8 +80,6 @@ def predict_step(config: Any, costs: MeasuredCosts, *, message_s: float, cores: 
     representative rank per pipeline rank with the stage's costs. ``cores``: the ranks (all
     ``world`` of them) share that many cores
     (:func:`~overlap_runtime.stepgraph.shared_cores.simulate_shared_cores`)."""
-    from overlap_runtime.graph.simulate import simulate
-
     acc = config.train.accelerator
     world = acc.resolved_world_size
     inner = world // acc.pp
@@ -86,8 +87,6 @@ def predict_step(config: Any, costs: MeasuredCosts, *, message_s: float, cores: 
                      representative=not per_rank, per_rank=per_rank,
                      message_cost=lambda t: message_s)
     if cores is not None and cores < world:
-        from .shared_cores import simulate_shared_cores
-
         weight = 1 if per_rank else inner
         res = simulate_shared_cores(g, cores, {r: weight for r in g.ranks})
     else:
@@ -97,8 +96,6 @@ def predict_step(config: Any, costs: MeasuredCosts, *, message_s: float, cores: 
 
 def measured_step(events: Iterable[Any]) -> StepFigures:
     """Step time and bubble of one step's trace (every rank's events)."""
-    from overlap_runtime.pipeline import measured_bubble
-
     events = list(events)
     start = min(e.start_ns for e in events)
     end = max(e.end_ns for e in events)

@@ -1,7 +1,7 @@
 """Predict a training step at scale: step time, bubble, exposed communication and peak memory
 per pipeline rank, for layouts far larger than can be run (pp32 x ep64 x cp64).
 
-:func:`predict_at_scale` takes a validated :class:`~overlap_runtime.trainer.config.TrainConfig`
+:func:`predict_at_scale` takes a validated :class:`~overlap_runtime.config.train.TrainConfig`
 and a :class:`~overlap_runtime.stepgraph.costs.MachineProfile`:
 
 1. the pipeline graph of the schedule (``schedules.compile_spec``; pp == 1: ``0F0 -> 0B0``);
@@ -35,12 +35,15 @@ from overlap_runtime.graph._gc import gc_paused
 from overlap_runtime.graph.simulate import SimulationResult, simulate
 from overlap_runtime.graph.tasks import Task
 
+from overlap_runtime.config.train import schedule_spec
+
+from .compose import pipeline_graph, stage_layers_of
 from .costs import MachineProfile
 from .layer_program import LayerOp, MicrobatchShape, microbatch_shape, stage_program
 from .layout_graph import layout_graph
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import TrainConfig
+    from overlap_runtime.config.train import TrainConfig
 
 __all__ = ["RankPrediction", "ScalePrediction", "op_class", "priced_ops",
            "peak_memory", "predict_at_scale", "stage_parameters"]
@@ -128,24 +131,10 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
 def stage_parameters(config: "TrainConfig", stage_layers: list[list[int]]
                      ) -> list[tuple[int, int]]:
     """Per stage ``(dense parameters, routed-expert parameters)``: the decoder layers it holds,
-    the embedding on the first stage, the final norm and LM head on the last. One decoder layer
-    of each type is built on the meta device and counted (layers of a type are alike)."""
-    import torch
-
-    from overlap_runtime.models.qwen3_5 import Qwen3_5DecoderLayer
-
+    the embedding on the first stage, the final norm and LM head on the last (layers of one type
+    are alike: ``Qwen3_5Config.layer_parameters`` counts one from the fields)."""
     m = config.model
-    by_type: dict[str, tuple[int, int]] = {}
-    for kind in set(m.layer_types):
-        with torch.device("meta"):
-            layer = Qwen3_5DecoderLayer(m, kind)
-        dense = expert = 0
-        for name, p in layer.named_parameters():
-            if ".experts." in f".{name}":
-                expert += p.numel()
-            else:
-                dense += p.numel()
-        by_type[kind] = (dense, expert)
+    by_type = {kind: m.layer_parameters(kind) for kind in set(m.layer_types)}
     per_layer = [by_type[k] for k in m.layer_types]
     embed = m.vocab_size * m.hidden_size
     head = m.hidden_size + (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
@@ -216,7 +205,7 @@ def peak_memory(config: "TrainConfig", pipeline: Any, stage_layers: list[list[in
     parameter over ``dp_shard x cp``, routed experts over ``ep x efsdp``), ``gathered`` (the
     stage's parameters unsharded in the compute dtype plus their full fp32 gradients during the
     step: ``GatheredStep``) and ``activations`` (in-flight microbatches x saved bytes)."""
-    dims = config.train.accelerator.parallel_dims()
+    dims = config.train.accelerator.layout()
     shard = dims.dp_shard * dims.cp
     e = shape.dtype_bytes
     params = params if params is not None else stage_parameters(config, stage_layers)
@@ -290,18 +279,14 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
     ``representative=False`` builds every rank (small layouts only: the check of the
     symmetry reduction).
     """
-    from .compose import pipeline_graph, stage_layers_of  # the step graph's own pipeline and split
-
     t0 = time.perf_counter()
     acc = config.train.accelerator
-    dims = acc.parallel_dims()
+    dims = acc.layout()
     world = dims.world_size
     inner = world // dims.pp
     shape = microbatch_shape(config)
     pipeline = pipeline_graph(config)
     if dims.pp > 1:
-        from overlap_runtime.trainer.config import schedule_spec
-
         spec = schedule_spec(config)
         num_stages, stage_to_rank = spec.num_stages, spec.stage_mapping()
     else:

@@ -1,7 +1,7 @@
 """Training the Qwen3.5-style hybrid (dense or MoE) decoder with PP x EP x CP x FSDP2, from YAML.
 
-``config`` (pydantic ``TrainConfig``), ``parallel_dims`` (``ParallelDims``: the layout and every
-DeviceMesh), ``build`` (CP, pipeline split, EP, FSDP2 and the schedule of one rank),
+``TrainConfig`` and its sections (defined in the configuration floor ``overlap_runtime.config``,
+presented here), ``parallel_dims`` (``ParallelDims``: every DeviceMesh of a ``config.layout.Layout``), ``build`` (CP, pipeline split, EP, FSDP2 and the schedule of one rank),
 ``fsdp_pipeline`` (FSDP2 around a pipeline step), ``grad_norm`` (the norm over every dimension),
 ``data`` (byte-level corpus windows, ``build_dataset``), ``documents`` / ``packed_dataset``
 (text, JSONL, Parquet documents, tokenised, shuffled per epoch and packed), ``batch`` (rows with
@@ -10,8 +10,8 @@ single-device baseline, comparison), ``cli`` (``overlap-runtime train``). See do
 
 May import every other package of overlap_runtime (it is the top of the stack, below the CLI).
 
-The names below are loaded on first use (PEP 562): ``overlap-runtime --help`` imports
-``trainer.cli``, and with it this package, without paying for torch.
+The names below are loaded on first use (PEP 562): importing one module of the package does not
+load the others.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from __future__ import annotations
 from .._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "AcceleratorConfig": "config",
-    "ConfigError": "config",
-    "DataConfig": "config",
-    "OptimizerConfig": "config",
-    "TrainConfig": "config",
-    "TrainSection": "config",
-    "config_from_dict": "config",
-    "load_config": "config",
+    "AcceleratorConfig": "overlap_runtime.config.train",
+    "ConfigError": "overlap_runtime.config.train",
+    "DataConfig": "overlap_runtime.config.train",
+    "OptimizerConfig": "overlap_runtime.config.train",
+    "TrainConfig": "overlap_runtime.config.train",
+    "TrainSection": "overlap_runtime.config.train",
+    "config_from_dict": "overlap_runtime.config.train",
+    "load_config": "overlap_runtime.config.train",
     "VOCAB_SIZE": "data",
     "Batch": "data",
     "ByteTokenizer": "data",
@@ -41,8 +41,9 @@ _EXPORTS: dict[str, str] = {
     "export_checkpoint": "hf_export",
     "read_checkpoint_tensors": "hf_export",
     "build_parallel_model": "build",
+    "Layout": "overlap_runtime.config.layout",
     "ParallelDims": "parallel_dims",
-    "PipelineConfig": "config",
+    "PipelineConfig": "overlap_runtime.config.train",
     "TrainStepError": "errors",
     "compare_runs": "loop",
     "format_step": "loop",

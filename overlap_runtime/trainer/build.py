@@ -37,13 +37,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overlap_runtime.config.cp import layer_cp_modes
+from overlap_runtime.config.train import TrainConfig, schedule_spec
+from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
+from overlap_runtime.layers.compile import compile_elementwise
 from overlap_runtime.models.parallelize import parameter_count
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from overlap_runtime.models.spec import get_model_spec
-from overlap_runtime.moe import MoE
+from overlap_runtime.moe import MoE, make_overlap_b_f_callback
 from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S
-from overlap_runtime.trainer.config import TrainConfig, schedule_spec
-from overlap_runtime.trainer.cp_config import layer_cp_modes
+from overlap_runtime.pipeline import DeferredWQueue, PipelineSchedule, PipelineStage, TensorMeta
+from overlap_runtime.schedules import ActionKind
+from overlap_runtime.trainer.fsdp_pipeline import check_fsdp_internals
 from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -167,7 +172,6 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
     model = build_model(config, device, meta=True)
     n_params = parameter_count(model)
     if config.train.compile:  # regional: before CP, the pipeline split and FSDP2 wrap it
-        from overlap_runtime.layers.compile import compile_elementwise
 
         compile_elementwise(model)
     model_spec.parallelize_cp(
@@ -189,15 +193,12 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
     coordinator = overlap = queue = None
     w_runs: dict[str, int] = {}
     if pl.defer_expert_w:  # the config rule guarantees pp > 1, ep > 1, zero_bubble/dualpipev
-        from overlap_runtime.pipeline import DeferredWQueue
 
         queue = DeferredWQueue(name=f"pp{rank_of_pp}.experts")
         queue.listeners.append(lambda run: w_runs.__setitem__(run.reason,
                                                                w_runs.get(run.reason, 0) + 1))
     if dims.ep > 1:
         if spec is not None and pl.overlap_b_f:
-            from overlap_runtime.coordinator import CommComputeOverlap, HookCoordinator
-
             coordinator = HookCoordinator(timeout_s=acc.comm_timeout_s or DEFAULT_TIMEOUT_S,
                                           debug=debug)
             overlap = CommComputeOverlap(coordinator, device)
@@ -231,11 +232,6 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
 
 def _pipeline_schedule(config: TrainConfig, dims: ParallelDims, device: torch.device, spec: Any,
                        parts: dict[int, nn.Module], overlap: Any, global_tokens: int) -> Any:
-    from overlap_runtime.moe import make_overlap_b_f_callback
-    from overlap_runtime.pipeline import PipelineSchedule, PipelineStage, TensorMeta
-    from overlap_runtime.schedules import ActionKind
-    from overlap_runtime.trainer.fsdp_pipeline import check_fsdp_internals
-
     acc, pl = config.train.accelerator, config.train.pipeline
     check_fsdp_internals(list(parts.values()))
     rows = config.data.batch_size // pl.microbatches

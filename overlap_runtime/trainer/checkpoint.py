@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from overlap_runtime.moe.experts import GroupedExperts
+from overlap_runtime.ops import comm
 from overlap_runtime.trainer.ckpt_dir import (TMP_PREFIX, checkpoint_step, choose_resume,
                                               commit_directory, latest_checkpoint,
                                               list_checkpoints, prune, recover, resolve_resume,
@@ -334,7 +335,6 @@ class Checkpointer:
             blob = json.dumps(payload).encode()
         else:
             blob = b""
-        from overlap_runtime.ops import comm
 
         with torch.no_grad():
             size = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)

@@ -21,30 +21,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from overlap_runtime.config.cp import describe_cp_modes
+from overlap_runtime.config.run import check_output_path
+from overlap_runtime.config.train import ConfigError, apply_overrides, load_config
+from overlap_runtime.launch import check_world, init_from_env, launched_by_torchrun
+from overlap_runtime.trainer.checkpoint import CheckpointError, checkpoint_step, resolve_resume
+from overlap_runtime.trainer.ckpt_lock import check_unlocked
+from overlap_runtime.trainer.cli_args import add_train_arguments as add_arguments
+from overlap_runtime.trainer.documents import check_first_records
+from overlap_runtime.trainer.loop import (compare_runs, spawn_training, train_distributed,
+                                          train_single)
+
 __all__ = ["add_arguments", "run"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML training configuration (see configs/)")
-    parser.add_argument("--metrics", default=None,
-                        help="write the metrics JSON here (default: train.metrics of the config)")
-    parser.add_argument("--compare-single", action="store_true",
-                        help="also train on one device with the same data and report the largest "
-                             "loss / grad-norm differences")
-    parser.add_argument("--set", action="append", default=[], metavar="DOTTED.FIELD=VALUE",
-                        help="override one field, validated like the YAML (repeatable), e.g. "
-                             "--set optimizer.lr=1e-4 --set train.accelerator.cp=4")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None,
-                        metavar="CHECKPOINT",
-                        help="resume from the newest complete checkpoint in checkpoint.dir, or "
-                             "from the CHECKPOINT directory given (sets checkpoint.resume)")
-    parser.add_argument("--steps", type=int, default=None, help="override train.steps")
-    parser.add_argument("--init-from", default=None, metavar="HF_DIR",
-                        help="start from a Hugging Face Qwen3.5 checkpoint (config.json + "
-                        "safetensors): model.init_from; each rank reads only its share")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="override train.accelerator.world_size (spawned runs only)")
-    parser.add_argument("--quiet", action="store_true", help="no per-step lines")
 
 
 def _summary(result: Any) -> dict[str, Any]:
@@ -58,8 +46,6 @@ def _summary(result: Any) -> dict[str, Any]:
 
 
 def _report(config: Any, result: Any, baseline: Any, metrics_path: str | None) -> None:
-    from overlap_runtime.trainer.loop import compare_runs
-
     summary = _summary(result)
     peak = summary["peak_memory_bytes"]
     print(f"{result.mode}: {len(result.steps)} steps, final loss {summary['final_loss']:.6f}, "
@@ -86,9 +72,6 @@ def _report(config: Any, result: Any, baseline: Any, metrics_path: str | None) -
 def _config(args: argparse.Namespace) -> Any:
     """The validated configuration with the command line's overrides; any problem (a field, a
     device count, a half-set torchrun environment) is a ConfigError."""
-    from overlap_runtime.launch import check_world, launched_by_torchrun
-    from overlap_runtime.trainer.config import ConfigError, apply_overrides, load_config
-
     try:
         config = load_config(args.config)
         flags = {f"--set {a}": a for a in args.set}  # each flag validated with the rest, once
@@ -116,13 +99,6 @@ def _check_before_ranks(config: Any, metrics_path: str | None,
     checkpoint to resume exists (and has steps left), no other run holds ``checkpoint.dir``
     (``resume_and_lock``: under torchrun, rank 0 checks those two itself), and the data files'
     first records read (naming file and line)."""
-    from overlap_runtime.trainer.checkpoint import (CheckpointError, checkpoint_step,
-                                                    resolve_resume)
-    from overlap_runtime.trainer.ckpt_lock import check_unlocked
-    from overlap_runtime.trainer.config import ConfigError
-    from overlap_runtime.trainer.config_run import check_output_path
-    from overlap_runtime.trainer.documents import check_first_records
-
     if metrics_path:
         try:
             check_output_path("--metrics" if metrics_path != config.train.metrics
@@ -147,10 +123,6 @@ def run(args: argparse.Namespace) -> int:
     line: ConfigError, CheckpointError and DataError exit 2, a rank's runtime fault 1)."""
     import torch
 
-    from overlap_runtime.launch import launched_by_torchrun
-    from overlap_runtime.trainer.cp_config import describe_cp_modes
-    from overlap_runtime.trainer.loop import spawn_training, train_distributed, train_single
-
     config = _config(args)
     metrics_path = args.metrics or config.train.metrics
     acc = config.train.accelerator
@@ -158,8 +130,6 @@ def run(args: argparse.Namespace) -> int:
 
     if launched_by_torchrun():
         import torch.distributed as dist
-
-        from overlap_runtime.launch import init_from_env
 
         _check_before_ranks(config, metrics_path, resume_and_lock=False)  # rank 0 does those
         ctx = init_from_env(acc.device)
@@ -174,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     _check_before_ranks(config, metrics_path)
-    dims = acc.parallel_dims()
+    dims = acc.layout()
     print(f"spawning {acc.resolved_world_size} {acc.device} ranks: {dims.describe()}, "
           f"dp={dims.dp}, cp modes (GDN/attention or per layer)="
           f"{describe_cp_modes(acc, config.model.layer_types)}"

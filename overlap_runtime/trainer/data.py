@@ -40,13 +40,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from overlap_runtime.trainer.batch import Batch, Packing, make_batch
-from overlap_runtime.trainer.byte_tokenizer import (BOS_ID, EOS_ID, PAD_ID, SEP_ID,
+from overlap_runtime.config.byte_tokenizer import (BOS_ID, EOS_ID, PAD_ID, SEP_ID,
                                                     SPECIAL_TOKENS, VOCAB_SIZE, ByteTokenizer)
+from overlap_runtime.trainer.batch import Batch, Packing, make_batch
 from overlap_runtime.trainer.data_state import StepPositionState
+from overlap_runtime.trainer.documents import file_fingerprint
+from overlap_runtime.trainer.packed_dataset import PackedDataset
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import DataConfig
+    from overlap_runtime.config.train import DataConfig
 
 __all__ = [
     "BOS_ID",
@@ -141,8 +143,6 @@ class TextDataset(StepPositionState):
         if self.corpus is None:
             files: Any = "packaged:overlap_runtime/data/corpus.txt"
         else:
-            from overlap_runtime.trainer.documents import file_fingerprint
-
             files = file_fingerprint([Path(self.corpus)])
         return {"kind": "windows", "files": files, "tokenizer": "byte", "seq_len": self.seq_len,
                 "rows_per_step": self.dp * self.batch_size, "packing": self.packing,
@@ -157,7 +157,5 @@ def build_dataset(data: "DataConfig", dp: int, seed: int) -> "TextDataset | Any"
     the packaged corpus.
     """
     if data.files is not None:
-        from overlap_runtime.trainer.packed_dataset import PackedDataset
-
         return PackedDataset.from_config(data, dp, seed)
     return TextDataset(data.seq_len, data.batch_size, dp, seed, data.corpus, data.packing)

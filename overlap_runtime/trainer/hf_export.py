@@ -31,10 +31,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from overlap_runtime.models.hf.config import hf_config_from
+from overlap_runtime.config.hf import hf_config_from
+from overlap_runtime.models.qwen3_5 import Qwen3_5Config
+from overlap_runtime.models.spec import get_model_spec
 from overlap_runtime.trainer.ckpt_reader import SafeFileSystemReader, SafeLoadPlanner
 from overlap_runtime.trainer.errors import CheckpointError
-from overlap_runtime.trainer.manifest import verify_checkpoint
+from overlap_runtime.trainer.manifest import MANIFEST_NAME, verify_checkpoint
 
 __all__ = ["CheckpointError", "ExportError", "ExportReport", "export_checkpoint",
            "checkpoint_model_config", "read_checkpoint_tensors"]
@@ -65,8 +67,6 @@ def checkpoint_model_config(checkpoint: str | Path) -> Any:
     Raises:
         ExportError: no readable ``config.json`` with a ``model`` entry.
     """
-    from overlap_runtime.models.qwen3_5 import Qwen3_5Config
-
     path = Path(checkpoint) / "config.json"
     try:
         model = json.loads(path.read_text())["model"]
@@ -102,8 +102,6 @@ def _load(checkpoint: Path, entries: list[tuple[str, torch.Size, torch.dtype]]
 
 
 def _verify(checkpoint: Path, allow_unverified: bool, log: Callable[[str], None] | None) -> None:
-    from overlap_runtime.trainer.manifest import MANIFEST_NAME
-
     if allow_unverified and not (checkpoint / MANIFEST_NAME).exists():
         if log is not None:
             log(f"export: {checkpoint} has no manifest: read unverified (allow_unverified)")
@@ -166,8 +164,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
             HFConfigError: a model transformers cannot represent.
     """
     from safetensors.torch import save_file
-
-    from overlap_runtime.models.spec import get_model_spec
 
     ckpt, out = Path(checkpoint), Path(out_dir)
     if not ckpt.is_dir():

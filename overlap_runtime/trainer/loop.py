@@ -37,17 +37,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_runtime import platform
+from overlap_runtime.config.cp import describe_cp_modes
+from overlap_runtime.config.train import ConfigError, TrainConfig, config_from_dict
+from overlap_runtime.launch import spawn
+from overlap_runtime.layers.compile import compile_elementwise
 from overlap_runtime.models.parallelize import parameter_count
 from overlap_runtime.ops.step_record import task_scope
 from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.checkpoint import CheckpointError, Checkpointer
-from overlap_runtime.trainer.config import ConfigError, TrainConfig, config_from_dict
-from overlap_runtime.trainer.cp_config import describe_cp_modes
 from overlap_runtime.trainer.data import Batch, build_dataset
 from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
 from overlap_runtime.trainer.grad_norm import clip_grad_norm
 from overlap_runtime.trainer.observe import RunObserver, observed_trace
+from overlap_runtime.trainer.parallel_dims import ParallelDims
 from overlap_runtime.trainer.step_check import StepCheck
 
 if TYPE_CHECKING:
@@ -176,7 +179,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
         raise ConfigError(f"train.accelerator.world_size={acc.world_size} but the process group "
                           f"has {world} ranks")
     try:
-        dims = acc.model_copy(update={"world_size": world}).parallel_dims()
+        dims = ParallelDims.of(acc.model_copy(update={"world_size": world}).layout())
     except ValueError as exc:
         raise ConfigError(f"the layout does not fit the {world} ranks of the process group: "
                           f"{exc}") from None
@@ -269,7 +272,7 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
 def _mode(config: TrainConfig) -> str:
     """``pp2(interleaved_1f1b+overlap_b_f) x dp_shard2 x cp2:p2p/ring x ep2``-style label."""
     acc, pl = config.train.accelerator, config.train.pipeline
-    dims = acc.parallel_dims()
+    dims = acc.layout()
     parts = []
     if dims.pp > 1:
         parts.append(f"pp{dims.pp}({pl.schedule}" + ("+overlap_b_f" if pl.overlap_b_f else "")
@@ -317,8 +320,6 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     if config.train.precision == "bf16":
         compute = copy.deepcopy(model).to(torch.bfloat16)
     if config.train.compile:
-        from overlap_runtime.layers.compile import compile_elementwise
-
         compile_elementwise(compute)
     master_params = list(model.parameters())
     compute_params = list(compute.parameters())
@@ -469,8 +470,6 @@ def spawn_training(config: TrainConfig, quiet: bool = False,
 
     The embedded default: CPU ranks on gloo (``launch.spawn``); each rank uses one thread.
     """
-    from overlap_runtime.launch import spawn
-
     acc = config.train.accelerator
     results = spawn(rank_main, acc.resolved_world_size, args=(config.model_dump(), quiet),
                     device=acc.device, timeout_s=timeout_s)

@@ -51,7 +51,7 @@ from overlap_runtime import platform
 from overlap_runtime.moe.load_stats import ExpertLoadStats, balance_summary
 from overlap_runtime.pipeline.exec_trace import ExecutionTrace
 from overlap_runtime.trainer.a2a_overlap import a2a_overlap_ns
-from overlap_runtime.trainer.config import ConfigError
+from overlap_runtime.config.train import ConfigError
 
 __all__ = ["JsonlWriter", "MetricsStream", "TensorBoardWriter", "make_writers", "peak_memory"]
 

@@ -40,10 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from overlap_runtime.config.train import TrainConfig
+from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.testing import rel_l2
 from overlap_runtime.trainer.build import build_model, build_parallel_model, ce_sum
-from overlap_runtime.trainer.config import TrainConfig
 from overlap_runtime.trainer.data import build_dataset
+from overlap_runtime.trainer.loop import train_single
+from overlap_runtime.trainer.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from overlap_runtime.trainer.loop import TrainResult
@@ -182,13 +185,11 @@ def distributed_gradients(config: TrainConfig, weights: Weights | None, step: in
     Returns:
         ``{name: gradient}``, fp32 whole tensors on the CPU (the same on every rank).
     """
-    from overlap_runtime.trainer.parallel_dims import ParallelDims
-
     _check_layout(config)
     device = torch.device(device)
     acc = config.train.accelerator
-    dims: ParallelDims = acc.model_copy(update={"world_size": dist.get_world_size()}
-                                        ).parallel_dims()
+    dims = ParallelDims.of(acc.model_copy(update={"world_size": dist.get_world_size()}
+                                           ).layout())
     dims.build_meshes(device.type)
     coords = dims.coordinates(dist.get_rank())
     pm = build_parallel_model(config, dims, device, coords["pp"])
@@ -240,8 +241,6 @@ def gate_gradient_scales(config: TrainConfig, weights: Weights | None, step: int
     Returns:
         ``{"<layer>.A_log": [hv], "<layer>.dt_bias": [hv]}`` fp32, one entry per GDN layer.
     """
-    from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
-
     _check_layout(config)
     model = build_model(config)
     if weights is not None:
@@ -293,8 +292,6 @@ def initial_weights(config: TrainConfig) -> Weights:
 def trained_weights(config: TrainConfig, steps: int) -> Weights:
     """Weights after ``steps`` steps of the single-device baseline (``train_single`` with
     ``config``'s precision and optimizer): fixed weights from inside a trajectory."""
-    from overlap_runtime.trainer.loop import train_single
-
     holder: list[nn.Module] = []
     train_single(config.with_overrides(steps=steps), log=lambda line: None,
                  on_model=holder.append)

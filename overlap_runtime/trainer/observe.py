@@ -24,7 +24,7 @@ from torch import nn
 from overlap_runtime.moe.layer import MoE
 from overlap_runtime.moe.load_stats import ExpertLoadStats
 from overlap_runtime.pipeline.exec_trace import ExecutionTrace
-from overlap_runtime.trainer.config import TrainConfig
+from overlap_runtime.config.train import TrainConfig
 from overlap_runtime.models.spec import get_model_spec
 from overlap_runtime.trainer.flops import device_peak_flops
 from overlap_runtime.trainer.metrics import MetricsStream, make_writers

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from overlap_runtime.config.data_sources import special_ids
 from overlap_runtime.trainer.batch import Batch, Packing, make_batch
 from overlap_runtime.trainer.data_state import StepPositionState
 from overlap_runtime.trainer.documents import (DataTokenizer, TokenizedDocuments,
@@ -34,34 +35,11 @@ from overlap_runtime.trainer.documents import (DataTokenizer, TokenizedDocuments
                                                resolve_files, tokenize_documents)
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import DataConfig
+    from overlap_runtime.config.train import DataConfig
 
 __all__ = ["PackedDataset", "special_ids"]
 
 _EPOCH_CACHE = 4  # epochs whose order is kept (a step touches one or two)
-
-
-def special_ids(tokenizer: DataTokenizer, bos_token: str | None,
-                eos_token: str) -> tuple[int | None, int]:
-    """``(bos_id, eos_id)`` of ``data.bos_token`` / ``data.eos_token`` in ``tokenizer``.
-
-    Raises:
-        ValueError: naming the field whose token the tokenizer lacks.
-    """
-    ids: dict[str, int | None] = {}
-    for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
-        if token is None:
-            ids[field] = None
-            continue
-        tid = tokenizer.token_id(token)
-        if tid is None:
-            raise ValueError(f"data.{field}={token!r} is not a token of the tokenizer "
-                             f"{tokenizer.name!r} (add it as a special token, or name one it "
-                             f"has)")
-        ids[field] = tid
-    eos = ids["eos_token"]
-    assert eos is not None
-    return ids["bos_token"], eos
 
 
 class PackedDataset(StepPositionState):

@@ -19,8 +19,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from overlap_runtime.config.train import ConfigError
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.step_record import StepRecorder, recording
+from overlap_runtime.stepgraph.compose import compile_step, estimate_tasks
+from overlap_runtime.stepgraph.conformance import check_conformance
 
 __all__ = ["StepCheck"]
 
@@ -38,9 +41,6 @@ class StepCheck:
         self.graph = None
         t = config.train
         if t.validate_step_graph or t.check_conformance:
-            from overlap_runtime.stepgraph.compose import compile_step, estimate_tasks
-            from overlap_runtime.trainer.config import ConfigError
-
             n = estimate_tasks(config)
             if n > t.step_graph_max_tasks:
                 raise ConfigError(
@@ -75,7 +75,6 @@ class StepCheck:
         if self._done or self._recorder is None:
             return
         self._done = True
-        from overlap_runtime.stepgraph.conformance import check_conformance
 
         mine = json.dumps([e.to_dict() for e in self._recorder.entries]).encode()
         lengths = comm.all_gather(torch.tensor([len(mine)], dtype=torch.int64), 0, None,

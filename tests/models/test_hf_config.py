@@ -12,7 +12,7 @@ import torch
 
 from overlap_runtime.models import Qwen3_5Config
 from overlap_runtime.models.hf import HFConfigError, config_from_hf, read_hf_config
-from overlap_runtime.trainer.config import ConfigError, apply_overrides, config_from_dict
+from overlap_runtime.config.train import ConfigError, apply_overrides, config_from_dict
 
 PUBLISHED = sorted((Path(__file__).parents[2] / "configs" / "hf").glob("Qwen3.5-*.json"))
 # (hidden, layers, experts) of each published model, as its model card states

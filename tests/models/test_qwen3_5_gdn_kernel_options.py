@@ -18,7 +18,7 @@ from overlap_runtime.models import Qwen3_5Config, Qwen3_5ForCausalLM
 from overlap_runtime.ops.gdn import GDNKernelOptions
 from overlap_runtime.testing import rel_l2
 from overlap_runtime.trainer import ConfigError, config_from_dict
-from overlap_runtime.trainer.config import apply_overrides
+from overlap_runtime.config.train import apply_overrides
 
 TINY = dict(hidden_size=16, num_hidden_layers=2, full_attention_interval=2,
             num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_key_heads=1,

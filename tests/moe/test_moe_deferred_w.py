@@ -132,7 +132,7 @@ def _cfg(**pipeline: Any) -> dict[str, Any]:
 ])
 def test_config_rule(pipeline: dict[str, Any], needs: str) -> None:
     from overlap_runtime.trainer import config_from_dict
-    from overlap_runtime.trainer.config import ConfigError
+    from overlap_runtime.config.train import ConfigError
 
     with pytest.raises(ConfigError, match=f"defer_expert_w=true needs .*{needs}"):
         config_from_dict(_cfg(**pipeline))

@@ -70,7 +70,7 @@ def test_torch_names_and_one_overlap_p2p_default_everywhere() -> None:
     from overlap_runtime.pipeline import (PipelineSchedule, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
     from overlap_runtime.schedules.compile import compile_schedule
-    from overlap_runtime.trainer.config import PipelineConfig
+    from overlap_runtime.config.train import PipelineConfig
 
     assert ScheduleSpec(kind="1f1b", pp_size=2, n_microbatches=3).num_microbatches == 3
     defaults = {ScheduleSpec.model_fields["overlap_p2p"].default,

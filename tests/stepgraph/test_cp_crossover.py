@@ -13,7 +13,7 @@ from overlap_runtime.stepgraph.crossover import (crossover_cp, layer_config, pre
                                                  predict_mode, winner)
 from overlap_runtime.stepgraph.layer_program import stage_program
 from overlap_runtime.stepgraph.scale import priced_ops
-from overlap_runtime.trainer.config import AcceleratorConfig, load_config
+from overlap_runtime.config.train import AcceleratorConfig, load_config
 
 BASE = load_config(Path(__file__).resolve().parents[2] / "configs" / "gpu_cp2_16k.yaml")
 PROF = h200_profile()

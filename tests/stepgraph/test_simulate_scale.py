@@ -11,7 +11,7 @@ import pytest
 from overlap_runtime.cli import main
 from overlap_runtime.stepgraph.costs import h200_profile
 from overlap_runtime.stepgraph.scale import _inflight, predict_at_scale
-from overlap_runtime.trainer.config import apply_overrides, load_config
+from overlap_runtime.config.train import apply_overrides, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG = str(ROOT / "configs" / "sim_moe_h200.yaml")

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from overlap_runtime.stepgraph.costs import measured_costs
-from overlap_runtime.stepgraph.measure import merge_ranks, traced_training
+from overlap_runtime.trainer.measure import merge_ranks, traced_training
 from overlap_runtime.stepgraph.predict import measured_step, predict_step
 from overlap_runtime.testing import run_ranks
 from overlap_runtime.trainer import config_from_dict

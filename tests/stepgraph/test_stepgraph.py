@@ -164,7 +164,7 @@ def test_checker_catches_a_missing_rank_a_launch_outside_any_task_and_a_task_nev
 
 def test_the_task_estimate_matches_the_graph_and_bounds_the_trainer() -> None:
     from overlap_runtime.stepgraph.compose import estimate_tasks
-    from overlap_runtime.trainer.config import ConfigError
+    from overlap_runtime.config.train import ConfigError
     from overlap_runtime.trainer.step_check import StepCheck
 
     for name in ("pp2_ep2_overlap_b_f", "pp2_cp2", "pp2_ep2_cp2"):

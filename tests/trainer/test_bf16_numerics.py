@@ -17,7 +17,7 @@ import torch
 from overlap_runtime.context_parallel.gdn.ulysses import ulysses_head_layout
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.testing import rel_l2, run_ranks
-from overlap_runtime.trainer.config import TrainConfig, load_config
+from overlap_runtime.config.train import TrainConfig, load_config
 from overlap_runtime.trainer.loop import TrainResult, rank_main, train_single
 from overlap_runtime.trainer.numerics import (distributed_gradients, floor_config,
                                               gate_gradient_scales, gate_scaled_errors,

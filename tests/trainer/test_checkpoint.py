@@ -21,7 +21,7 @@ from overlap_runtime.testing import run_ranks
 from overlap_runtime.trainer import TrainResult, compare_runs, config_from_dict, train_single
 from overlap_runtime.trainer.checkpoint import (FAULT_ENV, CheckpointError, latest_checkpoint,
                                                 list_checkpoints)
-from overlap_runtime.trainer.config import ConfigError
+from overlap_runtime.config.train import ConfigError
 
 MOE = {"mlp": "moe", "num_experts": 4, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
        "shared_expert_intermediate_size": 32}

@@ -26,7 +26,7 @@ from overlap_runtime.failure import LOG_DIR_ENV, exit_code
 from overlap_runtime.testing import Concurrently, RankFailedError, RankFailure
 from overlap_runtime.trainer import config_from_dict
 from overlap_runtime.trainer.checkpoint import FAULT_ENV
-from overlap_runtime.trainer.config import apply_overrides, load_config
+from overlap_runtime.config.train import apply_overrides, load_config
 
 
 def _config(tmp_path: Path, name: str = "tiny.yaml", text: str | None = None,

@@ -48,7 +48,7 @@ def test_shipped_configs_load(name: str, cp: int, world: int, mode: str) -> None
 ])
 def test_shipped_4d_configs_load(name: str, layout: tuple[Any, ...]) -> None:
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
-    dims = cfg.train.accelerator.parallel_dims()
+    dims = cfg.train.accelerator.layout()
     got = (dims.world_size, dims.pp, dims.dp_shard, dims.cp, dims.ep,
            cfg.train.pipeline.schedule)
     assert got == layout
@@ -129,7 +129,7 @@ def test_pipeline_and_expert_layouts_validate() -> None:
     cfg = config_from_dict({"data": {"batch_size": 4}, "model": {"mlp": "moe"},
                             **_pp(ep=2, dp_shard=2, world_size=4, schedule="interleaved_1f1b",
                                   virtual_stages=2, overlap_b_f=True)})
-    dims = cfg.train.accelerator.parallel_dims()
+    dims = cfg.train.accelerator.layout()
     assert (dims.pp, dims.dp_shard, dims.cp, dims.ep, dims.efsdp) == (2, 2, 1, 2, 1)
     assert cfg.dp == 2 and cfg.train.accelerator.resolved_world_size == 4
 
@@ -242,7 +242,7 @@ def test_gdn_kernel_options_must_fit_every_gdn_cp_mode() -> None:
 
 
 def test_set_overrides_are_validated_like_the_yaml() -> None:
-    from overlap_runtime.trainer.config import apply_overrides
+    from overlap_runtime.config.train import apply_overrides
 
     base = config_from_dict(_acc(cp=2, world_size=4))
     cfg = apply_overrides(base, ["optimizer.lr=1e-4", "train.accelerator.cp=4",

@@ -1,4 +1,4 @@
-"""Per-layer CP comm choice in the trainer (``trainer.cp_config``): validation at load, and a
+"""Per-layer CP comm choice in the trainer (``config.cp``): validation at load, and a
 4-layer model (attention every 2nd layer) whose two attention layers and two GDN layers each
 run their own mode, trained 2 steps on cp2 against one device. The run records its first step
 and checks it against the step graph (``train.check_conformance``): a layer that got another
@@ -17,8 +17,8 @@ from overlap_runtime.context_parallel import LINEAR_ATTENTION_CP_MODES
 from overlap_runtime.testing import run_ranks
 from overlap_runtime.trainer import (ConfigError, TrainResult, compare_runs, config_from_dict,
                                      train_single)
-from overlap_runtime.trainer.config import AcceleratorConfig
-from overlap_runtime.trainer.cp_config import allowed_modes, layer_cp_modes
+from overlap_runtime.config.train import AcceleratorConfig
+from overlap_runtime.config.cp import allowed_modes, layer_cp_modes
 
 REL_TOL = 1e-5
 PER_LAYER = {"full_attention_cp_modes": ["ring", "ulysses"],
@@ -81,7 +81,7 @@ def test_example_config_loads_with_its_per_layer_modes() -> None:
     from pathlib import Path
 
     from overlap_runtime.stepgraph.compose import compile_step
-    from overlap_runtime.trainer.config import load_config
+    from overlap_runtime.config.train import load_config
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "tiny_cp4_hierarchical.yaml")
     acc = cfg.train.accelerator

@@ -31,6 +31,7 @@ from overlap_runtime.ops.gdn import state_summary, tree_compose
 
 from .common import ContextParallelGDNMixer, GDNCPPlan
 from .halo import local_core_inputs
+from .varlen import packed_local_outputs, packed_shard_inputs, packed_tail_maps
 
 __all__ = ["gathered_initial_state", "AllGatherGDNMixer"]
 
@@ -80,8 +81,6 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         """Packed batch: each rank's summary is its last document's tail map
         (``gdn/varlen.py``); the gathered prefix enters only a first piece that continues a
         document."""
-        from .varlen import packed_local_outputs, packed_shard_inputs, packed_tail_maps
-
         plan = self.plan
         table, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
         m, s = packed_tail_maps(q, k, v, g, beta, table, layer.chunk_size)

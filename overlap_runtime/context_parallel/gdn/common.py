@@ -20,10 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlap_runtime.config.cp_modes import get_cp_mode
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.sequence_mixer import GDNSequenceMixer, MixerInputs, check_layer_inputs
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.gdn import GDNKernelOptions
+from overlap_runtime.ops.gdn import get_backend, validate_inputs
+from overlap_runtime.ops.gdn.options import TRITON_CHUNK
 
 __all__ = [
     "GDNCPPlan",
@@ -35,10 +38,6 @@ __all__ = [
     "check_ranks_agree_on_call",
     "TRITON_CHUNK",
 ]
-
-#: The Triton backend's chunk length; with it every rank's shard must be whole chunks.
-TRITON_CHUNK = 64
-
 
 @dataclass(frozen=True)
 class GDNCPPlan:
@@ -234,7 +233,7 @@ def check_backend_before_comm(layer: GatedDeltaNet, hidden: torch.Tensor, plan: 
     gb = torch.empty(1, 1, 1, dtype=gate_dtype, device=device)
     beta = torch.empty(1, 1, 1, dtype=dtype, device=device)
     state = None
-    if plan.mode in ("p2p", "all_gather", "prefix_scan"):  # H_in reaches the op as fp32
+    if get_cp_mode("linear_attention", plan.mode).passes_state:  # H_in reaches the op as fp32
         state = torch.empty(1, 1, layer.head_k_dim, layer.head_v_dim, dtype=gate_dtype,
                             device=device)
     check_triton_inputs(qk, qk, v, gb, beta, state, layer.chunk_size)
@@ -248,8 +247,6 @@ def check_state_passing_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     everywhere instead of leaving a peer waiting: the inputs, the backend's rules for an fp32
     incoming state (``H_in``'s dtype and layout), and a backend the mode knows (eager, triton).
     Raises, never falls back."""
-    from overlap_runtime.ops.gdn import get_backend, validate_inputs
-
     validate_inputs(q, k, v, g, beta, None, chunk_size)
     state = q.new_empty((1, 1, q.shape[-1], v.shape[-1]),
                         dtype=torch.promote_types(q.dtype, torch.float32))

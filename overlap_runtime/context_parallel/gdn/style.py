@@ -61,6 +61,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlap_runtime.config.cp_modes import (GDN_ALL_GATHER, GDN_P2P, GDN_PREFIX_SCAN, GDN_ULYSSES,
+                                             cp_mode_names, get_cp_mode, kernel_option_problems)
 from overlap_runtime.layers.sequence_mixer import LocalGDNMixer
 from overlap_runtime.ops.gdn import SUPPORTED_BACKENDS, GDNKernelOptions
 
@@ -72,14 +74,23 @@ from .ulysses import UlyssesGDNMixer, ulysses_head_layout
 
 __all__ = ["LinearAttentionContextParallel", "LINEAR_ATTENTION_CP_MODES"]
 
-LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = ("ulysses", "p2p", "all_gather", "prefix_scan")
+#: the built-in GDN CP modes (``config.cp_modes``); a registered mode joins
+#: ``config.cp_modes.cp_mode_names("linear_attention")``
+LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = tuple(
+    m.name for m in (GDN_ULYSSES, GDN_P2P, GDN_ALL_GATHER, GDN_PREFIX_SCAN))
 
-_MODE_MIXER: dict[str, type[ContextParallelGDNMixer]] = {
-    "ulysses": UlyssesGDNMixer,
-    "p2p": P2PGDNMixer,
-    "all_gather": AllGatherGDNMixer,
-    "prefix_scan": PrefixScanGDNMixer,
+# the built-in modes' strategies; a registered mode brings its own (``CPMode.strategy``)
+_BUILTIN_MIXERS: dict[str, type[ContextParallelGDNMixer]] = {
+    GDN_ULYSSES.name: UlyssesGDNMixer,
+    GDN_P2P.name: P2PGDNMixer,
+    GDN_ALL_GATHER.name: AllGatherGDNMixer,
+    GDN_PREFIX_SCAN.name: PrefixScanGDNMixer,
 }
+
+
+def _mixer_of(mode: str) -> type[ContextParallelGDNMixer]:
+    entry = get_cp_mode("linear_attention", mode)
+    return entry.strategy if entry.strategy is not None else _BUILTIN_MIXERS[mode]  # type: ignore[return-value]
 
 #: What the CP mixers read on the layer (``layers.GatedDeltaNet``'s parameters and pieces) and
 #: the strategy slot ``apply`` fills.
@@ -107,15 +118,15 @@ class LinearAttentionContextParallel:
 
     def __init__(
         self,
-        mode: str = "ulysses",
+        mode: str = GDN_ULYSSES.name,
         backend: str = "eager",
         tp_size: int = 1,
         timeout_s: float | None = None,
     ) -> None:
-        if mode not in LINEAR_ATTENTION_CP_MODES:
+        if mode not in cp_mode_names("linear_attention"):
             raise ValueError(
                 f"unknown linear-attention CP mode {mode!r}; supported modes: "
-                f"{LINEAR_ATTENTION_CP_MODES}"
+                f"{cp_mode_names('linear_attention')}"
             )
         if backend not in SUPPORTED_BACKENDS:
             raise ValueError(
@@ -144,24 +155,7 @@ class LinearAttentionContextParallel:
         can): an option of the other backend, or ``num_segments`` below the mode's
         ``triton_min_segments`` (it would be overridden). Each message names the option, the
         mode and the rule."""
-        if options is None:
-            return []
-        if not isinstance(options, GDNKernelOptions):
-            return [f"kernel_options must be a GDNKernelOptions or None, got "
-                    f"{type(options).__name__}"]
-        where = f"mode={self.mode!r}, backend={self.backend!r}"
-        try:
-            options.check_backend(self.backend)
-        except ValueError as exc:
-            return [f"GDN context parallelism ({where}): {exc}"]
-        least = _MODE_MIXER[self.mode].triton_min_segments
-        n = options.num_segments
-        if self.backend == "triton" and n is not None and n < least:
-            return [f"num_segments={n} with {where}: the mode's state link composes the "
-                    f"op's segment summaries across ranks and runs at least {least} segments "
-                    f"per rank, so num_segments={n} would be overridden; set num_segments "
-                    f">= {least} or leave it unset"]
-        return []
+        return kernel_option_problems(self.mode, self.backend, options)
 
     def check_kernel_options(self, options: GDNKernelOptions | None) -> None:
         """Raise ``ValueError`` (``TypeError`` for a non-options object) with
@@ -207,11 +201,11 @@ class LinearAttentionContextParallel:
                 f"mesh of shape {tuple(cp_mesh.shape)}; pass mesh['cp']"
             )
         cp_size = cp_mesh.size()
-        if self.mode == "ulysses":
+        if self.mode == GDN_ULYSSES.name:
             ulysses_head_layout(module.num_key_heads, module.num_value_heads, cp_size)
         plan = GDNCPPlan(
             mode=self.mode, backend=self.backend, group=cp_mesh.get_group(), cp_size=cp_size,
             mesh=cp_mesh, timeout_s=self.timeout_s, options=options,
         )
-        module.sequence_mixer = _MODE_MIXER[self.mode](plan)
+        module.sequence_mixer = _mixer_of(self.mode)(plan)
         return module

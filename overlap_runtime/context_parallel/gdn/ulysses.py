@@ -32,6 +32,7 @@ from overlap_runtime.layers.segments import document_positions
 from overlap_runtime.ops import comm
 
 from .common import ContextParallelGDNMixer
+from .varlen import check_packed_call
 
 __all__ = ["UlyssesHeadLayout", "ulysses_head_layout", "UlyssesGDNMixer"]
 
@@ -89,8 +90,6 @@ class UlyssesGDNMixer(ContextParallelGDNMixer):
         """Packed batch: after the all-to-all each rank holds whole rows, so its heads run the
         single-device packed path on them with the global ``cu_seqlens`` (one conv with the
         taps before each document start dropped, one varlen GDN call) -> ``o [B, S/P, HV, V]``."""
-        from .varlen import check_packed_call
-
         check_packed_call(layer, self.plan, cu_seqlens, *proj.mixed_qkv.shape[:2])
         return self.forward(layer, proj, mask, cu_seqlens)
 

@@ -58,6 +58,7 @@ from overlap_runtime.ops.gdn import (
     state_summary,
 )
 
+from overlap_runtime.ops import comm
 from .common import GDNCPPlan
 from .halo import local_core_inputs
 
@@ -250,8 +251,6 @@ def check_packed_call(layer: GatedDeltaNet, plan: GDNCPPlan, cu_seqlens: torch.T
     """The packed rules, on every rank alike: ranks agree on ``cu_seqlens``; it is valid over
     ``B * P * L`` tokens. Raises naming the value and the rule (either backend: the Triton rules
 were checked in ``prepare_inputs``)."""
-    from overlap_runtime.ops import comm
-
     cu = tuple(int(c) for c in cu_seqlens.tolist()) if cu_seqlens.dim() == 1 else None
     comm.check_ranks_agree(f"GatedDeltaNet context parallelism (mode={plan.mode!r}, packed)",
                            [("cu_seqlens", cu)], plan.group, device=cu_seqlens.device,

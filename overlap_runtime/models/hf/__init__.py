@@ -7,7 +7,7 @@ May import ``torch`` (and ``torch.distributed.checkpoint`` / ``torch.distributed
 checkpoints and shards), ``safetensors`` (lazily) and ``overlap_runtime.models``.
 """
 
-from .config import (ARCHITECTURE_FIELDS, HFConfigError, architecture_conflicts, config_from_hf,
+from overlap_runtime.config.hf import (ARCHITECTURE_FIELDS, HFConfigError, architecture_conflicts, config_from_hf,
                      hf_config_from, read_hf_config)
 from .load import HFLoadError, load_hf_weights
 

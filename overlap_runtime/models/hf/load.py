@@ -25,6 +25,7 @@ from torch import nn
 
 from overlap_runtime.models.hf.safetensors_dir import SafetensorsDir
 from overlap_runtime.models.hf.state_dict import Source, hf_prefix, hf_source, skipped_prefixes
+from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 
 __all__ = ["HFLoadError", "expected_sources", "load_hf_weights", "LoadReport"]
 
@@ -35,8 +36,6 @@ class HFLoadError(ValueError):
 
 def _whole_model_names(config: Any) -> list[tuple[str, tuple[int, ...]]]:
     """``(name, shape)`` of every parameter of the whole model (built on the meta device)."""
-    from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
-
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(config)
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]

@@ -11,49 +11,35 @@ May import: torch, ``overlap_runtime._lazy`` and (in ``triton/``, lazily) triton
 of ``overlap_runtime``: no communication, no layers.
 """
 
-from .backend import (
-    SUPPORTED_BACKENDS,
-    EagerBackend,
-    GDNBackend,
-    GDNKernelOptions,
-    TritonBackend,
-    chunk_gated_delta_rule,
-    get_backend,
-    validate_inputs,
-)
-from .chunk import PreparedChunks, chunk_output, prepare_chunks
-from .reference import l2norm, recurrent_gated_delta_rule
-from .summary import (
-    apply_summary,
-    apply_summary_backward,
-    chunk_transitions,
-    compose,
-    output_state_grad,
-    state_summary,
-    summarize,
-    tree_compose,
-)
+from ..._lazy import lazy_exports
 
-__all__ = [
-    "SUPPORTED_BACKENDS",
-    "EagerBackend",
-    "GDNBackend",
-    "GDNKernelOptions",
-    "PreparedChunks",
-    "TritonBackend",
-    "apply_summary",
-    "apply_summary_backward",
-    "chunk_gated_delta_rule",
-    "chunk_output",
-    "chunk_transitions",
-    "compose",
-    "get_backend",
-    "l2norm",
-    "output_state_grad",
-    "prepare_chunks",
-    "recurrent_gated_delta_rule",
-    "state_summary",
-    "summarize",
-    "tree_compose",
-    "validate_inputs",
-]
+# loaded on first use: ``ops.gdn.options`` (the configuration floor reads it) must not pull in
+# torch and the kernels
+_EXPORTS: dict[str, str] = {
+    "SUPPORTED_BACKENDS": "backend",
+    "EagerBackend": "backend",
+    "GDNBackend": "backend",
+    "GDNKernelOptions": "backend",
+    "TritonBackend": "backend",
+    "chunk_gated_delta_rule": "backend",
+    "get_backend": "backend",
+    "validate_inputs": "backend",
+    "PreparedChunks": "chunk",
+    "chunk_output": "chunk",
+    "prepare_chunks": "chunk",
+    "l2norm": "reference",
+    "recurrent_gated_delta_rule": "reference",
+    "apply_summary": "summary",
+    "apply_summary_backward": "summary",
+    "chunk_transitions": "summary",
+    "compose": "summary",
+    "output_state_grad": "summary",
+    "state_summary": "summary",
+    "summarize": "summary",
+    "tree_compose": "summary",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+del lazy_exports  # the package lists its names only (``dir`` is ``__all__``)

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["GDNKernelOptions"]
+__all__ = ["GDNKernelOptions", "TRITON_CHUNK"]
+
+#: tokens per chunk of the Triton backend: a Triton GDN call (and each CP rank's share of a
+#: sequence under the Triton backend) is a whole number of chunks
+TRITON_CHUNK = 64
 
 # option name -> the backend it applies to
 _APPLIES_TO = {"block_chunks": "eager", "num_segments": "triton", "recompute_w": "triton",

@@ -35,7 +35,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..ir import Action, ActionKind, Schedule
-from ..kind import ScheduleKind, stages_of_rank
+from ..kind import PublishedBubble, ScheduleKind, stages_of_rank
 
 if TYPE_CHECKING:
     from ...graph.simulate import CostModel
@@ -146,9 +146,30 @@ def _idle(pp: int, costs: "CostModel") -> float:
     return (pp - 1) * ((costs.F + b) + b - 3 * costs.W)
 
 
+def _published(spec: "ScheduleSpec", costs: "CostModel",
+               compute_only: "Callable[[bool], float]") -> PublishedBubble:
+    """DualPipe's idle ``(PP/2 - 1)(F&B + B - 3W)`` per rank over ``work + idle`` (DeepSeek-V3
+    report, table 2; docs/schedules.md section 9)."""
+    p, c = spec.pp_size, costs
+    idle = _idle(p, c)
+    unit = compute_only(True)
+    why = [f"the formula starts each overlapped F&B step as one unit once both inputs are here "
+           f"({unit:.4f} in that model, compute only); the timeline above starts each half on "
+           f"its own input (less idle) and puts a rank's SEND/RECV on one in-order comm lane, "
+           f"where a receive can hold up a send a peer needs now (more idle from p = 4)"]
+    if c.B != c.I + c.W:
+        why.append(f"B steps cost {c.B:g} here, the formula takes B = I + W = {c.I + c.W:g}")
+    work = spec.virtual_stages * spec.num_microbatches * (c.F + c.I + c.W)
+    formula = (f"idle (PP/2 - 1)(F&B + B - 3W), PP = 2p = {2 * p} stages, F&B = F + B (no "
+               f"overlap gain at this granularity), B = I + W: {idle:g} per rank")
+    return PublishedBubble(idle / (work + idle), formula, tuple(why))
+
+
 KIND = ScheduleKind(
     "dualpipev", build_dualpipev, min_virtual=2, max_virtual=2, placements=("v",),
     overlap_b_f=False, split_backward=False, check=_check, idle_per_rank=_idle,
+    published="DualPipe (DeepSeek-V3 report, table 2)", published_bubble=_published,
+    docs_section="9",
     description="DualPipeV: two chunks per rank in a V, overlapped F/B steady state "
                 "(DeepSeek-V3, 2024)",
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..ir import Action, ActionKind, Schedule
-from ..kind import ScheduleKind, stages_of_rank
+from ..kind import ScheduleKind, one_f_one_b_bubble, stages_of_rank
 
 if TYPE_CHECKING:
     from ...graph.simulate import CostModel
@@ -44,5 +44,6 @@ def _idle(pp: int, costs: "CostModel") -> float:
 
 KIND = ScheduleKind(
     "gpipe", build_gpipe, max_virtual=1, overlap_b_f=False, idle_per_rank=_idle,
+    published="GPipe (Huang et al. 2019)", published_bubble=one_f_one_b_bubble, docs_section="7",
     description="all forwards, then all backwards (Huang et al. 2019)",
 )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..ir import Action, ActionKind, Schedule
-from ..kind import ScheduleKind, interleave_1f1b, stages_of_rank
+from ..kind import ScheduleKind, one_f_one_b_bubble, interleave_1f1b, stages_of_rank
 
 if TYPE_CHECKING:
     from ..spec import ScheduleSpec
@@ -60,5 +60,6 @@ def build_interleaved_1f1b(spec: "ScheduleSpec") -> Schedule:
 
 KIND = ScheduleKind(
     "interleaved_1f1b", build_interleaved_1f1b, min_virtual=1, check=_check,
+    published="interleaved 1F1B (Narayanan et al. 2021)", published_bubble=one_f_one_b_bubble, docs_section="7",
     description="1F1B over v model chunks per rank, depth first (Narayanan et al. 2021)",
 )

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..ir import Action, ActionKind, Schedule
-from ..kind import ScheduleKind, interleave_1f1b, stages_of_rank
+from ..kind import ScheduleKind, one_f_one_b_bubble, interleave_1f1b, stages_of_rank
 
 if TYPE_CHECKING:
     from ...graph.simulate import CostModel
@@ -49,5 +49,6 @@ def _idle(pp: int, costs: "CostModel") -> float:
 
 KIND = ScheduleKind(
     "1f1b", build_1f1b, max_virtual=1, idle_per_rank=_idle,
+    published="1F1B (Narayanan et al. 2021)", published_bubble=one_f_one_b_bubble, docs_section="7",
     description="one forward one backward (PipeDream-Flush; Narayanan et al. 2021)",
 )

@@ -26,7 +26,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..ir import Action, ActionKind, Schedule
-from ..kind import ScheduleKind, stages_of_rank
+from ..kind import PublishedBubble, ScheduleKind, stages_of_rank
 
 if TYPE_CHECKING:
     from ...graph.simulate import CostModel
@@ -76,8 +76,26 @@ def _idle(pp: int, costs: "CostModel") -> float:
     return (pp - 1) * (costs.F + b - 2 * costs.W)
 
 
+def _published(spec: "ScheduleSpec", costs: "CostModel",
+               compute_only: "Callable[[bool], float]") -> PublishedBubble:
+    """ZB-H1's idle ``(p - 1)(F + I - W)`` per rank over ``work + idle`` (Qi et al. 2023,
+    section 3.1; docs/schedules.md section 9)."""
+    p, m, c = spec.pp_size, spec.num_microbatches, costs
+    idle = _idle(p, c)
+    why = []
+    if not c.W == c.F <= c.I:
+        why.append(f"ZB-H1's fixed order reaches the formula only for W = F <= I (here "
+                   f"F={c.F:g} I={c.I:g} W={c.W:g}); Qi et al. search other ratios")
+    if m < p:
+        why.append(f"m={m} < p={p}: the formula assumes m >= p")
+    work = spec.virtual_stages * m * (c.F + c.I + c.W)
+    return PublishedBubble(idle / (work + idle), f"idle (p - 1)(F + I - W) = {idle:g} per rank",
+                           tuple(why))
+
+
 KIND = ScheduleKind(
     "zero_bubble", build_zero_bubble, max_virtual=1, overlap_b_f=False, split_backward=True,
-    check=_check, idle_per_rank=_idle,
+    check=_check, idle_per_rank=_idle, published="ZB-H1 (Qi et al. 2023, section 3.1)",
+    published_bubble=_published, docs_section="9",
     description="ZB-H1: 1F1B with I/W split, W held back to fill the tail (Qi et al. 2023)",
 )

@@ -2,7 +2,7 @@
 (``trainer.metrics``, ``trainer.progress``) and ``profiling`` (``trainer.profiling``).
 
 Each section validates its own fields at load (paths that cannot be created, an optional package
-that is missing), naming the dotted field; rules across sections live in ``trainer.config``.
+that is missing), naming the dotted field; rules across sections live in ``config.train``.
 """
 
 from __future__ import annotations

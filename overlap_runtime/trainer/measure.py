@@ -15,6 +15,11 @@ import statistics
 import time
 from typing import Any
 
+from overlap_runtime.ops.comm import all_gather
+from overlap_runtime.pipeline import ExecutionTrace
+from overlap_runtime.pipeline.exec_trace import TraceEvent
+from overlap_runtime.trainer import config_from_dict, train_distributed
+
 __all__ = ["StepArchive", "traced_training", "merge_ranks", "ping_latency"]
 
 
@@ -41,8 +46,6 @@ def ping_latency(rounds: int = 20, timeout_s: float = 60.0) -> float:
     import torch
     import torch.distributed as dist
 
-    from overlap_runtime.ops.comm import all_gather
-
     rank = dist.get_rank()
     buf = torch.zeros(1)
     times = []
@@ -66,9 +69,6 @@ def traced_training(rank: int, world_size: int, config_dict: dict[str, Any]) -> 
     the measured p2p latency. A rank worker (``fn(rank, world_size, ...)``)."""
     import torch
 
-    from overlap_runtime.pipeline import ExecutionTrace
-    from overlap_runtime.trainer import config_from_dict, train_distributed
-
     torch.set_num_threads(1)
     config = config_from_dict(config_dict)
     latency = ping_latency()
@@ -84,8 +84,6 @@ def traced_training(rank: int, world_size: int, config_dict: dict[str, Any]) -> 
 def merge_ranks(results: list[dict[str, Any]]) -> list[list[Any]]:
     """Per-step event lists of the whole job (TraceEvent objects, ``rank`` = global rank) from
     every rank's result."""
-    from overlap_runtime.pipeline.exec_trace import TraceEvent
-
     n = min(len(r["steps"]) for r in results)
     out = []
     for i in range(n):

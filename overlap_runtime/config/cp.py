@@ -13,35 +13,34 @@
 
 A per-layer list (as Megatron's ``cp_comm_type`` list) has one entry per layer **of its kind**
 (``model.layer_types``), in layer order: entry ``i`` of ``full_attention_cp_modes`` is the
-``i``-th ``full_attention`` layer. Its names are the ones the scalar field accepts: the allowed
-names are read from the scalar field's ``Literal`` (``AcceleratorConfig``), so a mode added
-there is accepted here with no other change. A list and its scalar field set together is an
+``i``-th ``full_attention`` layer. Its names are the ones the scalar field accepts: the modes
+of that layer type registered in ``config.cp_modes``, so a mode registered there is accepted
+here with no other change. A list and its scalar field set together is an
 error (two answers for one layer). ``hierarchical_cp``: ``a2a x ring == cp``, both ``>= 2``
-(``context_parallel.hierarchical.check_hierarchical_degrees``); set without a hierarchical
+(:func:`check_hierarchical_degrees`); set without a hierarchical
 layer it is an error too (it would be silently unused).
 
 Every rule is checked at load (:func:`cp_mode_problems`, called by ``TrainConfig``) and the
 messages name the fields; with cp > 1 that includes ``model.gdn_kernel_options`` against each
-GDN layer's mode and ``linear_attention_gdn_backend`` (the rules
-``LinearAttentionContextParallel.apply`` checks). :func:`layer_cp_modes` is what the model
+GDN layer's mode and ``linear_attention_gdn_backend`` (``config.cp_modes.
+kernel_option_problems``: the rules ``LinearAttentionContextParallel.apply`` checks). :func:`layer_cp_modes` is what the model
 build and the step graph read: each decoder layer's own mode.
 """
 
 from __future__ import annotations
 
-import typing
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from overlap_runtime.context_parallel.gdn.style import LinearAttentionContextParallel
-from overlap_runtime.context_parallel.hierarchical import check_hierarchical_degrees
-from overlap_runtime.trainer.config_run import _Strict
+from overlap_runtime.config.cp_modes import (ATTN_HIERARCHICAL, ATTN_ULYSSES, cp_mode_names,
+                                             get_cp_mode, kernel_option_problems)
+from overlap_runtime.config.run import _Strict
 
 if TYPE_CHECKING:
-    from overlap_runtime.trainer.config import AcceleratorConfig, TrainConfig
+    from overlap_runtime.config.train import AcceleratorConfig, TrainConfig
 
-__all__ = ["HierarchicalCPConfig", "allowed_modes", "cp_mode_problems", "describe_cp_modes",
+__all__ = ["HierarchicalCPConfig", "allowed_modes", "check_hierarchical_degrees", "cp_mode_problems", "describe_cp_modes",
            "layer_cp_modes", "modes_of_kind"]
 
 _ACC = "train.accelerator."
@@ -59,12 +58,28 @@ class HierarchicalCPConfig(_Strict):
     ring: int = Field(description="ring degree, the outer CP dimension")
 
 
-def allowed_modes(acc: "AcceleratorConfig | type[AcceleratorConfig]", layer_type: str
+def allowed_modes(acc: "AcceleratorConfig | type[AcceleratorConfig] | None", layer_type: str
                   ) -> tuple[str, ...]:
-    """The mode names the scalar field of ``layer_type`` accepts (its ``Literal``'s values)."""
-    cls = acc if isinstance(acc, type) else type(acc)
-    annotation = cls.model_fields[_FIELDS[layer_type][0]].annotation
-    return tuple(str(a) for a in typing.get_args(annotation))
+    """The mode names ``layer_type``'s fields accept: the registered modes of that layer type
+    (``config.cp_modes``; ``acc`` is not read)."""
+    return cp_mode_names(layer_type)
+
+
+def check_hierarchical_degrees(cp: int, a2a: int, ring: int, prefix: str = "") -> list[str]:
+    """Every rule the degrees break (empty: valid): ``a2a, ring >= 2`` and ``a2a x ring = cp``.
+
+    A degree of 1 is a flat mode (``a2a = 1``: ring, ``ring = 1``: ulysses): the message says
+    which to use instead. ``prefix`` names the fields (``"train.accelerator.hierarchical_cp."``).
+    """
+    out = []
+    for name, value, flat in (("a2a", a2a, "ring"), ("ring", ring, "ulysses")):
+        if not isinstance(value, int) or value < 2:
+            out.append(f"{prefix}{name}={value!r} must be an integer >= 2 (a degree of 1 is flat "
+                       f"{flat}: use full_attention_cp_mode {flat!r})")
+    if not out and a2a * ring != cp:
+        out.append(f"{prefix}a2a={a2a} x {prefix}ring={ring} = {a2a * ring} must equal the cp "
+                   f"size {cp}")
+    return out
 
 
 def modes_of_kind(acc: "AcceleratorConfig", layer_type: str) -> set[str]:
@@ -126,7 +141,7 @@ def cp_mode_problems(config: "TrainConfig") -> list[str]:
     attn = {mode for mode, t in zip(modes, m.layer_types) if t == "full_attention"}
     gdn = {mode for mode, t in zip(modes, m.layer_types) if t == "linear_attention"}
     h, kv = m.num_attention_heads, m.num_key_value_heads
-    if "hierarchical" in attn:
+    if ATTN_HIERARCHICAL.name in attn:
         hc = acc.hierarchical_cp
         if hc is None:
             out.append(f"{_ACC}full_attention_cp_mode 'hierarchical' needs {_ACC}hierarchical_cp: "
@@ -140,13 +155,14 @@ def cp_mode_problems(config: "TrainConfig") -> list[str]:
     elif acc.hierarchical_cp is not None:
         out.append(f"{_ACC}hierarchical_cp is set but no full_attention layer uses "
                    f"full_attention_cp_mode 'hierarchical' (it would be unused)")
-    if acc.cp > 1 and "ulysses" in attn and (h % acc.cp or (kv % acc.cp and acc.cp % kv)):
+    if acc.cp > 1 and ATTN_ULYSSES.name in attn and (h % acc.cp or (kv % acc.cp and acc.cp % kv)):
         out.append(f"{_ACC}full_attention_cp_mode='ulysses' with cp={acc.cp} needs "
                    f"model.num_attention_heads % cp == 0 and model.num_key_value_heads dividing "
                    f"or divisible by cp; got {h} / {kv} (use full_attention_cp_mode: ring)")
     hv, hk = m.linear_num_value_heads, m.linear_num_key_heads
-    if acc.cp > 1 and "ulysses" in gdn and (hv % acc.cp or (hk % acc.cp and acc.cp % hk)):
-        out.append(f"{_ACC}linear_attention_cp_mode='ulysses' with cp={acc.cp} needs "
+    split = sorted(mode for mode in gdn if get_cp_mode("linear_attention", mode).head_split)
+    if acc.cp > 1 and split and (hv % acc.cp or (hk % acc.cp and acc.cp % hk)):
+        out.append(f"{_ACC}linear_attention_cp_mode={split[0]!r} with cp={acc.cp} needs "
                    f"model.linear_num_value_heads % cp == 0 and model.linear_num_key_heads "
                    f"dividing or divisible by cp; got {hv} / {hk} (use p2p or all_gather)")
     if acc.cp > 1:
@@ -162,8 +178,7 @@ def _kernel_option_problems(config: "TrainConfig", gdn_modes: list[str]) -> list
     backend = config.train.accelerator.linear_attention_gdn_backend
     out: list[str] = []
     for mode in gdn_modes:
-        for problem in LinearAttentionContextParallel(mode, backend).kernel_option_problems(
-                options):
+        for problem in kernel_option_problems(mode, backend, options):
             out.append(f"model.gdn_kernel_options with GDN CP mode {mode!r} and "
                        f"{_ACC}linear_attention_gdn_backend={backend!r}: {problem}")
     return out

@@ -40,7 +40,7 @@
         linear_attention_cp_mode: prefix_scan # ulysses | p2p | all_gather | prefix_scan
         linear_attention_gdn_backend: eager   # eager | triton
         full_attention_cp_mode: ring          # ulysses | ring | all_gather_kv | hierarchical
-        hierarchical_cp: null                 # {a2a: 2, ring: 2} for hierarchical (cp_config)
+        hierarchical_cp: null                 # {a2a: 2, ring: 2} for hierarchical (config.cp)
         full_attention_cp_modes: null         # per full_attention layer, e.g. [ring, ulysses]
         linear_attention_cp_modes: null       # per GDN layer, e.g. [p2p, all_gather, p2p]
       pipeline:                   # used when accelerator.pp > 1
@@ -61,8 +61,8 @@
       steps: [2, 3]               # first and last profiled step (1-based, inclusive)
       dir: profiles               # rank<r>.pt.trace.json per rank, exec_trace.json
 
-``world_size = pp x dp_replicate x dp_shard x cp`` (:class:`~overlap_runtime.trainer.
-parallel_dims.ParallelDims` owns the rule and every mesh); ``dp = dp_replicate x dp_shard``
+``world_size = pp x dp_replicate x dp_shard x cp`` (:class:`~overlap_runtime.config.layout.Layout`
+owns the rule; the trainer's ``ParallelDims`` every mesh); ``dp = dp_replicate x dp_shard``
 data-parallel groups read different rows; FSDP2 shards over ``dp_shard x cp``.
 
 Every rule that a combination breaks fails at load time with the dotted field name and the rule
@@ -79,17 +79,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from overlap_runtime.context_parallel.gdn.common import TRITON_CHUNK
-from overlap_runtime.models.qwen3_5 import Qwen3_5Config
-from overlap_runtime.trainer.config_yaml import DuplicateKeyError, load_yaml
-from overlap_runtime.trainer.config_run import (MAX_TIMEOUT_S, CheckpointConfig,
-                                                MetricsConfig, ProfilingConfig, _Strict,
-                                                check_output_path)
-from overlap_runtime.trainer.cp_config import (HierarchicalCPConfig, cp_mode_problems,
-                                               modes_of_kind)
-from overlap_runtime.trainer.parallel_dims import ParallelDims
+from overlap_runtime.config.cp import HierarchicalCPConfig, cp_mode_problems, modes_of_kind
+from overlap_runtime.config.cp_modes import (DEFAULT_ATTENTION_CP_MODE, DEFAULT_GDN_CP_MODE,
+                                             cp_mode_names, get_cp_mode)
+from overlap_runtime.config.data_sources import (load_tokenizer, resolve_files,
+                                                 special_ids)
+from overlap_runtime.config.hf import (HFConfigError, architecture_conflicts, config_from_hf,
+                                       read_hf_config)
+from overlap_runtime.config.layout import Layout
+from overlap_runtime.config.model import Qwen3_5Config
+from overlap_runtime.config.run import (MAX_TIMEOUT_S, CheckpointConfig, MetricsConfig,
+                                        ProfilingConfig, _Strict, check_output_path)
+from overlap_runtime.config.yaml_io import DuplicateKeyError, load_yaml
+from overlap_runtime.ops.gdn.options import TRITON_CHUNK
+from overlap_runtime.schedules import ScheduleSpec
+from overlap_runtime.schedules.registry import get_schedule_kind
 
 __all__ = [
     "AcceleratorConfig",
@@ -126,16 +132,26 @@ class AcceleratorConfig(_Strict):
     pp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     ulysses_degree: int | None = None
-    # the defaults follow the crossover table (docs/benchmarks.md "Where each CP mode wins";
-    # docs/context_parallel.md "Default modes"): an explicit choice, never picked at run time
-    linear_attention_cp_mode: Literal["ulysses", "p2p", "all_gather", "prefix_scan"] = \
-        "prefix_scan"
+    # the names are the registered modes (config.cp_modes); the defaults are its choice
+    linear_attention_cp_mode: str = DEFAULT_GDN_CP_MODE
     linear_attention_gdn_backend: Literal["eager", "triton"] = "eager"
-    full_attention_cp_mode: Literal["ulysses", "ring", "all_gather_kv", "hierarchical"] = "ring"
+    full_attention_cp_mode: str = DEFAULT_ATTENTION_CP_MODE
     hierarchical_cp: HierarchicalCPConfig | None = None
-    full_attention_cp_modes: list[str] | None = None  # per layer: trainer.cp_config
+    full_attention_cp_modes: list[str] | None = None  # per layer: config.cp
     linear_attention_cp_modes: list[str] | None = None
     comm_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+
+    @field_validator("linear_attention_cp_mode", "full_attention_cp_mode")
+    @classmethod
+    def _registered_mode(cls, mode: str, info: ValidationInfo) -> str:
+        kind = info.field_name.removesuffix("_cp_mode")  # type: ignore[union-attr]
+        names = cp_mode_names(kind)
+        if mode not in names:
+            quoted = [repr(n) for n in names]
+            raise ValueError(f"Input should be {', '.join(quoted[:-1])} or {quoted[-1]} (the "
+                             f"registered {kind} CP modes; config.cp_modes.register_cp_mode "
+                             f"adds one), got {mode!r}")
+        return mode
 
     @property
     def resolved_world_size(self) -> int:
@@ -145,9 +161,10 @@ class AcceleratorConfig(_Strict):
             return self.world_size
         return self.pp * self.dp_replicate * max(self.dp_shard, 1) * self.cp
 
-    def parallel_dims(self) -> ParallelDims:
-        """The validated layout (raises ValueError naming the fields)."""
-        return ParallelDims(world_size=self.resolved_world_size, dp_shard=self.dp_shard,
+    def layout(self) -> Layout:
+        """The validated layout (raises ValueError naming the fields); the trainer's
+        ``ParallelDims.of(layout)`` builds its meshes."""
+        return Layout(world_size=self.resolved_world_size, dp_shard=self.dp_shard,
                             cp=self.cp, pp=self.pp, ep=self.ep, dp_replicate=self.dp_replicate,
                             cp_a2a=self.hierarchical_cp.a2a if self.hierarchical_cp else None)
 
@@ -155,13 +172,19 @@ class AcceleratorConfig(_Strict):
 class PipelineConfig(_Strict):
     """Pipeline schedule (``train.pipeline``), used when ``train.accelerator.pp > 1``."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipev"] = "1f1b"
+    schedule: str = "1f1b"  # a registered kind (schedules.registry.get_schedule_kind)
     microbatches: int = Field(4, ge=1, description="microbatches per step (divide batch_size)")
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank")
     overlap_b_f: bool = False
     defer_expert_w: bool = False
     overlap_p2p: bool = True
     layers_per_stage: list[int] | None = None
+
+    @field_validator("schedule")
+    @classmethod
+    def _registered_kind(cls, kind: str) -> str:
+        get_schedule_kind(kind)  # ValueError naming the registered kinds
+        return kind
 
 
 class DataConfig(_Strict):
@@ -201,11 +224,6 @@ def _data_source_problems(data: DataConfig) -> list[str]:
     """Rules of the ``data`` section on its own: one source, files that exist in one known
     format, an optional package that is importable, a loadable tokenizer holding the bos/eos
     tokens."""
-    import importlib.util
-
-    from overlap_runtime.trainer.documents import load_tokenizer, resolve_files
-    from overlap_runtime.trainer.packed_dataset import special_ids
-
     if data.files is None:
         out = [f"data.{name}={value!r} applies to data.files only (data.corpus and the packaged "
                f"corpus are byte-level windows)"
@@ -240,8 +258,6 @@ def _data_problems(config: "TrainConfig") -> list[str]:
     masked conv and one varlen op call per layer (``layers.sequence_mixer.LocalGDNMixer``,
     ``model.gdn_backend`` eager or triton), for cp > 1 every GDN CP mode, the
     default prefix_scan included (``context_parallel/gdn/varlen.py``)."""
-    from overlap_runtime.trainer.documents import load_tokenizer
-
     data, acc, m = config.data, config.train.accelerator, config.model
     out: list[str] = []
     vocab = load_tokenizer(data.tokenizer).vocab_size
@@ -340,14 +356,14 @@ class TrainConfig(_Strict):
     @property
     def dp(self) -> int:
         """Data-parallel degree ``dp_replicate x dp_shard`` (who reads different rows)."""
-        return self.train.accelerator.parallel_dims().dp
+        return self.train.accelerator.layout().dp
 
     @model_validator(mode="after")
     def _check_layout(self) -> "TrainConfig":
         acc, m = self.train.accelerator, self.model
         has_gdn = "linear_attention" in m.layer_types
         errors: list[str] = []
-        errors.extend(ParallelDims.layout_problems(
+        errors.extend(Layout.layout_problems(
             world_size=acc.resolved_world_size, dp_shard=acc.dp_shard, cp=acc.cp, pp=acc.pp,
             ep=acc.ep, dp_replicate=acc.dp_replicate, prefix="train.accelerator."))
         errors.extend(_pipeline_problems(self))
@@ -493,9 +509,11 @@ def _gdn_length_problems(config: "TrainConfig") -> list[str]:
                 f"tokens per CP rank")
     out: list[str] = []
     halo = m.linear_conv_kernel_dim - 1
-    halo_modes = sorted(modes_of_kind(acc, "linear_attention") - {"ulysses"})
+    gdn_names = cp_mode_names("linear_attention")  # an unknown name has its own error
+    halo_modes = sorted(mode for mode in modes_of_kind(acc, "linear_attention")
+                        if mode in gdn_names and get_cp_mode("linear_attention", mode).halo)
     if halo_modes and local < halo:
-        # Ulysses gathers the whole sequence before the conv; the other modes pass a halo
+        # a head-split mode gathers the whole sequence before the conv; the others pass a halo
         out.append(f"{per_rank} is shorter than the GDN conv halo model.linear_conv_kernel_dim "
                    f"- 1 = {halo} (train.accelerator.linear_attention_cp_mode "
                    f"{', '.join(map(repr, halo_modes))}): each rank must hold at least the halo")
@@ -509,9 +527,6 @@ def _gdn_length_problems(config: "TrainConfig") -> list[str]:
 def schedule_spec(config: "TrainConfig") -> Any:
     """The ``ScheduleSpec`` of ``train.pipeline`` (placement: the kind's own, ``v`` for
     dualpipev); raises ``pydantic.ValidationError`` naming the broken rule."""
-    from overlap_runtime.schedules import ScheduleSpec
-    from overlap_runtime.schedules.registry import get_schedule_kind
-
     acc, pl = config.train.accelerator, config.train.pipeline
     return ScheduleSpec(kind=pl.schedule, pp_size=acc.pp, num_microbatches=pl.microbatches,
                         virtual_stages=pl.virtual_stages, overlap_b_f=pl.overlap_b_f,
@@ -548,9 +563,6 @@ def _import_model_section(data: dict[str, Any], source: str) -> dict[str, Any]:
     model = data.get("model")
     if not isinstance(model, dict) or not model.get("init_from"):
         return data
-    from overlap_runtime.models.hf import (HFConfigError, architecture_conflicts,
-                                           config_from_hf, read_hf_config)
-
     init_from = model["init_from"]
     if not isinstance(init_from, str):
         raise ConfigError(f"{source}: model.init_from={init_from!r} must be a directory path")
@@ -570,7 +582,7 @@ def config_from_dict(data: dict[str, Any], source: str = "(dict)") -> TrainConfi
     """Validate a parsed configuration; raise :class:`ConfigError` naming the fields.
 
     ``model.init_from`` (a Hugging Face model directory) fills the model's architecture from
-    its ``config.json`` first (``models.hf.config``)."""
+    its ``config.json`` first (``config.hf``)."""
     data = _import_model_section(data, source)
     try:
         return TrainConfig.model_validate(data)
