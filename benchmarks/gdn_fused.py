@@ -15,7 +15,8 @@ once ``--budget-s`` seconds have passed):
   state) of every implementation at B=1 T=8K H=32 and T=32K H=16/HV=32, and the packed 64K row.
 * ``grad_accuracy`` (not a default part: slow): forward and every gradient of ``chain`` and
   ``fused`` (and fla's, guard lifted) at B=1 T=8K H=16/HV=32.
-* ``variants``: forward-only medians of the fused kernel's launch choices at B=1 T=32K H=32.
+* ``variants``: forward-only medians of the fused kernel's launch choices at B=1 T=32K H=32
+  (``--variants``: which; each with rel-L2 of o and the final state against the chain's).
 * ``table``: forward (no_grad) and forward+backward medians (``do_bench``, median) and peak
   memory of fla / chain / fused in the issue's rows.
 * ``profile``: per-kernel device times of one forward (no_grad) of chain, fused and fla at
@@ -165,7 +166,7 @@ def run_impl(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None, 
 
 def accuracy(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     rows = []
-    fwd_cases = [("b1_8k", ("fla", "chain", "fused", "fused_dbl")),
+    fwd_cases = [("b1_8k", ("fla", "chain", "fused")),
                  ("b1_32k_gqa", ("fla", "chain", "fused", "fused_dbl")),
                  ("packed_64k", ("fla", "chain", "fused"))]
     for case, names in fwd_cases:
@@ -258,27 +259,40 @@ def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None,
 
 # name: (launch choices, segments per sequence or None for the default)
 VARIANTS = {
-    "subst_w8": (FusedConfig(), None),
-    "dbl_w8": (FusedConfig(inv_doubling=True), None),
-    "dbl_w4": (FusedConfig(inv_doubling=True, walk_warps=4, summary_warps=4), None),
-    "dbl_w8_ns8": (FusedConfig(inv_doubling=True), 8),
-    "dbl_w8_ns2": (FusedConfig(inv_doubling=True), 2),
-    "dbl_w8_b128": (FusedConfig(inv_doubling=True, block=128), None),
-    "subst_w4": (FusedConfig(walk_warps=4, summary_warps=4), None),
-    "dbl_w8_s2": (FusedConfig(inv_doubling=True, walk_stages=2, summary_stages=2), None),
+    "default": (FusedConfig(), None),
+    "walk_w8": (FusedConfig(walk_warps=8, summary_warps=8), None),
+    "walk_s1": (FusedConfig(walk_stages=1, summary_stages=1), None),
+    "bv32": (FusedConfig(block=32), None),
+    "no_prenorm": (FusedConfig(prenorm=False), None),
+    "ns1": (FusedConfig(), 1),
+    "ns1_bv32": (FusedConfig(block=32), 1),
+    "ns2": (FusedConfig(), 2),
+    "ns8_bv32": (FusedConfig(block=32), 8),
+    "prep_w8": (FusedConfig(prep_warps=8), None),
+    "prep_w2": (FusedConfig(prep_warps=2), None),
+    "prep_dbl": (FusedConfig(inv_doubling=True), None),
 }
 
 
 def variants(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Forward-only medians of the fused forward's launch choices at B=1 T=32K H=32, each
+    with rel-L2 of o and the final state against the chain's (a miscompile shows here)."""
     rows = []
     x, cu = make_row("b1_32k", device)
+    with torch.no_grad():
+        base = impl("chain")(*(x[n] for n in NAMES), cu)
     for name, (cfg, segments) in VARIANTS.items():
-        if over_budget(args):
-            break
+        if name not in args.variants or over_budget(args):
+            continue
         try:
             t0 = time.time()
-            r = timing(impl("fused_cfg", cfg, segments), x, cu, backward=False)
-            row = {"variant": name, **r, "first_call_s": time.time() - t0}
+            fn = impl("fused_cfg", cfg, segments)
+            with torch.no_grad():
+                o, h = fn(*(x[n] for n in NAMES), cu)
+            errs = {"o_vs_chain": rel_l2(o, base[0]), "final_vs_chain": rel_l2(h, base[1])}
+            del o, h
+            r = timing(fn, x, cu, backward=False)
+            row = {"variant": name, **r, **errs, "first_call_s": time.time() - t0}
         except Exception as error:  # noqa: BLE001
             traceback.print_exc()
             row = {"variant": name, "error": f"{type(error).__name__}: {error}"}
@@ -328,19 +342,20 @@ def profile(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
 
 def resources() -> list[dict[str, Any]]:
     """Registers, spills and shared memory of every compiled fused kernel in this process."""
-    from overlap_runtime.ops.gdn.triton.fused_fwd import fused_fwd_kernel
+    from overlap_runtime.ops.gdn.triton.fused_fwd import fused_prep_kernel, fused_walk_kernel
 
     rows = []
-    for caches in getattr(fused_fwd_kernel, "device_caches", {}).values():
-        for kernel in caches[0].values():
-            try:
-                kernel._init_handles()
-                md = kernel.metadata
-                rows.append({"warps": md.num_warps, "stages": md.num_stages,
-                             "regs": kernel.n_regs, "spills": kernel.n_spills,
-                             "shared": md.shared})
-            except Exception as error:  # noqa: BLE001
-                rows.append({"error": f"{type(error).__name__}: {error}"})
+    for fn in (fused_prep_kernel, fused_walk_kernel):
+        for caches in getattr(fn, "device_caches", {}).values():
+            for kernel in caches[0].values():
+                try:
+                    kernel._init_handles()
+                    md = kernel.metadata
+                    rows.append({"kernel": fn.fn.__name__, "warps": md.num_warps,
+                                 "stages": md.num_stages, "regs": kernel.n_regs,
+                                 "spills": kernel.n_spills, "shared": md.shared})
+                except Exception as error:  # noqa: BLE001
+                    rows.append({"error": f"{type(error).__name__}: {error}"})
     return rows
 
 
@@ -350,6 +365,7 @@ def main() -> int:
                    choices=["accuracy", "grad_accuracy", "variants", "table", "profile"])
     p.add_argument("--rows", nargs="+", default=TABLE_ROWS, choices=list(ROWS))
     p.add_argument("--budget-s", type=float, default=420.0)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = p.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -375,10 +391,12 @@ def main() -> int:
             print(f"| {r.get('case')} | {r.get('impl')} | {r.get('pass')} | "
                   f"{errs or r.get('error')} |")
     if "variants" in results:
-        print("\n| variant (B=1 T=32K H=32) | fwd ms |")
-        print("| --- | --- |")
+        print("\n| variant (B=1 T=32K H=32) | fwd ms | o / final rel-L2 vs chain |")
+        print("| --- | --- | --- |")
         for r in results["variants"]:
-            print(f"| {r['variant']} | {r.get('fwd_ms', r.get('error'))} |")
+            print(f"| {r['variant']} | {r.get('fwd_ms', r.get('error'))} | "
+                  f"{r.get('o_vs_chain', float('nan')):.1e} / "
+                  f"{r.get('final_vs_chain', float('nan')):.1e} |")
     if "table" in results:
         print("\n| case | fla fwd | chain fwd | fused fwd | fused/fla fwd | fla f+b | chain f+b "
               "| fused f+b | fused/fla f+b | peak MiB fla / chain / fused |")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -23,6 +24,7 @@ from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
     chunk_gated_delta_rule_triton, gdn_forward)
+from overlap_runtime.ops.gdn.triton import fused_fwd  # noqa: E402
 from overlap_runtime.ops.gdn.triton.fused_fwd import FusedConfig  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -106,24 +108,29 @@ def run_case(case: str) -> dict:
     errors, finite = {}, True
     inputs = [x[n].detach() for n in NAMES]
     h0 = None if x[STATE] is None else x[STATE].detach()
-    # forward alone (nothing saved): one segment and three (summaries + chain), both inverses
+    # forward alone (nothing saved): one segment and three (summaries + chain), both inverses;
+    # the doubling runs with q, k normalised in the walk (prenorm=False)
     for segments in (1, 3):
         for doubling in (False, True):
+            config = FusedConfig(inv_doubling=doubling, prenorm=not doubling)
             with torch.no_grad():
                 o, h, saved, _ = gdn_forward(*inputs, h0, key_dim ** -0.5, l2, segments,
                                              cu_seqlens=cu, fused=True, save=False,
-                                             fused_config=FusedConfig(inv_doubling=doubling))
+                                             fused_config=config)
             assert saved is None
             tag = f"ns{segments}_{'dbl' if doubling else 'subst'}"
             errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
             finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
     # forward + backward through the autograd Function: the fused walk writes the saved set
+    # (the second with q, k normalised in the walk, which then writes q's 1/norm)
     for segments, recompute_w in ((1, False), (2, True)):
         leaves = {n: (None if t is None else t.detach().clone().requires_grad_())
                   for n, t in x.items()}
-        o, h = chunk_gated_delta_rule_triton(*(leaves[n] for n in NAMES), key_dim ** -0.5,
-                                             leaves[STATE], l2, segments, cu_seqlens=cu,
-                                             recompute_w=recompute_w, fused_forward=True)
+        with mock.patch.object(fused_fwd, "DEFAULT_CONFIG",
+                               FusedConfig(prenorm=not recompute_w)):
+            o, h = chunk_gated_delta_rule_triton(*(leaves[n] for n in NAMES), key_dim ** -0.5,
+                                                 leaves[STATE], l2, segments, cu_seqlens=cu,
+                                                 recompute_w=recompute_w, fused_forward=True)
         ((o.double() * do).sum() + (h.double() * dh).sum()).backward()
         tag = f"grad_ns{segments}"
         errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)

@@ -43,8 +43,9 @@ class GDNKernelOptions:
             w-only ``wy_fwd`` launch, about 2-3% of forward+backward at 8K; results bit for bit
             the same). Default False: w is saved (docs/gdn.md, "Triton backend"). A bool.
         fused_forward: triton only. True: the forward runs the fused kernel
-            (``ops/gdn/triton/fused_fwd.py``: the WY factors, residuals and outputs formed on
-            chip, the state held across chunks) instead of the five-kernel chain; it writes
+            (``ops/gdn/triton/fused_fwd.py``: one parallel launch for the WY factors from
+            the raw inputs, then a walk that holds the state on chip across chunks and writes
+            o, no per-chunk state or residual in memory) instead of the five-kernel chain; it writes
             the same saved set for the backward, and nothing but o and the final state when
             no gradient is wanted. Default False (docs/benchmarks.md has the timings). A bool.
     """

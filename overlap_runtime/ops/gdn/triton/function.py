@@ -79,7 +79,8 @@ from .common import CHUNK, choose_segments
 from .fwd_output import output_kernel
 from .fwd_prepare import kkt_solve, wy_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
-from .fused_fwd import FusedConfig, fused_summaries, fused_walk
+from . import fused_fwd
+from .fused_fwd import FusedConfig, fused_prepare, fused_summaries, fused_walk
 from .l2norm import l2norm_apply, l2norm_forward, l2norm_group_backward
 from .varlen import VarlenLayout, varlen_layout
 
@@ -358,8 +359,9 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             h0 and the final state are then ``[N, HV, K, V]``.
         recompute_w: leave w out of ``saved``; :func:`gdn_backward` forms it again from the
             saved Ainv (one w-only ``wy_fwd`` launch, bitwise the same w).
-        fused: run the fused forward (fused_fwd.py: the WY factors, residuals and outputs
-            formed on chip, one summary launch and one walk launch) instead of the kernel chain;
+        fused: run the fused forward (fused_fwd.py: one parallel WY launch from the raw
+            inputs, then one summary launch and one walk that keeps the state on chip and
+            writes o, residuals formed on chip) instead of the kernel chain;
             the same ``saved`` set, written by the walk. ``save=False`` (fused only): nothing
             for a backward is written and ``saved`` is None (inference, no autograd).
         fused_config: the fused kernel's launch choices (None: fused_fwd.DEFAULT_CONFIG).
@@ -434,9 +436,10 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    config: FusedConfig | None
                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...] | None,
                               "ScanMeta"]:
-    """:func:`gdn_forward` by the fused kernel: segment summaries from the raw inputs (when
-    the sequence is split), the chain and the state hooks as the kernel chain runs them, then
-    one walk that writes o (and, with ``save``, the saved tensors of the kernel chain)."""
+    """:func:`gdn_forward` by the fused kernels: the parallel WY launch from the raw inputs,
+    segment summaries (when the sequence is split), the chain and the state hooks as the kernel
+    chain runs them, then one walk that writes o (and, with ``save``, the saved tensors of the
+    kernel chain)."""
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     bh = batch * num_value_heads
@@ -449,11 +452,12 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         tables = (layout.chunks, layout.segments)
     meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
     rows = _rows(bh, ns, layout)
-    config = FusedConfig() if config is None else config
+    config = fused_fwd.DEFAULT_CONFIG if config is None else config
+    prep = fused_prepare(q, k, v, g, beta, use_qk_l2norm, num_chunks, tables[0], save, config)
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps
     if meta.chained or wants_maps:
-        m_seg, s_seg = fused_summaries(q, k, v, g, beta, use_qk_l2norm, ns, per_segment,
+        m_seg, s_seg = fused_summaries(q, k, prep, use_qk_l2norm, ns, per_segment,
                                        num_chunks, rows, tables, config)
     if link is not None:
         if wants_maps:
@@ -467,9 +471,8 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     else:
         seg_init = _entering(h0_flat, bh, layout)
     del s_seg
-    res = fused_walk(q, k, v, g, beta, seg_init, scale, use_qk_l2norm, ns, per_segment,
-                     num_chunks, rows, tables, save, save_w=not recompute_w,
-                     config=config)
+    res = fused_walk(q, k, prep, seg_init, scale, use_qk_l2norm, ns, per_segment,
+                     num_chunks, rows, tables, save, config=config)
     h_end = res["h_end"]
     if layout is None:
         final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)
@@ -480,8 +483,9 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         link.leaving_state(final)
     saved = None
     if save:
-        saved = (q, k, v, g, beta, res["q_rstd"], res["k_rstd"], res["gamma"], res["ainv"],
-                 res["w"], m_seg, res["states"], res["v_new"])
+        saved = (q, k, v, g, beta, res["q_rstd"], prep["k_rstd"], prep["gamma"],
+                 prep["ainv"], None if recompute_w else prep["w"], m_seg, res["states"],
+                 res["v_new"])
     return res["o"], final, saved, meta
 
 
