@@ -24,62 +24,15 @@ import json
 import sys
 from pathlib import Path
 
+from tests.support.source_imports import (import_statements, import_targets, lazy_targets,
+                                          module_name, resolve, within)
+
 PACKAGE = "overlap_runtime"
 # Mode names of the GDN (linear attention) context-parallel strategies that no other part of the
 # package uses as a word: "p2p", "all_gather" and "ulysses" also name collectives and attention
 # modes, so a literal of those says nothing about where GDN modes are spelled.
 GDN_ONLY_MODE_NAMES = ("prefix_scan",)
 GDN_MODE_NAMES = ("ulysses", "p2p", "all_gather", "prefix_scan")
-
-
-def _module_name(root: Path, path: Path) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _imports(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement outside ``TYPE_CHECKING`` and whether it sits in a function."""
-    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
-
-    def visit(node: ast.AST, in_function: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child, in_function)
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append((node, in_function))
-        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                 ast.Lambda))
-        for child in ast.iter_child_nodes(node):
-            visit(child, inner)
-
-    visit(tree, False)
-    return found
-
-
-def _lazy_targets(tree: ast.Module) -> list[str]:
-    dicts: dict[str, ast.Dict] = {}
-    for node in tree.body:
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
-        for t in targets:
-            if isinstance(t, ast.Name) and isinstance(getattr(node, "value", None), ast.Dict):
-                dicts[t.id] = node.value  # type: ignore[assignment]
-    out: list[str] = []
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports"
-                and len(node.args) == 2 and isinstance(node.args[1], ast.Name)
-                and node.args[1].id in dicts):
-            out += [v.value for v in dicts[node.args[1].id].values
-                    if isinstance(v, ast.Constant)]
-    return out
 
 
 class Package:
@@ -91,7 +44,7 @@ class Package:
         self.paths: dict[str, Path] = {}
         is_pkg: dict[str, bool] = {}
         for path in sorted(root.rglob("*.py")):
-            name = _module_name(root, path)
+            name = module_name(root, path)
             self.trees[name] = ast.parse(path.read_text(), str(path))
             self.paths[name] = path
             is_pkg[name] = path.name == "__init__.py"
@@ -102,9 +55,9 @@ class Package:
         for mod, tree in self.trees.items():
             package = mod if is_pkg[mod] else mod.rpartition(".")[0]
             targets = [sub if sub.startswith(PACKAGE + ".") else f"{package}.{sub}"
-                       for sub in _lazy_targets(tree)]
-            for node, in_function in _imports(tree):
-                found = self._targets(node, package, modules)
+                       for sub in lazy_targets(tree)]
+            for node, in_function in import_statements(tree):
+                found = import_targets(node, package, modules, PACKAGE)
                 own = [t for t in found if t.split(".")[0] == PACKAGE]
                 if in_function and own:
                     self.function_level.append((mod, node.lineno, ", ".join(sorted(set(own)))))
@@ -113,7 +66,7 @@ class Package:
                 if target.split(".")[0] != PACKAGE:
                     self.external[mod].add(target)
                     continue
-                resolved = _resolve(target, modules)
+                resolved = resolve(target, modules)
                 if resolved is None:
                     raise SystemExit(f"{mod} imports {target}, which does not exist")
                 # importing a.b.c runs a and a.b first
@@ -122,23 +75,6 @@ class Package:
                     dep = ".".join(parts[:i])
                     if dep != mod and dep in modules:
                         self.edges[mod].add(dep)
-
-    @staticmethod
-    def _targets(node: ast.Import | ast.ImportFrom, package: str, modules: set[str]
-                 ) -> list[str]:
-        if isinstance(node, ast.Import):
-            return [alias.name for alias in node.names]
-        if node.level:
-            parts = package.split(".")
-            base = ".".join(parts[: len(parts) - (node.level - 1)]
-                            + ([node.module] if node.module else []))
-        else:
-            base = node.module or ""
-        out = []
-        for alias in node.names:
-            full = f"{base}.{alias.name}"
-            out.append(full if full in modules or not base.startswith(PACKAGE) else base)
-        return out
 
     def reach(self, starts: list[str]) -> set[str]:
         seen = set(starts)
@@ -155,18 +91,6 @@ class Package:
                    for x in self.external[mod])
 
 
-def _resolve(name: str, modules: set[str]) -> str | None:
-    while name:
-        if name in modules:
-            return name
-        name = name.rpartition(".")[0]
-    return None
-
-
-def _in(mod: str, package: str) -> bool:
-    return mod == package or mod.startswith(package + ".")
-
-
 def _string_files(pkg: Package, names: tuple[str, ...]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {n: [] for n in names}
     for mod, tree in pkg.trees.items():
@@ -181,7 +105,7 @@ def _string_files(pkg: Package, names: tuple[str, ...]) -> dict[str, list[str]]:
 def _autograd_functions(pkg: Package, package: str) -> list[str]:
     out = []
     for mod, tree in pkg.trees.items():
-        if not _in(mod, package):
+        if not within(mod, package):
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and any(
@@ -194,9 +118,9 @@ def _autograd_functions(pkg: Package, package: str) -> list[str]:
 def scan(root: Path) -> dict[str, object]:
     """Every figure of the module docstring, as lists (the counts are their lengths)."""
     pkg = Package(root)
-    stepgraph = [m for m in pkg.trees if _in(m, f"{PACKAGE}.stepgraph")]
+    stepgraph = [m for m in pkg.trees if within(m, f"{PACKAGE}.stepgraph")]
     reached = pkg.reach(stepgraph)
-    floor = [m for m in pkg.trees if _in(m, f"{PACKAGE}.config")]
+    floor = [m for m in pkg.trees if within(m, f"{PACKAGE}.config")]
     floor_reached = pkg.reach(floor) if floor else set()
     literals = _string_files(pkg, GDN_MODE_NAMES)
     gdn_files = sorted({f for n in GDN_ONLY_MODE_NAMES for f in literals[n]})
@@ -204,7 +128,7 @@ def scan(root: Path) -> dict[str, object]:
         "a_stepgraph_reaches_torch_distributed": sorted(m for m in reached
                                                         if pkg.imports_dist(m)),
         "b_stepgraph_reaches_trainer": sorted(m for m in reached
-                                              if _in(m, f"{PACKAGE}.trainer")),
+                                              if within(m, f"{PACKAGE}.trainer")),
         "c_function_level_own_imports": [f"{pkg.paths[m].relative_to(root.parent)}:{line} "
                                          f"({what})" for m, line, what in pkg.function_level],
         "d_files_spelling_a_gdn_only_mode_name": gdn_files,

@@ -26,60 +26,12 @@ import networkx as nx
 import pytest
 
 import overlap_runtime
+from tests.support.source_imports import (import_statements, import_targets, is_type_checking,
+                                          lazy_targets, module_name, resolve, within)
 
 ROOT = Path(overlap_runtime.__file__).parent
 PURE = "overlap_runtime.schedules"
 RUNTIME = "overlap_runtime.pipeline"
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement outside ``if TYPE_CHECKING:`` bodies."""
-    found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
-
-
-def _lazy_targets(tree: ast.Module) -> list[str]:
-    """Submodules named by ``X`` in a module-level ``lazy_exports(__name__, X)``."""
-    dicts: dict[str, ast.Dict] = {}
-    for node in tree.body:
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
-        value = getattr(node, "value", None)
-        for t in targets:
-            if isinstance(t, ast.Name) and isinstance(value, ast.Dict):
-                dicts[t.id] = value
-    out: list[str] = []
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports"
-                and len(node.args) == 2 and isinstance(node.args[1], ast.Name)):
-            mapping = dicts.get(node.args[1].id)
-            assert mapping is not None, f"lazy_exports({node.args[1].id}) needs a dict literal"
-            out += [v.value for v in mapping.values if isinstance(v, ast.Constant)]
-    return out
 
 
 def _parse_package() -> tuple[dict[str, ast.Module], dict[str, bool]]:
@@ -92,19 +44,10 @@ def _parsed(root: Path) -> tuple[dict[str, ast.Module], dict[str, bool]]:
     read; the checker's own test points ``ROOT`` at a tiny package, a key of its own)."""
     trees, is_pkg = {}, {}
     for path in sorted(root.rglob("*.py")):
-        name = _module_name(path)
+        name = module_name(root, path)
         trees[name] = ast.parse(path.read_text(), str(path))
         is_pkg[name] = path.name == "__init__.py"
     return trees, is_pkg
-
-
-def _resolve(name: str, modules: set[str]) -> str | None:
-    """The module ``name`` denotes (a longest known prefix: ``pkg.mod.attr`` -> ``pkg.mod``)."""
-    while name:
-        if name in modules:
-            return name
-        name = name.rpartition(".")[0]
-    return None
 
 
 def import_graph() -> tuple[nx.DiGraph, dict[str, set[str]]]:
@@ -123,24 +66,12 @@ def _import_graph_of(root: Path) -> tuple[nx.DiGraph, dict[str, set[str]]]:
     for mod, tree in trees.items():
         package = mod if is_pkg[mod] else mod.rpartition(".")[0]
         targets: list[str] = [sub if sub.startswith("overlap_runtime.") else f"{package}.{sub}"
-                                for sub in _lazy_targets(tree)]
-        for node in _import_nodes(tree):
-            if isinstance(node, ast.Import):
-                targets += [alias.name for alias in node.names]
-                continue
-            if node.level:
-                base_parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join(base_parts + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            for alias in node.names:
-                # ``from pkg import sub`` imports the submodule ``pkg.sub`` when there is one
-                full = f"{base}.{alias.name}"
-                targets.append(full if full in modules or not base.startswith("overlap_runtime")
-                               else base)
+                                for sub in lazy_targets(tree)]
+        for node, _ in import_statements(tree):
+            targets += import_targets(node, package, modules, "overlap_runtime")
         for target in targets:
             if target.split(".")[0] == "overlap_runtime":
-                resolved = _resolve(target, modules)
+                resolved = resolve(target, modules)
                 assert resolved is not None, f"{mod} imports {target}, which does not exist"
                 if resolved != mod:
                     graph.add_edge(mod, resolved)
@@ -149,17 +80,13 @@ def _import_graph_of(root: Path) -> tuple[nx.DiGraph, dict[str, set[str]]]:
     return graph, external
 
 
-def _in(mod: str, package: str) -> bool:
-    return mod == package or mod.startswith(package + ".")
-
-
 def _cycles(graph: nx.DiGraph) -> list[set[str]]:
     return [c for c in nx.strongly_connected_components(graph) if len(c) > 1]
 
 
 def test_no_import_cycle_through_schedules_or_pipeline() -> None:
     ours = [c for c in _cycles(import_graph()[0])
-            if any(_in(m, PURE) or _in(m, RUNTIME) for m in c)]
+            if any(within(m, PURE) or within(m, RUNTIME) for m in c)]
     assert not ours, f"import cycles: {[sorted(c) for c in ours]}"
 
 
@@ -197,7 +124,7 @@ def layer_of(mod: str) -> int:
     best, best_len = -1, -1
     for i, entries in enumerate(LAYERS):
         for entry in entries:
-            hit = mod == entry if entry == "overlap_runtime" else _in(mod, entry)
+            hit = mod == entry if entry == "overlap_runtime" else within(mod, entry)
             if hit and len(entry) > best_len:
                 best, best_len = i, len(entry)
     assert best >= 0, f"{mod} is in no layer of LAYERS: add it where docs/architecture.md puts it"
@@ -238,10 +165,10 @@ def test_every_package_says_what_it_is_for_and_may_import() -> None:
 
 def test_schedules_reach_no_torch_distributed_and_not_the_runtime() -> None:
     graph, external = import_graph()
-    start = [m for m in graph if _in(m, PURE)]
+    start = [m for m in graph if within(m, PURE)]
     reached = set(start).union(*(nx.descendants(graph, m) for m in start))
-    assert not [m for m in reached if _in(m, RUNTIME)], sorted(m for m in reached
-                                                               if _in(m, RUNTIME))
+    assert not [m for m in reached if within(m, RUNTIME)], sorted(m for m in reached
+                                                               if within(m, RUNTIME))
     offenders = {m: sorted(x for x in external[m]
                            if x == "torch.distributed" or x.startswith("torch.distributed."))
                  for m in reached}
@@ -261,7 +188,7 @@ def _reach(package: str) -> tuple[set[str], dict[str, set[str]]]:
                 for u in list(graph.predecessors(mod)):
                     if u != parent:
                         graph.add_edge(u, parent)
-    start = [m for m in graph if _in(m, package)]
+    start = [m for m in graph if within(m, package)]
     return set(start).union(*(nx.descendants(graph, m) for m in start)), external
 
 
@@ -282,7 +209,7 @@ def test_stepgraph_reaches_no_trainer_and_no_torch_distributed() -> None:
     reached, external = _reach("overlap_runtime.stepgraph")
     assert "overlap_runtime.config.train" in reached  # it reads the configuration floor
     assert not _distributed(reached, external), _distributed(reached, external)
-    trainer = sorted(m for m in reached if _in(m, "overlap_runtime.trainer"))
+    trainer = sorted(m for m in reached if within(m, "overlap_runtime.trainer"))
     assert not trainer, trainer
 
 
@@ -315,24 +242,16 @@ def function_level_imports(root: Path | None = None) -> list[tuple[str, int]]:
     (outside ``if TYPE_CHECKING:``)."""
     trees, is_pkg = _parsed(root or ROOT)
     out: list[tuple[str, int]] = []
-
-    def visit(node: ast.AST, mod: str, in_function: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child, mod, in_function)
-            return
-        if in_function and isinstance(node, ast.ImportFrom) and (
-                node.level or (node.module or "").split(".")[0] == "overlap_runtime"):
-            out.append((mod, node.lineno))
-        if in_function and isinstance(node, ast.Import) and any(
-                a.name.split(".")[0] == "overlap_runtime" for a in node.names):
-            out.append((mod, node.lineno))
-        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        for child in ast.iter_child_nodes(node):
-            visit(child, mod, inner)
-
     for mod, tree in trees.items():
-        visit(tree, mod, False)
+        for node, in_function in import_statements(tree):
+            if not in_function:
+                continue
+            if isinstance(node, ast.ImportFrom) and (
+                    node.level or (node.module or "").split(".")[0] == "overlap_runtime"):
+                out.append((mod, node.lineno))
+            if isinstance(node, ast.Import) and any(
+                    a.name.split(".")[0] == "overlap_runtime" for a in node.names):
+                out.append((mod, node.lineno))
     return sorted(out)
 
 
@@ -353,7 +272,7 @@ CODE_LOADING = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle"}
 def test_pipeline_imports_no_pickle() -> None:
     _, external = import_graph()
     found = {m: sorted(x for x in ext if x.split(".")[0] in CODE_LOADING)
-             for m, ext in external.items() if _in(m, RUNTIME)}
+             for m, ext in external.items() if within(m, RUNTIME)}
     assert not {m: x for m, x in found.items() if x}, found
     assert "torch" in external["overlap_runtime.pipeline.exec_trace"]  # the walk sees imports
 
