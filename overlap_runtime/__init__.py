@@ -3,7 +3,7 @@ computation.
 
 Importing the package is cheap: it imports torch and nothing heavy (no Triton, no torch_npu).
 Subpackages and modules, lowest first (a lower one never imports a higher one; docs/
-architecture.md has the map and tests/schedules/test_import_graph.py checks it):
+architecture.md has the map and tests/test_import_graph.py checks it):
 
 - ``platform``: device kind (cpu | cuda | npu) -> backend (gloo | nccl | hccl), streams, events;
   ``launch``: ``spawn`` for CPU ranks, ``init_from_env`` under torchrun (``rank_start``: how a

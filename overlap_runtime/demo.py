@@ -18,7 +18,7 @@ launch-order check on every EP group, the measured share of all-to-all time hidd
 other thread's compute (last step's trace), the share the task-graph simulator predicts for the
 compiled step priced with op costs measured in the baseline's last step, and one merged Chrome
 trace (measured and predicted).
-A PP x EP job built by hand, without the trainer: ``tests/moe/_pp_ep_job.py``
+A PP x EP job built by hand, without the trainer: ``tests/support/pp_ep_job.py``
 (tests/moe/test_moe_pp_ep.py).
 """
 

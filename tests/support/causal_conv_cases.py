@@ -1,4 +1,4 @@
-"""Cases of tests/ops/test_causal_conv_triton.py, run as ``python tests/support/causal_conv_cases.py`` in a
+"""Cases of tests/ops/test_causal_conv_triton.py, run as ``python -m tests.support.causal_conv_cases`` in a
 child process with ``TRITON_INTERPRET=1`` (triton reads it when the kernels are first imported;
 a child keeps it out of the other test files). Prints one line ``RESULT {json}``:
 ``{case: {"errors": {name: rel-L2}, "tolerance": float}}``.

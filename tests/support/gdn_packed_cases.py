@@ -1,5 +1,5 @@
-"""Cases of tests/layers/test_gdn_packed.py under the Triton interpreter, run as ``python
-tests/support/gdn_packed_cases.py`` in a child process with ``TRITON_INTERPRET=1`` (triton reads it when the
+"""Cases of tests/layers/test_gdn_packed.py under the Triton interpreter, run as ``python -m
+tests.support.gdn_packed_cases`` in a child process with ``TRITON_INTERPRET=1`` (triton reads it when the
 kernels are first imported; a child keeps it out of other test files). Prints one line
 ``RESULT {case: {name: rel-L2}}``, each against the documents run alone (``tests.support.packed_ref``):
 

@@ -1,4 +1,4 @@
-"""Cases of tests/ops/test_gdn_triton.py, run as ``python tests/support/gdn_triton_cases.py CASE`` in a child
+"""Cases of tests/ops/test_gdn_triton.py, run as ``python -m tests.support.gdn_triton_cases CASE`` in a child
 process with ``TRITON_INTERPRET=1`` (triton reads it when a kernel module is imported, so it
 must be set before; a child keeps it out of the other test files). Prints one JSON object:
 ``{"errors": {name: rel-L2}, "tolerance": float}`` (or ``{"raised": ...}`` for the error cases).

@@ -1,4 +1,4 @@
-"""Cases of tests/ops/test_gdn_triton_varlen.py, run as ``python tests/support/gdn_triton_varlen_cases.py
+"""Cases of tests/ops/test_gdn_triton_varlen.py, run as ``python -m tests.support.gdn_triton_varlen_cases
 CASE`` in a child process with ``TRITON_INTERPRET=1`` (as tests/support/gdn_triton_cases.py, for the same
 reason). Prints one JSON object ``{"errors": {name: rel-L2}, "tolerance": float, ...}``.
 

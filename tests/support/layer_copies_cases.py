@@ -65,6 +65,6 @@ def main(conv_backends: tuple[str, ...] = ("triton", "torch")) -> None:
 
 
 if __name__ == "__main__":
-    # ``python tests/support/layer_copies_cases.py [triton|torch ...]``: the conv backends to check (default
+    # ``python -m tests.support.layer_copies_cases [triton|torch ...]``: the conv backends to check (default
     # both; the test runs one child per backend, side by side)
     sys.exit(main(tuple(sys.argv[1:]) or ("triton", "torch")))
