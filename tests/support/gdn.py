@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule
 from overlap_runtime.testing import rel_l2  # noqa: F401  (re-exported for the GDN tests)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,3 +202,30 @@ def output_grads(
 def loss_of(o: torch.Tensor, state: torch.Tensor, do: torch.Tensor, dstate: torch.Tensor):
     """Scalar ``<o, do> + <state, dstate>`` so every gradient is a fixed linear functional."""
     return (o.double() * do).sum() + (state.double() * dstate).sum()
+
+
+def per_sequence_reference(ref: dict[str, torch.Tensor], offsets: list[int],
+                           initial_states: torch.Tensor | None, l2: bool, do: torch.Tensor,
+                           dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 recurrence run on each sequence of a packed batch alone.
+
+    ``ref``: float64 leaves q, k [1, T, H, K], v [1, T, HV, V], g, beta [1, T, HV];
+    ``offsets``: the N + 1 sequence boundaries; ``initial_states`` [N, HV, K, V] or None (an
+    empty sequence's final state is its initial state, or zeros). Backpropagates
+    ``<o, do> + <h, dh>`` into the leaves and returns (o [1, T, HV, V], final states
+    [N, HV, K, V])."""
+    shape = (1, ref["v"].shape[2], ref["q"].shape[3], ref["v"].shape[3])
+    outs, finals = [], []
+    for i in range(len(offsets) - 1):
+        a, b = offsets[i], offsets[i + 1]
+        h0 = None if initial_states is None else initial_states[i:i + 1]
+        if a == b:
+            finals.append(h0 if h0 is not None else torch.zeros(shape, dtype=torch.float64))
+            continue
+        o, h = recurrent_gated_delta_rule(*(ref[n][:, a:b] for n in ("q", "k", "v", "g", "beta")),
+                                          initial_state=h0, use_qk_l2norm=l2)
+        outs.append(o)
+        finals.append(h)
+    o_ref, h_ref = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    ((o_ref * do).sum() + (h_ref * dh).sum()).backward()
+    return o_ref, h_ref

@@ -20,8 +20,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 torch.set_num_threads(1)
 
-from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402
-from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule  # noqa: E402
+from tests.support.gdn import make_inputs, per_sequence_reference, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
     chunk_gated_delta_rule_triton, gdn_forward)
 from overlap_runtime.ops.gdn.triton import fused_fwd  # noqa: E402
@@ -76,21 +75,7 @@ def _reference(x: dict, offsets: list[int] | None, l2: bool, do: torch.Tensor,
     ref = {n: (None if t is None else t.detach().double().requires_grad_())
            for n, t in x.items()}
     offsets = offsets or [0, x["q"].shape[1]]
-    value_heads, key_dim, value_dim = x["v"].shape[2], x["q"].shape[3], x["v"].shape[3]
-    outs, finals = [], []
-    for i in range(len(offsets) - 1):
-        a, b = offsets[i], offsets[i + 1]
-        h0 = None if ref[STATE] is None else ref[STATE][i:i + 1]
-        if a == b:
-            finals.append(h0 if h0 is not None else torch.zeros(
-                1, value_heads, key_dim, value_dim, dtype=torch.float64))
-            continue
-        o, h = recurrent_gated_delta_rule(*(ref[n][:, a:b] for n in NAMES), initial_state=h0,
-                                          use_qk_l2norm=l2)
-        outs.append(o)
-        finals.append(h)
-    o_ref, h_ref = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
-    ((o_ref * do).sum() + (h_ref * dh).sum()).backward()
+    o_ref, h_ref = per_sequence_reference(ref, offsets, ref[STATE], l2, do, dh)
     grads = {"d" + n: t.grad for n, t in ref.items() if t is not None}
     return o_ref.detach(), h_ref.detach(), grads
 

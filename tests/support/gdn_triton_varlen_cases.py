@@ -18,8 +18,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 torch.set_num_threads(1)
 
-from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402
-from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule  # noqa: E402
+from tests.support.gdn import make_inputs, per_sequence_reference, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import chunk_gated_delta_rule_triton  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -48,19 +47,8 @@ def _reference(x: dict, offsets: list[int], with_state: bool, l2: bool, do: torc
                dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Per-sequence float64 recurrence: (o, final states, input gradients)."""
     ref = upcast(x)
-    outs, finals = [], []
-    for i in range(len(offsets) - 1):
-        a, b = offsets[i], offsets[i + 1]
-        h0 = ref[STATE][i:i + 1] if with_state else None
-        if a == b:  # an empty sequence leaves its state as it came in
-            finals.append(h0 if with_state else torch.zeros_like(ref[STATE][i:i + 1]))
-            continue
-        o, h = recurrent_gated_delta_rule(*(ref[n][:, a:b] for n in NAMES), initial_state=h0,
-                                          use_qk_l2norm=l2)
-        outs.append(o)
-        finals.append(h)
-    o_ref, h_ref = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
-    ((o_ref * do).sum() + (h_ref * dh).sum()).backward()
+    o_ref, h_ref = per_sequence_reference(ref, offsets, ref[STATE] if with_state else None,
+                                          l2, do, dh)
     return o_ref, h_ref, {n: ref[n].grad for n in NAMES + ((STATE,) if with_state else ())}
 
 
