@@ -16,6 +16,7 @@ import pytest
 from tests.support.gdn_cp import assert_figures, compare_worker
 
 from overlap_runtime.testing import run_ranks
+from tests.support.interpreter import INTERPRETER_ENV, Interpreted
 
 pytestmark = [
     pytest.mark.triton,
@@ -23,12 +24,11 @@ pytestmark = [
                        reason="triton is not installed"),
 ]
 
-INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("mode", ["p2p", "ulysses"])
 def test_triton_conv_cp2_matches_single_process(mode: str) -> None:
-    results = run_ranks(compare_worker, 2, timeout_s=240.0, env=INTERPRETER_ENV,
+    results = run_ranks(Interpreted(compare_worker), 2, timeout_s=240.0, env=INTERPRETER_ENV,
                         args=(mode, 2, 64, 1, False, False, 4, "eager", 8, "triton"))
     for rank, res in enumerate(results):
         what = f"conv_backend=triton mode={mode} cp=2 rank={rank}"

@@ -27,6 +27,7 @@ from overlap_runtime.layers import GatedDeltaNet
 from overlap_runtime.layers.sequence_mixer import LocalGDNMixer
 from overlap_runtime.ops.gdn import GDNKernelOptions
 from overlap_runtime.testing import run_ranks
+from tests.support.interpreter import INTERPRETER_ENV, Interpreted
 
 
 @pytest.mark.parametrize("mode", ["p2p", "prefix_scan"])
@@ -131,8 +132,8 @@ def test_triton_chain_and_scan_run_the_options() -> None:
     """The kernels under the interpreter (2 gloo ranks, ~12 s): the options reach
     ``gdn_forward``, which runs 2 segments per rank and leaves w unsaved, and the outputs and
     input gradients still equal the single-process eager layer (fp32, rel-L2 <= 1e-5)."""
-    results = run_ranks(triton_options_worker, 2, timeout_s=300.0,
-                        env={"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"})
+    results = run_ranks(Interpreted(triton_options_worker), 2, timeout_s=300.0,
+                        env=INTERPRETER_ENV)
     for rank, res in enumerate(results):
         for mode, fig in res.items():
             what = f"rank {rank} mode={mode}: {fig}"

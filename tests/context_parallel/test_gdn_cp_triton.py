@@ -35,6 +35,7 @@ import pytest
 from tests.support.gdn_cp import assert_figures, checkpoint_worker, compare_worker
 
 from overlap_runtime.testing import run_ranks
+from tests.support.interpreter import INTERPRETER_ENV, Interpreted
 
 pytestmark = [
     pytest.mark.triton,
@@ -44,14 +45,13 @@ pytestmark = [
 
 TOL = 1e-5
 HEAD_DIM = 16  # interpreter head dims: 16 or 32 (triton/capability.py)
-INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("mode,cp,local_len", [("ulysses", 2, 64), ("p2p", 2, 128),
                                                ("p2p", 3, 64), ("all_gather", 2, 64)])
 def test_triton_matches_single_process_eager(mode: str, cp: int, local_len: int) -> None:
     results = run_ranks(
-        compare_worker, cp, timeout_s=300.0, env=INTERPRETER_ENV,
+        Interpreted(compare_worker), cp, timeout_s=300.0, env=INTERPRETER_ENV,
         args=(mode, 1, local_len, 1, False, False, 4, "triton", HEAD_DIM),
     )
     for rank, res in enumerate(results):
@@ -65,7 +65,7 @@ def test_triton_p2p_padding_cp2() -> None:
     left pads. Padded outputs and input gradients are exactly 0; real tokens equal the unpadded
     row run alone."""
     results = run_ranks(
-        compare_worker, 2, timeout_s=240.0, env=INTERPRETER_ENV,
+        Interpreted(compare_worker), 2, timeout_s=240.0, env=INTERPRETER_ENV,
         args=("p2p", 2, 64, 1, True, False, 4, "triton", HEAD_DIM),
     )
     for rank, res in enumerate(results):
@@ -81,7 +81,7 @@ def test_triton_p2p_padding_cp2() -> None:
 def test_triton_p2p_activation_checkpoint_identical() -> None:
     """checkpoint(use_reentrant=False) recomputes the forward (halo, summary, H message) inside
     backward; twice in a row the results equal the plain run bit for bit."""
-    results = run_ranks(checkpoint_worker, 2, timeout_s=240.0, env=INTERPRETER_ENV,
+    results = run_ranks(Interpreted(checkpoint_worker), 2, timeout_s=240.0, env=INTERPRETER_ENV,
                         args=("p2p", 1, 64, "triton", HEAD_DIM))
     for rank, res in enumerate(results):
         what = f"backend=triton mode=p2p cp=2 rank={rank} checkpointed"

@@ -22,6 +22,7 @@ import importlib.util
 import pytest
 
 from overlap_runtime.testing import run_ranks
+from tests.support.interpreter import INTERPRETER_ENV, Interpreted
 
 from tests.support.packed_cp import Case, scan_chain_worker
 
@@ -62,7 +63,6 @@ def test_packed_prefix_scan_triton_interpreted_cp2() -> None:
     """Row 0: a document crossing the boundary between one shorter than the halo and one-token
     documents; row 1: a document starting exactly at rank 1's start."""
     cases: list[tuple[int, Case]] = [(2, (2, 64, [2, 67, 1, 1, 57] + [64, 64]))]
-    env = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    worst = run_ranks(scan_chain_worker, 2, args=(cases, "triton", 16), env=env,
-                      timeout_s=300)[0]
+    worst = run_ranks(Interpreted(scan_chain_worker), 2, args=(cases, "triton", 16),
+                      env=INTERPRETER_ENV, timeout_s=300)[0]
     _check(worst, {2}, f"GDN packed prefix_scan backend=triton {cases}")

@@ -19,6 +19,7 @@ import importlib.util
 import pytest
 
 from overlap_runtime.testing import run_ranks
+from tests.support.interpreter import INTERPRETER_ENV, Interpreted
 
 from tests.support.packed_cp import Case, gdn_worker
 
@@ -30,7 +31,6 @@ pytestmark = [
 
 TOL = 1e-5
 HEAD_DIM = 16  # interpreter head dims: 16 or 32 (triton/capability.py)
-INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 LOCAL = 64  # the Triton CP rule: whole 64-token chunks per rank
 
 CASES_CP2: list[Case] = [
@@ -48,7 +48,7 @@ def _check(worst: dict[str, float], what: str) -> None:
 
 @pytest.mark.parametrize("mode", ["p2p", "all_gather", "ulysses"])
 def test_triton_packed_cp2(mode: str) -> None:
-    worst = run_ranks(gdn_worker, 2, timeout_s=300.0, env=INTERPRETER_ENV,
+    worst = run_ranks(Interpreted(gdn_worker), 2, timeout_s=300.0, env=INTERPRETER_ENV,
                       args=([mode], CASES_CP2, "triton", HEAD_DIM))[0]
     _check(worst, f"GDN packed backend=triton mode={mode} CP2 {CASES_CP2}")
 
@@ -56,6 +56,6 @@ def test_triton_packed_cp2(mode: str) -> None:
 def test_triton_packed_p2p_cp4() -> None:
     """A document over all four shards with tiny ends: ranks 1 and 2 pass the state through."""
     cases: list[Case] = [(1, LOCAL, [1, 4 * LOCAL - 3, 2])]
-    worst = run_ranks(gdn_worker, 4, timeout_s=300.0, env=INTERPRETER_ENV,
+    worst = run_ranks(Interpreted(gdn_worker), 4, timeout_s=300.0, env=INTERPRETER_ENV,
                       args=(["p2p"], cases, "triton", HEAD_DIM))[0]
     _check(worst, f"GDN packed backend=triton mode=p2p CP4 {cases}")

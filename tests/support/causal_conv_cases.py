@@ -10,11 +10,12 @@ Every case: y, dx, dweight and d_left of the Triton kernels against ``causal_con
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+from tests.support.interpreter import require_interpreter  # noqa: E402
+
+require_interpreter()
 torch.set_num_threads(1)
 
 from overlap_runtime.layers import GatedDeltaNet  # noqa: E402

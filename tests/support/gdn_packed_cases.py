@@ -14,11 +14,12 @@ kernels are first imported; a child keeps it out of other test files). Prints on
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+from tests.support.interpreter import require_interpreter  # noqa: E402
+
+require_interpreter()
 torch.set_num_threads(1)
 
 from tests.support.packed_ref import (conv_per_document, layer_packed_vs_alone,  # noqa: E402

@@ -11,16 +11,17 @@ chain); with gradients (the fused walk writes the saved set, the unchanged backw
 from __future__ import annotations
 
 import json
-import os
 import sys
 from unittest import mock
 
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+from tests.support.interpreter import require_interpreter  # noqa: E402
+
+require_interpreter()
 torch.set_num_threads(1)
 
-from tests.support.gdn import make_inputs, per_sequence_reference, rel_l2, upcast  # noqa: E402
+from tests.support.gdn import make_inputs, per_sequence_reference, rel_l2  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
     chunk_gated_delta_rule_triton, gdn_forward)
 from overlap_runtime.ops.gdn.triton import fused_fwd  # noqa: E402

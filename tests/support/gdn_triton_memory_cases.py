@@ -13,12 +13,13 @@ float64 eager backend (rel-L2).
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+from tests.support.interpreter import require_interpreter  # noqa: E402
+
+require_interpreter()
 torch.set_num_threads(1)
 
 from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402

@@ -10,12 +10,13 @@ sequence alone from its own initial state (zeros without one).
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+from tests.support.interpreter import require_interpreter  # noqa: E402
+
+require_interpreter()
 torch.set_num_threads(1)
 
 from tests.support.gdn import make_inputs, per_sequence_reference, rel_l2, upcast  # noqa: E402

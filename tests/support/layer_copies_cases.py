@@ -9,6 +9,9 @@ import sys
 import torch
 
 from benchmarks import layer_copies
+from tests.support.interpreter import require_interpreter
+
+require_interpreter()
 
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet  # noqa: E402
 

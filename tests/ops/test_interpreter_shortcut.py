@@ -1,0 +1,30 @@
+"""The Triton-interpreter shortcut of the test children (``tests.support.interpreter``).
+
+Every interpreter child and interpreted rank of the suite installs it: a ``@triton.jit``
+helper called inside a launch skips triton's re-patch of ``triton.language`` (a tenth of the
+interpreter's time in the GDN kernels). This checks, in a child with ``TRITON_INTERPRET=1``,
+that it is active on the installed triton (an unknown triton would leave it off and the suite
+slower, silently) and that a kernel calling a helper 16 times per program gives bitwise the
+result of triton's own path, within the fp32 bound of float64.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.support.gdn import run_interpreted
+
+pytestmark = [pytest.mark.triton,
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="triton is not installed")]
+
+
+def test_nested_helpers_skip_the_repatch_and_compute_the_same() -> None:
+    r = run_interpreted("interpreter_check", timeout_s=120)
+    assert r["installed"], "the shortcut did not install on this triton"
+    # triton's path: the launch plus one patch per helper call (2 programs x 16 calls)
+    assert r["patches"]["triton"] >= 33, r
+    assert r["patches"]["shortcut"] < 5, r  # the launch's own patch, no helper's
+    assert r["bitwise"] and r["within_bound"], r

@@ -1,0 +1,116 @@
+"""A faster Triton interpreter for the test children: nested ``@triton.jit`` calls skip a
+redundant re-patch of ``triton.language``.
+
+Under ``TRITON_INTERPRET=1`` a kernel launch (``GridExecutor.__call__``) patches the language
+modules its function sees (``triton.language`` / ``triton.language.core``) with interpreted
+builtins, runs every program, and restores them. Each call of a ``@triton.jit`` helper from
+inside a kernel (``InterpretedFunction.__call__``) patches them again: it walks every member of
+those modules with ``inspect.getmembers`` and finds them patched already (a patched builtin is
+no longer a builtin, so nothing changes), at about 1.5 ms a call. The GDN kernels call helpers
+thousands of times per launch (the WY inverse's blocks, the loads and stores of 16-row
+blocks), about a tenth of the interpreter's time.
+
+:func:`install` makes a helper call skip that walk when it runs inside a launch whose patch
+covers every language module the helper's globals hold; anything else (a helper called outside
+a launch, one that sees a language module the launch did not patch) takes triton's own path.
+The helper's body, its rewriting and the error it raises are triton's. Only the test children
+install it (never the library): it relies on the interpreter's internals, so it checks that
+they are the ones it knows and otherwise leaves triton as it is (:func:`install` returns
+False).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from typing import Any
+
+#: The environment of ranks that run the kernels under the interpreter (``run_ranks(...,
+#: env=INTERPRETER_ENV)``): one thread each (the interpreter is single-threaded numpy work).
+INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+_INSTALLED = False
+_local = threading.local()
+
+
+def _language_modules(fn: Any) -> frozenset[int]:
+    import triton.language as tl
+
+    return frozenset(id(v) for v in fn.__globals__.values()
+                     if inspect.ismodule(v) and v in (tl, tl.core))
+
+
+def install() -> bool:
+    """Install the shortcut in this process (idempotent); True when it is active.
+
+    Only under ``TRITON_INTERPRET=1`` and only where ``triton.runtime.interpreter`` has the
+    ``GridExecutor`` / ``InterpretedFunction`` / ``_patch_lang`` / ``InterpreterError`` it
+    wraps."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return False
+    needed = ("GridExecutor", "InterpretedFunction", "_patch_lang", "InterpreterError")
+    if not all(hasattr(interp, name) for name in needed) or not all(
+            hasattr(interp.InterpretedFunction, a) for a in ("rewrite", "__call__")):
+        return False
+    launch = interp.GridExecutor.__call__
+    call = interp.InterpretedFunction.__call__
+    langs_of: dict[Any, frozenset[int]] = {}
+
+    def launch_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stack = _local.__dict__.setdefault("stack", [])
+        stack.append(_language_modules(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    def helper_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        stack = _local.__dict__.get("stack")
+        if stack:
+            langs = langs_of.get(self.fn)
+            if langs is None:
+                langs = langs_of[self.fn] = _language_modules(self.fn)
+            if langs and langs <= stack[-1]:
+                fn = self.rewrite()
+                try:
+                    return fn(*args, **kwargs)
+                except Exception as e:
+                    raise interp.InterpreterError(repr(e)) from e
+        return call(self, *args, **kwargs)
+
+    interp.GridExecutor.__call__ = launch_call
+    interp.InterpretedFunction.__call__ = helper_call
+    _INSTALLED = True
+    return True
+
+
+def require_interpreter() -> None:
+    """For a ``tests.support.*_cases`` module run as a child: fail unless ``TRITON_INTERPRET=1``
+    (triton reads it when a kernel module is imported, so it must be set before), then
+    :func:`install`."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    install()
+
+
+class Interpreted:
+    """A rank function that installs the shortcut first: ``run_ranks(Interpreted(worker), n,
+    env=INTERPRETER_ENV, ...)`` (picklable: it holds a module-level function)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, rank: int, world: int, *args: Any) -> Any:
+        install()
+        return self.fn(rank, world, *args)
+
+    def __repr__(self) -> str:
+        return f"Interpreted({self.fn.__module__}.{self.fn.__qualname__})"
+
