@@ -14,8 +14,6 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_exports"]
-
 
 def lazy_exports(package: str, exports: Mapping[str, str]
                  ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:

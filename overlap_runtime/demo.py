@@ -230,7 +230,7 @@ def predict_overlap(config: Any, baseline_events: list[Any]) -> dict[str, Any]:
             "sim_trace": chrome_trace(ovl, time_scale=1e6)}  # seconds -> microseconds
 
 
-def demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | None:
+def _demo_rank(config: Any, device: Any, timeout_s: float) -> dict[str, Any] | None:
     """The demo on this rank of the initialised default process group.
 
     Returns the report on global rank 0 (losses, checks, overlap figures, trace events), None
@@ -297,7 +297,7 @@ def _spawned_rank(rank: int, world: int, config_dict: dict[str, Any],
                   timeout_s: float) -> dict[str, Any] | None:
     """Entry point of a spawned rank."""
     config = config_from_dict(config_dict)
-    return demo_rank(config, config.train.accelerator.device, timeout_s)
+    return _demo_rank(config, config.train.accelerator.device, timeout_s)
 
 
 # ----------------------------------------------------------------------------- printing
@@ -320,7 +320,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def print_header(config: Any, label: str, how: str) -> None:
+def _print_header(config: Any, label: str, how: str) -> None:
     """The job's description and the schedule grid (before the ranks run)."""
     m, acc, pl = config.model, config.train.accelerator, config.train.pipeline
     dims = acc.layout()
@@ -351,7 +351,7 @@ def print_header(config: Any, label: str, how: str) -> None:
           f"(overlap_b_f: false), then overlap_b_f: true ...", flush=True)
 
 
-def write_merged_trace(events: list[Any], predicted: dict[str, Any], path: str) -> None:
+def _write_merged_trace(events: list[Any], predicted: dict[str, Any], path: str) -> None:
     """Measured execution trace (a process per rank, a track per thread) plus the simulated
     step (``graph.chrome_trace`` dict; a process per rank, pid 100+) in one Chrome trace
     file."""
@@ -404,7 +404,7 @@ def print_report(report: dict[str, Any], out: str, wall_s: float) -> int:
           f"OVERLAP_B_F steps, {report['predicted_all']:.1%} over the whole step; one step "
           f"{report['predicted_step_s'] * 1e3:.2f} ms overlapped vs "
           f"{report['predicted_serial_step_s'] * 1e3:.2f} ms serial (overlap_b_f: false)")
-    write_merged_trace(report["events"], report["sim_trace"], out)
+    _write_merged_trace(report["events"], report["sim_trace"], out)
     print(f"merged Chrome trace (measured ranks + predicted step): {os.path.abspath(out)}")
     rw = report["run_wall_s"]
     print(f"wall {wall_s:.1f}s (training: baseline {rw['baseline']:.1f}s, overlap_b_f "
@@ -440,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
     if torchrun:
         return _run_under_torchrun(config, label, args, t0)
 
-    print_header(config, label, "spawned here (gloo)" if acc.device == "cpu" else "spawned here")
+    _print_header(config, label, "spawned here (gloo)" if acc.device == "cpu" else "spawned here")
     reports = spawn(_spawned_rank, world, args=(config.model_dump(), args.timeout),
                     device=acc.device, timeout_s=args.timeout)
     return print_report(reports[0], args.out, time.perf_counter() - t0)
@@ -460,10 +460,10 @@ def _run_under_torchrun(config: Any, label: str, args: argparse.Namespace, t0: f
                   file=sys.stderr)
         return 2
     if rank == 0:
-        print_header(config, label, "started by torchrun")
+        _print_header(config, label, "started by torchrun")
     ctx = init_from_env(acc.device, timeout_s=args.timeout)
     try:
-        report = demo_rank(config, ctx.device, args.timeout)
+        report = _demo_rank(config, ctx.device, args.timeout)
         return print_report(report, args.out, time.perf_counter() - t0) if report else 0
     finally:
         dist.destroy_process_group()

@@ -29,9 +29,6 @@ import traceback
 from pathlib import Path
 from typing import IO, Sequence
 
-__all__ = ["LOG_DIR_ENV", "USER_ERRORS", "exit_code", "failure_line", "report_failure",
-           "write_failure_log"]
-
 LOG_DIR_ENV = "OVERLAP_RUNTIME_LOG_DIR"
 #: Exception class names (anywhere in the class's MRO) that mean "fix your input": exit 2.
 USER_ERRORS = frozenset({"UserFacingError", "ConfigError", "CheckpointError", "DataError",
@@ -59,7 +56,7 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
 
 
-def failure_line(exc: BaseException) -> str:
+def _failure_line(exc: BaseException) -> str:
     """What failed and where, on one line (without the ``error:`` prefix and the log path)."""
     names = _names(exc)
     if "KeyboardInterrupt" in names:
@@ -77,7 +74,7 @@ def failure_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[0].strip()}" if first else type(exc).__name__
 
 
-def write_failure_log(exc: BaseException, command: str,
+def _write_failure_log(exc: BaseException, command: str,
                       argv: Sequence[str] | None = None) -> Path:
     """Write everything known about ``exc`` to a new log file and return its path."""
     directory = Path(os.environ.get(LOG_DIR_ENV) or tempfile.gettempdir())
@@ -102,8 +99,8 @@ def report_failure(exc: BaseException, command: str, argv: Sequence[str] | None 
     named in that line; return the exit code (:func:`exit_code`)."""
     stream = sys.stderr if stream is None else stream
     try:
-        where = f"full traceback: {write_failure_log(exc, command, argv)}"
+        where = f"full traceback: {_write_failure_log(exc, command, argv)}"
     except OSError as log_exc:
         where = f"no log written: {log_exc}"
-    print(f"error: {failure_line(exc)} ({where})", file=stream, flush=True)
+    print(f"error: {_failure_line(exc)} ({where})", file=stream, flush=True)
     return exit_code(exc)

@@ -26,12 +26,12 @@ OPTIONAL_PARTS: dict[str, str] = {
 }
 
 
-def optional_parts() -> dict[str, bool]:
+def _optional_parts() -> dict[str, bool]:
     """Which of :data:`OPTIONAL_PARTS` are importable (found without importing them)."""
     return {name: importlib.util.find_spec(name) is not None for name in OPTIONAL_PARTS}
 
 
-def installed_version(name: str) -> str | None:
+def _installed_version(name: str) -> str | None:
     """The installed distribution's version of package ``name`` (None: no distribution says)."""
     try:
         return importlib.metadata.version(name)
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     for kind in info.kinds:
         print(f"  {kind}: {info.counts[kind]} device(s), backend {info.backends[kind]}")
     print("optional parts (usable: installed; pip install 'overlap_runtime[EXTRA]' adds one):")
-    for name, usable in optional_parts().items():
-        version = (installed_version(name) or "?") if usable else "-"
+    for name, usable in _optional_parts().items():
+        version = (_installed_version(name) or "?") if usable else "-"
         print(f"  {name:<12} {'yes' if usable else 'no ':<4} {version:<12} {OPTIONAL_PARTS[name]}")
     return 0

@@ -32,10 +32,6 @@ from typing import Any, Iterator
 
 import overlap_runtime
 
-__all__ = ["PATH_ENV", "check_same_package", "context", "die_with_parent", "expected_parent",
-           "package_dir", "python_env", "release_forkserver", "restore_python_env",
-           "start_forkserver"]
-
 _PR_SET_PDEATHSIG = 1
 #: the environment variables the forkserver is started with (then given back to each rank)
 PATH_ENV = ("PYTHONPATH", "PYTHONSAFEPATH")

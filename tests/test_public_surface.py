@@ -1,5 +1,9 @@
 """What the packages of ``overlap_runtime`` present: ``__all__`` of each package ``__init__``.
 
+* Only a package ``__init__`` (and the top-level ``testing`` module, the harness API) lists a
+  public surface with ``__all__``: a module inside a package is reached through its package's
+  surface or by its own path, and does not keep a second list of its names.
+
 * Every name a package lists resolves (a lazy package's names too, each loading its module), so
   the public surface never names something that is gone.
 * A lazy package (``lazy_exports(__name__, MAPPING)``) lists each name once: ``__all__`` is
@@ -32,6 +36,29 @@ def _lazy_mapping(tree: ast.Module) -> str | None:
                 and len(node.args) == 2 and isinstance(node.args[1], ast.Name)):
             return node.args[1].id
     return None
+
+
+#: modules other than package ``__init__`` files that may define ``__all__``
+SURFACE_MODULES = {PACKAGE / "testing.py"}
+
+
+def defines_all(source: str) -> bool:
+    """Whether a module's top level assigns ``__all__``."""
+    for node in ast.parse(source).body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return True
+    return False
+
+
+def test_only_package_surfaces_define_all() -> None:
+    stray = [str(p.relative_to(ROOT)) for p in sorted(PACKAGE.rglob("*.py"))
+             if p.name != "__init__.py" and p not in SURFACE_MODULES
+             and defines_all(p.read_text())]
+    assert stray == [], f"__all__ outside a package's surface: {stray}"
+    assert defines_all("x = 1\n__all__ = ['x']\n") and defines_all("__all__: list = []\n")
+    assert not defines_all("def f():\n    __all__ = []\n")
 
 
 def lazy_listing_problems(source: str) -> list[str]:

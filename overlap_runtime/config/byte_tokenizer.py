@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "SEP_ID", "SPECIAL_TOKENS", "VOCAB_SIZE",
-           "ByteTokenizer"]
-
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<sep>")
 PAD_ID, BOS_ID, EOS_ID, SEP_ID = 256, 257, 258, 259
 VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)

@@ -40,9 +40,6 @@ from overlap_runtime.config.run import _Strict
 if TYPE_CHECKING:
     from overlap_runtime.config.train import AcceleratorConfig, TrainConfig
 
-__all__ = ["HierarchicalCPConfig", "allowed_modes", "check_hierarchical_degrees", "cp_mode_problems", "describe_cp_modes",
-           "layer_cp_modes", "modes_of_kind"]
-
 _ACC = "train.accelerator."
 #: layer type -> (scalar field, per-layer list field)
 _FIELDS = {"full_attention": ("full_attention_cp_mode", "full_attention_cp_modes"),

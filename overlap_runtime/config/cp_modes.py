@@ -23,11 +23,6 @@ from typing import Any, Callable
 
 from overlap_runtime.ops.gdn.options import GDNKernelOptions
 
-__all__ = ["CPMode", "cp_mode_names", "get_cp_mode", "register_cp_mode", "unregister_cp_mode",
-           "GDN_ULYSSES", "GDN_P2P", "GDN_ALL_GATHER", "GDN_PREFIX_SCAN", "DEFAULT_GDN_CP_MODE",
-           "ATTN_ULYSSES", "ATTN_RING", "ATTN_ALL_GATHER_KV", "ATTN_HIERARCHICAL",
-           "DEFAULT_ATTENTION_CP_MODE", "kernel_option_problems"]
-
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
 

@@ -17,9 +17,6 @@ from typing import Any, Protocol
 
 from overlap_runtime.config.byte_tokenizer import ByteTokenizer
 
-__all__ = ["FORMAT_EXTENSIONS", "DataTokenizer", "HFTokenizer", "load_tokenizer", "require_extra",
-           "resolve_files", "special_ids"]
-
 FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
     "text": (".txt",),
     "jsonl": (".jsonl", ".json"),

@@ -33,9 +33,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARCHITECTURE_FIELDS", "HFConfigError", "config_from_hf", "hf_config_from",
-           "read_hf_config", "architecture_conflicts"]
-
 
 class HFConfigError(ValueError):
     """A Hugging Face config that cannot be represented; the message names the field."""

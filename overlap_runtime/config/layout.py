@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Layout", "split_layers"]
-
 def _resolve_dp_shard(world_size: int, dp_shard: int, cp: int, pp: int, dp_replicate: int) -> int:
     """``dp_shard``, or for -1 what ``pp x dp_replicate x cp`` leave of the world (when whole)."""
     if dp_shard != -1:

@@ -16,9 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from overlap_runtime.layers.rope import rotary_dim_for
 from overlap_runtime.ops.gdn.options import GDNKernelOptions
 
-__all__ = ["GDNKernelOptionsConfig", "KERNEL_TUNING_FIELDS", "PROVENANCE_FIELDS", "LayerType",
-           "Qwen3_5Config"]
-
 LayerType = Literal["linear_attention", "full_attention"]
 #: the decoder-layer kinds (``model.layer_types`` entries)
 LAYER_KINDS: tuple[str, ...] = ("linear_attention", "full_attention")

@@ -14,9 +14,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["CheckpointConfig", "MAX_TIMEOUT_S", "MetricsConfig", "ProfilingConfig",
-           "check_output_path"]
-
 #: The longest wait a configuration may ask for: one week. Every wait of the runtime is
 #: bounded; ``inf`` (or a number too large for a deadline) would make one unbounded.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0

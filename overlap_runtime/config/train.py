@@ -97,23 +97,6 @@ from overlap_runtime.ops.gdn.options import TRITON_CHUNK
 from overlap_runtime.schedules import ScheduleSpec
 from overlap_runtime.schedules.registry import get_schedule_kind
 
-__all__ = [
-    "AcceleratorConfig",
-    "CheckpointConfig",
-    "ConfigError",
-    "DataConfig",
-    "MetricsConfig",
-    "OptimizerConfig",
-    "ProfilingConfig",
-    "PipelineConfig",
-    "apply_overrides",
-    "TrainConfig",
-    "TrainSection",
-    "config_from_dict",
-    "load_config",
-    "schedule_spec",
-]
-
 
 class ConfigError(ValueError):
     """An invalid training configuration; the message names each offending field."""

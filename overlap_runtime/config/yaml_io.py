@@ -10,8 +10,6 @@ from typing import Any
 
 import yaml
 
-__all__ = ["DuplicateKeyError", "load_yaml"]
-
 
 class DuplicateKeyError(ValueError):
     """A key appears twice in one YAML mapping (the message names it and both lines)."""

@@ -43,10 +43,8 @@ from overlap_runtime.ops.attention import (
     merge_attention_,
 )
 
-__all__ = ["all_gather_kv_attention", "query_chunks"]
 
-
-def query_chunks(local_len: int, cp_size: int, cp_rank: int,
+def _query_chunks(local_len: int, cp_size: int, cp_rank: int,
                  load_balance: LoadBalance) -> list[tuple[int, int, int]]:
     """Contiguous runs of this rank's queries: ``(local_start, length, true_position_start)``."""
     pos = shard_positions(local_len * cp_size, cp_size, cp_rank, load_balance)
@@ -146,6 +144,6 @@ def all_gather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kv_full = record_backward(kv_full, stats, "all_to_all", nbytes)
     if causal:
         kv_full = reorder_to_sequence(kv_full, world, 2, load_balance)
-    blocks = _blocks(query_chunks(s, world, me, load_balance), causal, kv_full.shape[2])
+    blocks = _blocks(_query_chunks(s, world, me, load_balance), causal, kv_full.shape[2])
     sc = default_scale(q.shape[-1]) if scale is None else float(scale)
     return _GatheredKVAttention.apply(q, kv_full[0], kv_full[1], blocks, sc, backend)

@@ -46,8 +46,6 @@ from .varlen_attention import packed_ring_attention, packed_ulysses_attention
 Mode = Literal["ulysses", "ring", "all_gather_kv", "hierarchical"]
 MODES: tuple[str, ...] = ("ulysses", "ring", "all_gather_kv", "hierarchical")
 
-__all__ = ["Mode", "MODES", "ContextParallelCoreAttention", "ContextParallel"]
-
 _CP_FUNCS = {"ulysses": ulysses_attention, "ring": ring_attention,
              "all_gather_kv": all_gather_kv_attention}
 

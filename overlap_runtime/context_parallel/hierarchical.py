@@ -67,9 +67,6 @@ from overlap_runtime.ops import comm
 from overlap_runtime.ops.attention import Backend
 from overlap_runtime.ops.comm_stats import CommStats, record_backward
 
-__all__ = ["HIERARCHICAL_MESH_DIMS", "hierarchical_attention", "hierarchical_cp_mesh",
-           "check_hierarchical_degrees"]
-
 #: Dimension names of the 2-D hierarchical CP mesh: outer (ring) first, inner (all-to-all).
 HIERARCHICAL_MESH_DIMS = ("cp_ring", "cp_a2a")
 

@@ -36,8 +36,6 @@ import torch
 
 from overlap_runtime.layers.segments import segments_of
 
-__all__ = ["PackedRule", "PACKED_RULES", "PackedLayout", "causal_work_per_rank"]
-
 PackedRule = Literal["contiguous", "zigzag", "document_zigzag"]
 PACKED_RULES: tuple[str, ...] = ("contiguous", "zigzag", "document_zigzag")
 

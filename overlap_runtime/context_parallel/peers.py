@@ -18,8 +18,6 @@ import torch.distributed as dist
 
 from overlap_runtime.ops import comm
 
-__all__ = ["check_attention_call"]
-
 
 def _dim(x: torch.Tensor, i: int) -> int | None:
     return int(x.shape[i]) if x.dim() > i else None

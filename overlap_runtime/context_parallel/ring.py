@@ -84,12 +84,10 @@ from overlap_runtime.context_parallel.ring_accumulate import _GradSum, _OutputMe
 from overlap_runtime.ops import comm
 from overlap_runtime.ops.comm import group_rank, group_size
 
-__all__ = ["ring_attention", "ring_step_block", "kv_hop_is_half", "dkv_hop_is_half"]
-
 _ALL = slice(None)
 
 
-def ring_step_block(src: int, me: int, local_len: int, causal: bool,
+def _ring_step_block(src: int, me: int, local_len: int, causal: bool,
                     load_balance: LoadBalance) -> tuple[slice, slice, bool] | None:
     """The block rank ``me`` computes with the K/V of rank ``src``.
 
@@ -201,7 +199,7 @@ class _RingAttention(torch.autograd.Function):
                 backend: Backend) -> torch.Tensor:
         me, world = group_rank(group), group_size(group)
         s = q.shape[1]
-        plans = [ring_step_block((me - step) % world, me, s, causal, load_balance)
+        plans = [_ring_step_block((me - step) % world, me, s, causal, load_balance)
                  for step in range(world)]
         merger: _OutputMerger | None = None
         kv = _kv_message(k, v, kv_hop_is_half(me, causal, load_balance)) if world > 1 else None
@@ -243,7 +241,7 @@ class _RingAttention(torch.autograd.Function):
         s = q.shape[1]
         dout = dout.contiguous()
         first, last = _diag_backward_parts(s, causal, split=world > 1)
-        plans = [ring_step_block((me - step) % world, me, s, causal, lb)
+        plans = [_ring_step_block((me - step) % world, me, s, causal, lb)
                  for step in range(world)]
         # Every contribution's rows are known up front, so each gradient row piece takes its
         # first contribution by a copy (no zero fill) and its last one straight into the

@@ -50,21 +50,6 @@ from overlap_runtime.ops import comm
 
 LoadBalance = Optional[Literal["zigzag"]]
 
-__all__ = [
-    "LoadBalance",
-    "check_load_balance",
-    "check_sequence_length",
-    "shard_positions",
-    "sequence_permutation",
-    "shard_sequence",
-    "unshard_sequence",
-    "reorder_to_sequence",
-    "reorder_to_shards",
-    "gather_sequence",
-    "shard_batch",
-    "DEFAULT_SEQ_DIMS",
-]
-
 #: Sequence dimension per batch key; keys not listed use dim 1.
 DEFAULT_SEQ_DIMS: dict[str, int] = {"attention_mask": 2}
 

@@ -56,8 +56,6 @@ from overlap_runtime.ops.attention import (
     default_scale,
 )
 
-__all__ = ["ulysses_attention", "ulysses_kv_heads"]
-
 
 def ulysses_kv_heads(q_heads: int, kv_heads: int, cp_size: int) -> int:
     """Number of kv heads after replication (``kv_heads`` or ``cp_size``); raises on bad counts.

@@ -38,13 +38,10 @@ from overlap_runtime.ops.attention import accumulation_dtype, default_scale
 
 from .packed import PackedLayout
 
-__all__ = ["packed_ring_attention", "packed_ulysses_attention", "masked_attention_block",
-           "packed_attention_mask"]
-
 _MASKED = -1e30  # finite: a fully masked row gets weight exp(-1e30 - lse) = 0, never NaN
 
 
-def packed_attention_mask(layout: PackedLayout, q_rank: int, k_rank: int,
+def _packed_attention_mask(layout: PackedLayout, q_rank: int, k_rank: int,
                           device: torch.device | None = None) -> torch.Tensor:
     """``[B, T/P, T/P]`` bool: which of ``k_rank``'s keys each of ``q_rank``'s queries reads."""
     qd, kd = layout.local_document_ids(q_rank), layout.local_document_ids(k_rank)
@@ -53,7 +50,7 @@ def packed_attention_mask(layout: PackedLayout, q_rank: int, k_rank: int,
     return allowed.to(device) if device is not None else allowed
 
 
-def masked_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _masked_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            allowed: torch.Tensor, scale: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """One masked block, differentiable.
@@ -164,11 +161,11 @@ def packed_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if step:
             kv = _RingHop.apply(kv, group, timeout_s, step)
         src = (me - step) % world
-        allowed = packed_attention_mask(layout, me, src, q.device)
+        allowed = _packed_attention_mask(layout, me, src, q.device)
         if not bool(allowed.any()):
             idle.append(kv)  # nothing to score; its hop's backward must still run
             continue
-        blocks.append(masked_attention_block(q, kv[0], kv[1], allowed, scale))
+        blocks.append(_masked_attention_block(q, kv[0], kv[1], allowed, scale))
     out = _merge(blocks).to(q.dtype)
     return comm.attach(out, *idle) if idle else out
 
@@ -206,7 +203,7 @@ def packed_ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     pos = torch.cat([layout.row_positions(r) for r in range(world)], 1)
     doc = torch.cat([layout.local_document_ids(r) for r in range(world)], 1)
     allowed = ((doc[:, :, None] == doc[:, None, :]) & (pos[:, None, :] <= pos[:, :, None]))
-    out, _ = masked_attention_block(qs, ks, vs, allowed.to(q.device), scale)
+    out, _ = _masked_attention_block(qs, ks, vs, allowed.to(q.device), scale)
     b, n = q.shape[:2]
     back = out.to(q.dtype).view(b, world, n, *out.shape[2:]).permute(1, 0, 2, 3, 4).contiguous()
     res = comm.all_to_all_single(back, group=group, timeout_s=timeout_s)  # [P heads, B, L, h, D]

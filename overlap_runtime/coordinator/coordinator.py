@@ -74,16 +74,6 @@ from overlap_runtime.coordinator.errors import (
 from overlap_runtime.coordinator.serializer import CommSerializer
 from overlap_runtime.ops.profile_range import profile_range
 
-__all__ = [
-    "Side",
-    "Role",
-    "HOOK_LETTERS",
-    "FORWARD_ROLES",
-    "BACKWARD_ROLES",
-    "HookEvent",
-    "HookCoordinator",
-]
-
 
 class Side(str, Enum):
     """Which thread of an OVERLAP_B_F step a hook belongs to."""

@@ -21,15 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = [
-    "CoordinatorError",
-    "CoordinatorTimeout",
-    "CoordinatorAborted",
-    "CoordinatorProtocolError",
-    "LaunchOrderMismatch",
-    "WaitSite",
-]
-
 
 @dataclass(frozen=True)
 class WaitSite:

@@ -27,8 +27,6 @@ from torch.autograd.function import FunctionCtx
 
 from overlap_runtime.coordinator.coordinator import HOOK_LETTERS, HookCoordinator, Side
 
-__all__ = ["sync_hook"]
-
 
 class _SyncHook(torch.autograd.Function):
     @staticmethod

@@ -52,8 +52,6 @@ from overlap_runtime.coordinator.errors import (
 )
 from overlap_runtime.platform import resolve_device, set_device
 
-__all__ = ["CommComputeOverlap"]
-
 _IDLE_POLL_S = 1.0
 
 

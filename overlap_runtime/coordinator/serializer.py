@@ -40,8 +40,6 @@ from overlap_runtime.coordinator.errors import (
 )
 from overlap_runtime.ops import comm
 
-__all__ = ["CommSerializer", "LaunchRecord", "SerializedHandle", "compare_launch_logs"]
-
 
 class WaitGuard(Protocol):
     """What the serializer needs from its owner: a shared condition and the failure flag."""
@@ -131,7 +129,7 @@ def _group_ranks(key: Any) -> str:
         return "?"
 
 
-def describe_launch(ticket: _Ticket) -> str:
+def _describe_launch(ticket: _Ticket) -> str:
     """``all-to-all 'S3.L1.combine' (backward) on group '2' (global ranks [2, 3])``."""
     return (f"all-to-all {ticket.tag!r} ({ticket.direction}) on group {ticket.label!r} "
             f"(global ranks {_group_ranks(ticket.key)})")
@@ -212,7 +210,7 @@ class CommSerializer:
         before their release: a reverse all-to-all that raised never reaches it)."""
         with self._guard.condition:
             tickets = [t for t in self._holders.values() if t.thread_ident == thread_ident]
-        return [describe_launch(t) for t in tickets]
+        return [_describe_launch(t) for t in tickets]
 
     def in_flight(self, group: dist.ProcessGroup | None = None) -> str | None:
         """Description of the launch holding ``group``'s lock, or None."""
@@ -311,7 +309,7 @@ class SerializedHandle:
         except (comm.CommTimeoutError, comm.CommFailedError) as exc:
             if self._ticket is not None and exc.args:
                 # in the message itself, not a note: str(exc) is what logs and rank reports show
-                exc.args = (f"{describe_launch(self._ticket)}: {exc.args[0]}", *exc.args[1:])
+                exc.args = (f"{_describe_launch(self._ticket)}: {exc.args[0]}", *exc.args[1:])
             raise
         finally:
             ticket, self._ticket = self._ticket, None

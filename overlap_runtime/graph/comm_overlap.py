@@ -24,8 +24,6 @@ from typing import Iterable
 from .intervals import minus, total_length, union
 from .simulate import SimulationResult
 
-__all__ = ["A2AOverlap", "a2a_overlap", "simulated_a2a_overlap"]
-
 
 @dataclass(frozen=True)
 class A2AOverlap:

@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 if TYPE_CHECKING:
     from .simulate import SimulationResult
 
-__all__ = ["format_grid", "format_timeline"]
-
 
 def format_grid(
     programs: Mapping[int, Sequence[str]],

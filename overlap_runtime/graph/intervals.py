@@ -17,9 +17,6 @@ from typing import Any, Iterable, Sequence, TypeVar
 
 T = TypeVar("T", int, float)
 
-__all__ = ["union", "total_length", "measure", "overlap", "minus", "measure_minus",
-           "WAIT_CATEGORIES", "busy_intervals", "measured_bubble"]
-
 
 def union(intervals: Iterable[tuple[T, T]]) -> list[tuple[T, T]]:
     """The union of any intervals as sorted, disjoint, non-empty intervals.

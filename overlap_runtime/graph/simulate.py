@@ -29,8 +29,6 @@ from .intervals import measure_minus, total_length, union
 from .tasks import Task, TaskGraphData, is_comm_lane
 from .validate import CommMatching, blocking_adjacency, match_comm, validate_graph
 
-__all__ = ["CostModel", "TimelineEntry", "SimulationResult", "simulate"]
-
 
 @dataclass(frozen=True)
 class CostModel:

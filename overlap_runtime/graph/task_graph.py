@@ -12,8 +12,6 @@ from .simulate import CostModel, SimulationResult, simulate
 from .tasks import TaskGraphData
 from .validate import CommMatching, validate_graph
 
-__all__ = ["TaskGraph"]
-
 
 class TaskGraph(TaskGraphData):
     """Tasks and dependencies (see :class:`~overlap_runtime.graph.tasks.TaskGraphData` for the

@@ -46,8 +46,6 @@ from typing import (
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["CommInfo", "IndexedGraph", "Task", "TaskGraphData", "EDGE_KINDS", "is_comm_lane"]
-
 EDGE_KINDS = ("program", "data", "match")
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 CommOp = Literal["send", "recv", "collective"]

@@ -14,8 +14,6 @@ from typing import Any, Hashable
 
 from .simulate import SimulationResult, TimelineEntry
 
-__all__ = ["chrome_trace", "write_chrome_trace"]
-
 
 def chrome_trace(
     result: SimulationResult,

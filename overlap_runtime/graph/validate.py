@@ -23,18 +23,6 @@ from ._gc import gc_paused
 from .grid import format_grid
 from .tasks import IndexedGraph, Task, TaskGraphData
 
-__all__ = [
-    "GraphValidationError",
-    "UnmatchedCommError",
-    "CollectiveOrderError",
-    "DeadlockError",
-    "CommMatching",
-    "match_comm",
-    "rendezvous_edges",
-    "blocking_adjacency",
-    "validate_graph",
-]
-
 
 class GraphValidationError(ValueError):
     """A task graph that cannot run; the message names the tasks and prints the grid."""

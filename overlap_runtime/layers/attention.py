@@ -35,8 +35,6 @@ from overlap_runtime.layers.segments import apply_per_segment
 from overlap_runtime.ops.attention import Backend
 from overlap_runtime.ops.comm_stats import CommStats
 
-__all__ = ["Qwen3_5Attention", "ReferenceAttention"]
-
 
 class Qwen3_5Attention(nn.Module):
     """Gated grouped-query attention (see the module docstring).

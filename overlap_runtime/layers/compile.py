@@ -15,8 +15,6 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.mlp import SwiGLU, SwiGLUKernels, swiglu_act, swiglu_act_backward
 from overlap_runtime.layers.norm import RMSNorm, RMSNormGated
 
-__all__ = ["compile_elementwise", "compiled"]
-
 
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 

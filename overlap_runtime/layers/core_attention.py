@@ -30,8 +30,6 @@ from torch import nn
 from overlap_runtime.ops.attention import Backend, attention
 from overlap_runtime.ops.comm_stats import CommStats
 
-__all__ = ["CoreAttention", "HasCoreAttention"]
-
 
 @runtime_checkable
 class HasCoreAttention(Protocol):

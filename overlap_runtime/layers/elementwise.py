@@ -39,9 +39,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv_silu", "causal_conv_silu_parts", "causal_conv_silu_shifted",
-           "causal_conv_silu_shifted_parts", "gdn_gates"]
-
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
                      dilation: int = 1, doc_positions: torch.Tensor | None = None

@@ -58,8 +58,6 @@ from overlap_runtime.ops.causal_conv.capability import MAX_KERNEL_SIZE
 from overlap_runtime.ops.causal_conv.function import causal_conv_silu_triton
 from overlap_runtime.ops.gdn import GDNKernelOptions, chunk_gated_delta_rule
 
-__all__ = ["CONV_BACKENDS", "GatedDeltaNet", "GDNProjections"]
-
 #: The causal conv's implementations (``GatedDeltaNet(conv_backend=...)``, ``model.conv_backend``).
 CONV_BACKENDS = ("torch", "triton")
 

@@ -22,9 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["EAGER_SWIGLU", "SwiGLU", "SwiGLUDownFunction", "SwiGLUKernels", "swiglu_act",
-           "swiglu_act_backward", "swiglu_down"]
-
 
 def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``silu(g) * u`` (``[..., I]``, their dtype)."""
@@ -79,7 +76,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
                 d_u if ctx.needs_input_grad[1] else None, d_weight, None)
 
 
-def swiglu_down(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
+def _swiglu_down(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor,
                 kernels: SwiGLUKernels = EAGER_SWIGLU) -> torch.Tensor:
     """``down(silu(g) * u)`` with the lean saved set of :class:`SwiGLUDownFunction`."""
     return SwiGLUDownFunction.apply(g, u, weight, kernels)
@@ -104,6 +101,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down_proj.bias is not None:  # never built with one; a swapped-in Linear might
-            raise ValueError("SwiGLU.down_proj must have no bias (swiglu_down takes none)")
-        return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight,
+            raise ValueError("SwiGLU.down_proj must have no bias (_swiglu_down takes none)")
+        return _swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight,
                            self.kernels)

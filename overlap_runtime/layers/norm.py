@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "RMSNormGated", "RMSNormFunction"]
-
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32, float64 stays float64

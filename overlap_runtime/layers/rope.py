@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rotary_dim_for", "apply_partial_rotary", "apply_rotary"]
-
 
 def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
     """Rotated channels per head: ``int(head_dim * factor)``; must be even and >= 2.

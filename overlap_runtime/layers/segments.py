@@ -26,8 +26,6 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["apply_per_segment", "document_positions", "segments_of"]
-
 
 def segments_of(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> list[tuple[int, int]]:
     """``[(start, end)]`` of each segment in the flattened ``batch * seq_len`` tokens.

@@ -60,9 +60,6 @@ from overlap_runtime.layers.segments import apply_per_segment, document_position
 if TYPE_CHECKING:
     from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 
-__all__ = ["GDNProjections", "GDNSequenceMixer", "LocalGDNMixer", "MixerInputs",
-           "check_layer_inputs"]
-
 
 @dataclass(frozen=True)
 class GDNProjections:

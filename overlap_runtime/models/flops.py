@@ -8,8 +8,6 @@ import torch
 
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 
-__all__ = ["active_parameters", "train_flops_per_step"]
-
 
 def active_parameters(model: Qwen3_5Config) -> int:
     """``N_active`` of the module doc, counted on a meta-device copy of the model."""

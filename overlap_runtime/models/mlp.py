@@ -22,8 +22,6 @@ from overlap_runtime.layers.mlp import SwiGLU
 if TYPE_CHECKING:
     from overlap_runtime.models.qwen3_5 import Qwen3_5Config
 
-__all__ = ["build_mlp"]
-
 
 def build_mlp(config: "Qwen3_5Config") -> nn.Module:
     """The feed-forward block ``config.mlp`` names.

@@ -45,16 +45,6 @@ from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from overlap_runtime.moe import ExpertParallel, MoE, OverlapExpertParallel
 from overlap_runtime.moe.dispatcher import SpanSink
 
-__all__ = [
-    "FULL_ATTENTION_CP_MODES",
-    "parallelize_qwen3_5_cp",
-    "apply_fsdp",
-    "build_dp_cp_mesh",
-    "parallelize_qwen3_5_ep",
-    "flat_data_mesh",
-    "parameter_count",
-]
-
 
 def _check_cp_mesh(cp_mesh: DeviceMesh) -> int:
     if not isinstance(cp_mesh, DeviceMesh):
@@ -175,7 +165,7 @@ def build_dp_cp_mesh(device_type: str, dp: int, cp: int) -> DeviceMesh:
     return init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
 
 
-def flat_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def _flat_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh over ``dp x cp`` that FSDP shards on (``mesh["dp", "cp"]`` flattened)."""
     return mesh["dp", "cp"]._flatten("dp_cp")
 
@@ -194,7 +184,7 @@ def apply_fsdp(
             (:class:`~overlap_runtime.models.pipeline_split.Qwen3_5Stage`): anything with a
             ``layers`` ModuleList / ModuleDict of decoder layers.
         mesh: the mesh of every rank that holds a piece of the data: 1-D (``dp_shard x cp``
-            flattened, :func:`flat_data_mesh`) or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP.
+            flattened, :func:`_flat_data_mesh`) or 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP.
         mp_policy: an FSDP ``MixedPrecisionPolicy`` or None (parameters' own dtype).
         reshard_after_forward: free the unsharded parameters after forward (re-gather in
             backward).

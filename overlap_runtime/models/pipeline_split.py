@@ -35,8 +35,6 @@ from torch import nn
 from overlap_runtime.config.layout import split_layers
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 
-__all__ = ["Qwen3_5Stage", "split_layers", "split_qwen3_5"]
-
 
 class Qwen3_5Stage(nn.Module):
     """Stage ``stage_index`` of ``num_stages``: a contiguous run of the model's layers.

@@ -56,8 +56,6 @@ from overlap_runtime.moe.pooled_aux import RouterStatsPool
 
 # the configuration classes live in the configuration floor (``config.model``); the model
 # package presents them with the modules they configure
-__all__ = ["GDNKernelOptionsConfig", "KERNEL_TUNING_FIELDS", "Qwen3_5Config",
-           "Qwen3_5DecoderLayer", "Qwen3_5ForCausalLM", "LayerType"]
 
 
 class Qwen3_5DecoderLayer(nn.Module):

@@ -29,8 +29,6 @@ from overlap_runtime.models.parallelize import apply_fsdp, parallelize_qwen3_5_c
 from overlap_runtime.models.pipeline_split import split_qwen3_5
 from overlap_runtime.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 
-__all__ = ["ModelSpec", "get_model_spec", "model_specs", "register_model_spec"]
-
 
 @dataclass(frozen=True)
 class ModelSpec:

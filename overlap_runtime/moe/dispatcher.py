@@ -45,9 +45,6 @@ from overlap_runtime.pipeline.deferred_w import DeferredWQueue
 
 from .router import RoutingResult
 
-__all__ = ["AllToAllTokenDispatcher", "DispatchMetadata", "CombinePartialResult", "OverlapHooks",
-           "SpanSink", "CommHandle"]
-
 _UIDS = itertools.count(1)
 
 

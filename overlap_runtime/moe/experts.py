@@ -38,9 +38,6 @@ from torch import nn
 
 from overlap_runtime.pipeline.deferred_w import DeferredWQueue, accumulate_grad
 
-__all__ = ["GroupedExperts", "FeedForward", "grouped_mm_supported", "ExpertBackend",
-           "DeferredWUnsupportedError"]
-
 ExpertBackend = Literal["loop", "grouped_mm"]
 
 

@@ -40,8 +40,6 @@ from .load_stats import ExpertLoadStats
 from .pooled_aux import attach_pooled_aux
 from .router import TopKRouter, attach_aux_loss
 
-__all__ = ["MoE"]
-
 
 class MoE(nn.Module):
     """Mixture-of-experts feed-forward block ``[..., H] -> [..., H]``.

@@ -32,10 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExpertLoadStats", "LayerLoad", "balance_summary", "in_recompute"]
 
-
-def in_recompute() -> bool:
+def _in_recompute() -> bool:
     """True inside an autograd graph task of this thread (a checkpoint replay of the forward)."""
     return torch._C._current_graph_task_id() != -1
 
@@ -86,7 +84,7 @@ class ExpertLoadStats:
     def add(self, layer: int, top_indices: torch.Tensor, processed: int) -> None:
         """Count one forward of ``layer``: ``top_indices`` ``[N, k]`` int64 global expert ids;
         ``processed``: rows its local experts received. Skipped during a recompute."""
-        if in_recompute():
+        if _in_recompute():
             return
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"ExpertLoadStats.add: layer {layer} is not in [0, "

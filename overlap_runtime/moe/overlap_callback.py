@@ -30,8 +30,6 @@ from overlap_runtime.platform import resolve_device
 from overlap_runtime.pipeline.context import ActionContext, ActionFn
 from overlap_runtime.schedules.ir import Action, ActionKind
 
-__all__ = ["make_overlap_b_f_callback"]
-
 _BACKWARD_KINDS = (ActionKind.B, ActionKind.I, ActionKind.W)
 
 

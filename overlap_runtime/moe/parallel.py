@@ -33,9 +33,6 @@ from overlap_runtime.pipeline.deferred_w import DeferredWQueue
 from .dispatcher import AllToAllTokenDispatcher, OverlapHooks, SpanSink
 from .layer import MoE
 
-__all__ = ["ExpertParallel", "OverlapExpertParallel", "moe_layers", "infer_last_layer_flags",
-           "ep_group_of"]
-
 
 def ep_group_of(ep_mesh: Any) -> dist.ProcessGroup:
     """The EP process group of ``ep_mesh``: a 1-D DeviceMesh, a mesh with an ``"ep"`` dim, or a

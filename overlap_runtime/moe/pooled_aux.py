@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["RouterStatsPool", "attach_pooled_aux"]
-
 
 class RouterStatsPool:
     """Per-forward routing statistics of every MoE layer (module docstring).

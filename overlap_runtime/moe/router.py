@@ -32,8 +32,6 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
-__all__ = ["RoutingResult", "TopKRouter", "attach_aux_loss"]
-
 
 @dataclass(frozen=True)
 class RoutingResult:

@@ -31,8 +31,6 @@ from overlap_runtime.schedules.ir import parse_compute_action
 if TYPE_CHECKING:
     from overlap_runtime.stepgraph.compose import StepGraph
 
-__all__ = ["MoEOpCosts", "moe_op_seconds", "op_costs_from_trace"]
-
 _A2A = ("moe.dispatch_counts", "moe.dispatch", "moe.combine", "moe.combine.bwd",
         "moe.dispatch.bwd")
 

@@ -63,17 +63,6 @@ from torch.autograd.function import FunctionCtx
 
 Backend = Literal["math", "flash", "cudnn"]
 
-__all__ = [
-    "Backend",
-    "accumulation_dtype",
-    "select_backend",
-    "attention_block_forward",
-    "attention_block_backward",
-    "merge_attention_",
-    "attention",
-    "default_scale",
-]
-
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 

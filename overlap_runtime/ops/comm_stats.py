@@ -22,8 +22,6 @@ import torch
 Phase = Literal["forward", "backward"]
 CommKind = Literal["send", "recv", "all_to_all", "all_gather"]
 
-__all__ = ["CommStats", "record_backward"]
-
 
 @dataclass
 class CommStats:

@@ -22,8 +22,6 @@ from typing import Any, Callable, ContextManager
 
 import torch.autograd.profiler as _autograd_profiler
 
-__all__ = ["profile_range", "profiling_active"]
-
 _NULL: ContextManager[None] = contextlib.nullcontext()
 
 

@@ -37,9 +37,6 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
-__all__ = ["BOUNDARY_CALLS", "RecordEntry", "StepRecorder", "recording", "task_scope",
-           "note_comm", "active"]
-
 
 @dataclass(frozen=True)
 class RecordEntry:

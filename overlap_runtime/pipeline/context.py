@@ -30,7 +30,7 @@ Data: ``ctx.stages`` (this rank's stages by index), ``ctx.inputs[m]`` / ``ctx.kw
 ``ctx.loss_kwargs``, ``ctx.losses`` / ``ctx.outputs`` (last stage, by microbatch).
 
 Tuples across a boundary: a stage output that is a tuple travels as **one message per tensor**
-(the tensor's index ``i`` offsets the message tag, :func:`message_tag`), and its backward as one
+(the tensor's index ``i`` offsets the message tag, :func:`_message_tag`), and its backward as one
 message per tensor that carries a gradient (:mod:`.tensor_meta`'s rule; none for an integer
 tensor or a detached float). Chosen over one flat buffer with a header because it keeps the
 bare-tensor boundary byte-for-byte what it was (one message, the same tag, no copy), needs no
@@ -78,7 +78,6 @@ from .tensor_meta import BoundaryMeta, TensorMeta, boundary_metas, describe_boun
 if TYPE_CHECKING:
     from .schedule import PipelineSchedule
 
-__all__ = ["ActionContext", "ActionFn", "PipelineTimeout", "message_tag", "META_TAG"]
 # PipelineTimeout lives in .errors (with the other step errors); re-exported here as before.
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
@@ -89,14 +88,14 @@ _SEND = (ActionKind.SEND_F, ActionKind.SEND_B)
 META_TAG = 2**30 - 1  # the one-time metadata headers
 
 
-def range_name(action: Action, prefix: str = "pp.") -> str:
+def _range_name(action: Action, prefix: str = "pp.") -> str:
     """The profiler range of ``action``, named after the action as torch prints it: ``pp.1F3``,
     ``pp.0SEND_F1``, ``pp.(1B3;0F4)OVERLAP_B_F`` (a compound step; its sub-actions get their
     own ranges); waits use the prefix ``pp.wait `` (``pp.wait 1RECV_B3``)."""
     return f"{prefix}{action}"
 
 
-def message_tag(kind: ActionKind, stage: int, microbatch: int, num_stages: int,
+def _message_tag(kind: ActionKind, stage: int, microbatch: int, num_stages: int,
                 num_microbatches: int, index: int = 0) -> int:
     """A tag unique per message of a step, the same on both ends: keyed by the direction and
     the *sending* stage (RECV_F at stage s receives from s-1, RECV_B from s+1), and by the
@@ -196,7 +195,7 @@ class ActionContext:
         prev = getattr(self._running, "action", None)
         self._running.action = action
         try:
-            with profile_range(lambda: range_name(action)), task_scope(action):
+            with profile_range(lambda: _range_name(action)), task_scope(action):
                 fn = self.schedule.custom_functions.get(action.kind)
                 if fn is not None:
                     fn(action, self)
@@ -344,7 +343,7 @@ class ActionContext:
         bufs: list[torch.Tensor | None] = []
         handles: list[AsyncHandle] = []
         try:
-            with profile_range(lambda: range_name(action)):
+            with profile_range(lambda: _range_name(action)):
                 for i, tm in enumerate(boundary_metas(meta)):
                     if grads and not tm.requires_grad:
                         bufs.append(None)  # no gradient crosses for this tensor
@@ -420,7 +419,7 @@ class ActionContext:
                              f"the receiver expects {expect}")
         # The handle keeps the sent payload alive until waited (``AsyncHandle.keep_alive``).
         try:
-            with profile_range(lambda: range_name(action)):
+            with profile_range(lambda: _range_name(action)):
                 handle = comm.isend(tensor, peer, self.schedule.group, tag=self._tag(action),
                                     timeout_s=self.schedule.timeout_s, what=str(action))
         except RuntimeError as exc:  # gloo refuses to post on a pair a dead peer closed
@@ -459,7 +458,7 @@ class ActionContext:
             sends.append((i, t))
         handles: list[AsyncHandle] = []
         try:
-            with profile_range(lambda: range_name(action)):
+            with profile_range(lambda: _range_name(action)):
                 for i, t in sends:
                     handles.append(comm.isend(t, peer, self.schedule.group,
                                               tag=self._tag(action, i),
@@ -561,12 +560,12 @@ class ActionContext:
 
     def _tag(self, action: Action, index: int = 0) -> int:
         spec = self.schedule.spec
-        return message_tag(action.kind, action.stage, action.microbatch,  # type: ignore[arg-type]
+        return _message_tag(action.kind, action.stage, action.microbatch,  # type: ignore[arg-type]
                            spec.num_stages, spec.num_microbatches, index)
 
     def _wait(self, handle: "AsyncHandle | _HandleGroup", action: Action, peer: int) -> None:
         try:
-            with profile_range(lambda: range_name(action, "pp.wait ")):
+            with profile_range(lambda: _range_name(action, "pp.wait ")):
                 handle.wait()
         except (CommTimeoutError, CommFailedError) as exc:
             raise self.comm_error(exc, action, peer) from exc

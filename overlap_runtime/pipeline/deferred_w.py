@@ -49,9 +49,6 @@ from typing import Any, Callable, Hashable, Iterator, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["DeferredWQueue", "DeferredWTask", "WRun", "DeferredLinear", "accumulate_grad",
-           "find_deferred_w_queue"]
-
 
 @dataclass
 class DeferredWTask:

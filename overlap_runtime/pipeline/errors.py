@@ -27,17 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = [
-    "ActionSite",
-    "PipelineActionError",
-    "PipelineError",
-    "PipelinePeerFailed",
-    "PipelineTimeout",
-    "first_line",
-    "pipeline_error_in",
-    "root_cause",
-]
-
 _BACKWARD_KINDS = frozenset({"B", "I", "W"})
 
 

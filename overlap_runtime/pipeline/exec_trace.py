@@ -25,10 +25,6 @@ import torch.distributed as dist
 from overlap_runtime.graph.intervals import WAIT_CATEGORIES, busy_intervals, measured_bubble
 from overlap_runtime.ops.comm import all_gather
 
-__all__ = ["TraceEvent", "ExecutionTrace", "gather_traces", "encode_events", "decode_events",
-           "chrome_trace_events", "write_execution_trace", "measured_bubble", "busy_intervals",
-           "WAIT_CATEGORIES"]
-
 
 @dataclass(frozen=True)
 class TraceEvent:

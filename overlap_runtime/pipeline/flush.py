@@ -19,8 +19,6 @@ from overlap_runtime.schedules.ir import Action, ActionKind
 from .context import ActionContext
 from .deferred_w import DeferredWQueue
 
-__all__ = ["FlushWhileWaiting"]
-
 
 class FlushWhileWaiting:
     """Custom function that runs pending W tasks in communication windows.

@@ -23,8 +23,6 @@ from torch import nn
 
 from .deferred_w import DeferredWQueue
 
-__all__ = ["SavedTensorMeter"]
-
 
 class _Held:
     """A saved tensor packed by the meter; un-counts itself when autograd drops it."""

@@ -50,9 +50,6 @@ from .tensor_meta import (HEADER_LEN, BoundaryMeta, as_boundary_value, boundary_
                           boundary_meta_of, boundary_metas, decode_boundary, describe_boundary,
                           encode_boundary)
 
-__all__ = ["PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "CUSTOM_FUNCTION_KINDS"]
-
 CUSTOM_FUNCTION_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W,
                                    ActionKind.OVERLAP_B_F, ActionKind.OVERLAP_F_B})
 _RECV = (ActionKind.RECV_F, ActionKind.RECV_B)

@@ -43,8 +43,6 @@ from .deferred_w import DeferredWQueue, find_deferred_w_queue
 from .tensor_meta import (BoundaryMeta, TensorMeta, as_boundary_value, boundary_metas,
                           describe_boundary)
 
-__all__ = ["PipelineStage", "MicrobatchState"]
-
 
 @dataclass
 class MicrobatchState:

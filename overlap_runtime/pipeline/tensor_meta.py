@@ -29,10 +29,6 @@ from typing import Mapping, Union
 
 import torch
 
-__all__ = ["TensorMeta", "BoundaryMeta", "DTYPE_CODES", "HEADER_LEN", "MAX_NDIM", "encode_meta",
-           "decode_meta", "encode_boundary", "decode_boundary", "boundary_length",
-           "boundary_metas", "boundary_meta_of", "describe_boundary", "as_boundary_value"]
-
 MAX_NDIM = 8
 """Most dims a boundary tensor may have."""
 

@@ -38,9 +38,6 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["PINNED", "TESTED_TORCH", "TorchInteropError", "TorchPipeliningAPI", "PairRunner",
-           "torch_pipelining_api", "make_torch_overlap_f_b_callback"]
-
 TESTED_TORCH = ("2.13.0",)
 """torch releases this shim was run against (its tests and the PP2 x EP2 check)."""
 

@@ -30,9 +30,6 @@ from .ir import Schedule
 from .registry import get_schedule_kind, schedule_kinds
 from .spec import ScheduleSpec
 
-__all__ = ["analytic_idle", "analytic_bubble_ratio", "couple_overlapped_steps",
-           "simulate_compute_only"]
-
 
 def analytic_idle(kind: str, pp: int, costs: CostModel) -> float:
     """Published idle time per rank for one step (see the module doc)."""

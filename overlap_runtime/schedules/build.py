@@ -15,8 +15,6 @@ from .ir import Action, ActionKind, Schedule
 from .registry import get_schedule_kind
 from .spec import ScheduleSpec
 
-__all__ = ["build_schedule", "pair_backward_forward", "split_backward"]
-
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 

@@ -7,7 +7,7 @@ Example::
 
 prints the steps x ranks grid of the lowered schedule, the simulated timeline and its bubble, then
 which figure that is and the published formula's figure beside it, with why the two differ when
-they do (:func:`bubble_notes`), and writes a Chrome/Perfetto trace.
+they do (:func:`_bubble_notes`), and writes a Chrome/Perfetto trace.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from .ir import dump_csv
 from .registry import get_schedule_kind, schedule_kinds
 from .spec import ScheduleSpec
 from .torch_csv import to_torch_csv
-
-__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"makespan {result.makespan:g}  bubble {result.bubble_ratio:.4f}  "
           f"exposed comm {result.exposed_comm:g}")
-    for line in bubble_notes(spec, costs, result):
+    for line in _bubble_notes(spec, costs, result):
         print(line)
     if args.trace:
         write_chrome_trace(result, args.trace, pairs=compiled.comm_pairs)
@@ -145,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 _SAME = 5e-5  # ratios printed with 4 decimals: closer than this reads as equal
 
 
-def bubble_notes(spec: Any, costs: Any, result: Any) -> list[str]:
+def _bubble_notes(spec: Any, costs: Any, result: Any) -> list[str]:
     """Two lines under the makespan: which bubble figure is printed (the simulated timeline, and
     under which costs), then the kind's published bubble (``ScheduleKind.published_bubble``)
     and, when the two differ, why.

@@ -37,9 +37,6 @@ from .lowering import lower
 from .rules import check_pipeline_rules, infer_stage_to_rank
 from .spec import ScheduleSpec
 
-__all__ = ["CompiledSchedule", "compile_schedule", "compile_spec", "validate_schedule",
-           "COMM_LANE"]
-
 COMM_LANE = "comm:pp"
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _SEND = {ActionKind.SEND_F: "F", ActionKind.SEND_B: "B"}

@@ -27,20 +27,6 @@ import os
 import re
 from typing import Iterable, NamedTuple, TextIO, Union
 
-__all__ = [
-    "Action",
-    "ActionKind",
-    "Schedule",
-    "COMPUTE_KINDS",
-    "COMM_KINDS",
-    "COMPOUND_KINDS",
-    "parse_action",
-    "schedule_to_rows",
-    "schedule_from_rows",
-    "dump_csv",
-    "load_csv",
-]
-
 
 class ActionKind(str, enum.Enum):
     """What an action does; the value is the text torch uses."""

@@ -18,9 +18,6 @@ if TYPE_CHECKING:
     from ..graph.simulate import CostModel
     from .spec import ScheduleSpec
 
-__all__ = ["ScheduleKind", "Builder", "IdleFormula", "PublishedBubble", "BubbleFormula",
-           "one_f_one_b_bubble", "stages_of_rank", "interleave_1f1b"]
-
 Builder = Callable[["ScheduleSpec"], Schedule]
 """``build(spec) -> Schedule``: the compute actions of every rank (no SEND/RECV)."""
 

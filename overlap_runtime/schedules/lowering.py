@@ -36,33 +36,11 @@ from ..graph.grid import format_grid
 from .ir import Action, ActionKind, Schedule
 from .rules import ScheduleValidationError, infer_stage_to_rank
 
-__all__ = ["LoweringError", "lower", "comm_for"]
-
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 
 class LoweringError(ScheduleValidationError):
     """The compute schedule has steps whose inputs can never be produced."""
-
-
-def comm_for(
-    action: Action, stage_to_rank: Mapping[int, int], num_stages: int
-) -> tuple[Action, Action, int, int] | None:
-    """``(send, recv, src_rank, dst_rank)`` that ``action``'s output needs, or ``None``.
-
-    ``None`` when nothing crosses ranks: W, the last forward, the first backward, or an adjacent
-    stage on the same rank (local hand-off).
-    """
-    s, kind, m = action.stage, action.kind, action.microbatch
-    if kind is _F and s + 1 < num_stages:
-        src, dst = stage_to_rank[s], stage_to_rank[s + 1]
-        if src != dst:
-            return Action(s, ActionKind.SEND_F, m), Action(s + 1, ActionKind.RECV_F, m), src, dst
-    elif (kind is _B or kind is _I) and s > 0:
-        src, dst = stage_to_rank[s], stage_to_rank[s - 1]
-        if src != dst:
-            return Action(s, ActionKind.SEND_B, m), Action(s - 1, ActionKind.RECV_B, m), src, dst
-    return None
 
 
 @gc_paused

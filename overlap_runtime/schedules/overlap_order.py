@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["BACKWARD", "FORWARD", "OverlapSide", "comm_turns"]
-
 OverlapSide = Literal["backward", "forward"]
 BACKWARD: OverlapSide = "backward"
 FORWARD: OverlapSide = "forward"

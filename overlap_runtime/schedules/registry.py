@@ -12,9 +12,6 @@ from __future__ import annotations
 from .kind import ScheduleKind
 from .kinds import dualpipev, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble
 
-__all__ = ["get_schedule_kind", "register_schedule_kind", "schedule_kinds",
-           "unregister_schedule_kind"]
-
 _BUILTIN: tuple[ScheduleKind, ...] = (
     gpipe.KIND,
     one_f_one_b.KIND,

@@ -27,8 +27,6 @@ from ..graph._gc import gc_paused
 from ..graph.grid import format_grid
 from .ir import COMM_KINDS, ActionKind, Schedule
 
-__all__ = ["ScheduleValidationError", "infer_stage_to_rank", "check_pipeline_rules"]
-
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _BACKWARD = (_B, _I)
 

@@ -16,8 +16,6 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from .registry import get_schedule_kind
 
-__all__ = ["ScheduleSpec", "stage_to_rank", "MAX_SCHEDULE_ACTIONS", "ScheduleTooLargeError"]
-
 Placement = Literal["loop", "v"]
 
 MAX_SCHEDULE_ACTIONS = 1_000_000

@@ -40,9 +40,6 @@ from .lowering import lower
 from .rules import check_pipeline_rules
 from .spec import stage_to_rank as placement_rank
 
-__all__ = ["FSDP_KINDS", "TableSpec", "to_torch", "to_torch_csv", "load_torch_csv",
-           "parse_torch_rows", "compile_table"]
-
 FSDP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 """torch's FSDP steps; :func:`load_torch_csv` drops them (``fsdp="skip"``) or refuses them."""
 

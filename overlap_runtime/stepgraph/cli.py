@@ -28,8 +28,6 @@ from .cli_args import add_arguments
 from .costs import h200_profile
 from .scale import predict_at_scale
 
-__all__ = ["add_arguments", "run"]
-
 def _profile(args: argparse.Namespace):  # noqa: ANN202
 
     if args.gpus_per_node < 1:

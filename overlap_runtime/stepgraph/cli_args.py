@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["PROFILES", "add_arguments"]
-
 PROFILES = ("h200",)
 
 

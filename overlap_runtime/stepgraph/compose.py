@@ -51,9 +51,6 @@ if TYPE_CHECKING:
     from overlap_runtime.config.layout import Layout as ParallelDims
     from overlap_runtime.config.train import TrainConfig
 
-__all__ = ["StepGraph", "compile_step", "estimate_tasks", "group_key", "message_name",
-           "pipeline_graph", "stage_layers_of"]
-
 _COMPUTE_KINDS = ("F", "B", "I", "W")
 
 
@@ -62,7 +59,7 @@ def group_key(name: str, ranks: list[int] | tuple[int, ...]) -> str:
     return f"{name}[{','.join(str(r) for r in sorted(ranks))}]"
 
 
-def message_name(op_name: str) -> str:
+def _message_name(op_name: str) -> str:
     """The name both ends of a message share: ``gdn.chain.send_H`` / ``recv_H`` -> ``msg_H``."""
     return re.sub(r"\b(send|recv)", "msg", op_name)
 
@@ -284,7 +281,7 @@ def compile_step(config: "TrainConfig", *, validate: bool = True,
                             me = members.index(rank)
                             peer = members[(me + op.peer) % len(members)]  # type: ignore[operator]
                             src, dst = (rank, peer) if op.kind == "send" else (peer, rank)
-                            info = CommInfo(op.kind, (text, layers[k], message_name(op.name),
+                            info = CommInfo(op.kind, (text, layers[k], _message_name(op.name),
                                                       src, dst), peer, op.nbytes)
                             kind = op.kind
                         tasks.append(Task(tid, rank, f"comm:{op.group}", kind, comm=info,

@@ -34,8 +34,6 @@ from overlap_runtime.graph import Task
 
 from .compose import StepGraph, group_key
 
-__all__ = ["ConformanceError", "check_conformance", "ideal_records"]
-
 
 class ConformanceError(RuntimeError):
     """A recorded step that is not a run of its step graph."""

@@ -37,10 +37,6 @@ from overlap_runtime.schedules.ir import parse_compute_action
 from .shared_cores import work_of_spans
 
 
-__all__ = ["Link", "MachineProfile", "MeasuredCosts", "h200_profile", "cpu_profile",
-           "measured_costs", "split_busy", "action_busy"]
-
-
 @dataclass(frozen=True)
 class Link:
     """An alpha-beta link: a message of ``n`` bytes takes ``latency_s + n / bandwidth_Bps``."""
@@ -228,7 +224,7 @@ def cpu_profile(flops: float = 20e9, latency_s: float = 60e-6,
 
 # -- measured costs ---------------------------------------------------------------------------
 
-def action_busy(events: Iterable[object]) -> dict[tuple[int, str, str], list[tuple[int, int]]]:
+def _action_busy(events: Iterable[object]) -> dict[tuple[int, str, str], list[tuple[int, int]]]:
     """Busy intervals (ns) of every ``compute`` event: its span minus the waits of the same
     rank and thread inside it (an F whose input is still in flight waits inside its span; an MoE
     layer waits for its all-to-alls inside the F or B; categories
@@ -250,8 +246,8 @@ def action_busy(events: Iterable[object]) -> dict[tuple[int, str, str], list[tup
 
 
 def split_busy(events: Iterable[object]) -> dict[tuple[int, str, str], float]:
-    """Busy seconds of every ``compute`` event (:func:`action_busy`, summed)."""
-    return {k: sum(b - a for a, b in v) / 1e9 for k, v in action_busy(events).items()}
+    """Busy seconds of every ``compute`` event (:func:`_action_busy`, summed)."""
+    return {k: sum(b - a for a, b in v) / 1e9 for k, v in _action_busy(events).items()}
 
 
 @dataclass
@@ -293,7 +289,7 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
     ranks and, in ``by_rank``, per rank.
 
     Compute actions are named by their action text (``1F3``); their cost is the busy time of
-    the span (:func:`action_busy`). With ``cores`` fewer than the ranks, the busy time is
+    the span (:func:`_action_busy`). With ``cores`` fewer than the ranks, the busy time is
     turned into full-speed *work* (:func:`~overlap_runtime.stepgraph.shared_cores.
     work_of_spans`: while ``k`` ranks computed on ``cores`` cores each ran at ``cores / k``),
     the input of :func:`~overlap_runtime.stepgraph.shared_cores.simulate_shared_cores`.
@@ -311,7 +307,7 @@ def measured_costs(steps: Iterable[Iterable[object]], cores: int | None = None) 
         gaps.extend(_gaps(events))
         for rank, key, n, spans, regions in _nested_a2a(events):
             a2a.append((rank, key, n, spans, regions))
-        busy = action_busy(events)
+        busy = _action_busy(events)
         ranks = sorted({k[0] for k in busy})
         if cores is not None and cores < len(ranks):
 

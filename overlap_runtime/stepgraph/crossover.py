@@ -33,9 +33,6 @@ from .scale import predict_at_scale
 if TYPE_CHECKING:
     from overlap_runtime.config.train import TrainConfig
 
-__all__ = ["ATTENTION_MODES", "GDN_MODES", "LayerKind", "ModePrediction", "crossover_cp",
-           "layer_config", "modes_of", "predict_grid", "predict_mode", "winner"]
-
 LayerKind = Literal["gdn", "attention"]
 #: the built-in modes in table order; a GDN mode registered in ``config.cp_modes`` joins the
 #: table after them (:func:`modes_of`)

@@ -63,10 +63,6 @@ from overlap_runtime.config.cp_modes import (GDN_ALL_GATHER, GDN_P2P, GDN_PREFIX
 if TYPE_CHECKING:
     from overlap_runtime.config.train import TrainConfig
 
-__all__ = ["Direction", "GroupName", "LayerOp", "MicrobatchShape", "OpKind", "builtin_gdn_program",
-           "layer_program",
-           "microbatch_shape", "stage_program"]
-
 Direction = Literal["F", "B", "I", "W"]
 OpKind = Literal["compute", "send", "recv", "collective"]
 GroupName = Literal["cp", "ep", "pp", "fsdp", "cp_a2a", "cp_ring", "host"]
@@ -163,7 +159,7 @@ def _p2p(name: str, kind: OpKind, peer: int, nbytes: int, group: GroupName = "cp
     return LayerOp(name, kind, group, peer, int(nbytes))
 
 
-def layer_mode(config: "TrainConfig", layer: int) -> str:
+def _layer_mode(config: "TrainConfig", layer: int) -> str:
     """The CP mode of decoder layer ``layer`` (its kind's per-layer list entry, or the scalar
     mode: ``config.cp.layer_cp_modes``)."""
     return layer_cp_modes(config.train.accelerator, config.model.layer_types)[layer]
@@ -478,7 +474,7 @@ def layer_program(config: "TrainConfig", layer: int, direction: Direction,
         raise ValueError(f"cp_rank {cp_rank} is not a rank of a CP group of {s.cp}")
     tag = moe_tag if moe_tag is not None else f"L{layer}"
     gdn = m.layer_types[layer] == "linear_attention"
-    mode = layer_mode(config, layer)
+    mode = _layer_mode(config, layer)
     fwd = ([_norms(s, m.hidden_size, "norm1")]
            + (_gdn_forward(config, s, cp_rank, mode) if gdn
               else _attention_forward(config, s, mode))

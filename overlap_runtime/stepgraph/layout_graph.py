@@ -38,8 +38,6 @@ from overlap_runtime.schedules.overlap_order import BACKWARD, comm_turns
 
 from .layer_program import LayerOp
 
-__all__ = ["handover_edges", "layout_graph", "priced_op"]
-
 
 def priced_op(name: str, kind: str, cost: float, group: str | None = None,
               group_size: int = 1, join: str | None = None,

@@ -27,8 +27,6 @@ from .layer_program import LayerOp
 from .layout_graph import layout_graph, priced_op
 from .shared_cores import simulate_shared_cores
 
-__all__ = ["StepFigures", "measured_ops", "measured_step", "predict_step"]
-
 
 @dataclass(frozen=True)
 class StepFigures:

@@ -30,9 +30,6 @@ from overlap_runtime.graph.tasks import Task
 if TYPE_CHECKING:
     from .compose import StepGraph
 
-__all__ = ["OpSeconds", "StepPrediction", "by_op_name", "predict_priced", "price_step",
-           "serial_seconds"]
-
 #: The cost model of a pricing pass: seconds of one op task of a compiled step.
 OpSeconds = Callable[[Task], float]
 
@@ -76,7 +73,7 @@ def price_step(step: "StepGraph", op_seconds: OpSeconds) -> TaskGraph:
     return out
 
 
-def serial_seconds(graph: TaskGraph) -> float:
+def _serial_seconds(graph: TaskGraph) -> float:
     """Max over ranks of the rank's summed task costs, receives excluded (module doc)."""
     per: dict[int, float] = {}
     for t in graph.tasks():
@@ -90,7 +87,7 @@ def predict_priced(step: "StepGraph", op_seconds: OpSeconds) -> StepPrediction:
     """Price ``step`` (:func:`price_step`) and simulate it (module doc)."""
     graph = price_step(step, op_seconds)
     result = simulate(graph)
-    return StepPrediction(result.makespan, serial_seconds(graph), graph, result)
+    return StepPrediction(result.makespan, _serial_seconds(graph), graph, result)
 
 
 def by_op_name(seconds: Mapping[str, float], *, default: float | None = None) -> OpSeconds:

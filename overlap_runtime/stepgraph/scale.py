@@ -45,9 +45,6 @@ from .layout_graph import layout_graph
 if TYPE_CHECKING:
     from overlap_runtime.config.train import TrainConfig
 
-__all__ = ["RankPrediction", "ScalePrediction", "op_class", "priced_ops",
-           "peak_memory", "predict_at_scale", "stage_parameters"]
-
 
 def op_class(name: str) -> str:
     """The profile's throughput class of a layer op: ``gdn``, ``attention`` (the core of full
@@ -128,7 +125,7 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
     return out
 
 
-def stage_parameters(config: "TrainConfig", stage_layers: list[list[int]]
+def _stage_parameters(config: "TrainConfig", stage_layers: list[list[int]]
                      ) -> list[tuple[int, int]]:
     """Per stage ``(dense parameters, routed-expert parameters)``: the decoder layers it holds,
     the embedding on the first stage, the final norm and LM head on the last (layers of one type
@@ -208,7 +205,7 @@ def peak_memory(config: "TrainConfig", pipeline: Any, stage_layers: list[list[in
     dims = config.train.accelerator.layout()
     shard = dims.dp_shard * dims.cp
     e = shape.dtype_bytes
-    params = params if params is not None else stage_parameters(config, stage_layers)
+    params = params if params is not None else _stage_parameters(config, stage_layers)
     act = [_activation_bytes(config, layers, shape) for layers in stage_layers]
     inflight = _inflight(pipeline)
     out: dict[int, dict[str, float]] = {}
@@ -317,7 +314,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
     t2 = time.perf_counter()
 
     # outside the pipeline: FSDP unshard + reduce-scatter, optimizer
-    params = stage_parameters(config, stage_layers)
+    params = _stage_parameters(config, stage_layers)
     shard = dims.dp_shard * dims.cp
     fsdp_s = opt_s = 0.0
     for r in range(dims.pp):

@@ -26,8 +26,6 @@ from overlap_runtime.graph.simulate import SimulationResult
 from overlap_runtime.graph.tasks import TaskGraphData, is_comm_lane
 from overlap_runtime.graph.validate import blocking_adjacency, match_comm, validate_graph
 
-__all__ = ["simulate_shared_cores", "work_of_spans"]
-
 _EPS = 1e-12
 
 

@@ -34,8 +34,6 @@ from overlap_runtime.graph.comm_overlap import A2AOverlap, a2a_overlap
 from overlap_runtime.graph.intervals import minus, overlap, union
 from overlap_runtime.pipeline.exec_trace import TraceEvent
 
-__all__ = ["a2a_overlap_ns", "trace_a2a_overlap"]
-
 _IDLE = frozenset({"a2a", "hook", "comm"})
 
 

@@ -41,8 +41,6 @@ import torch
 
 from overlap_runtime.context_parallel.sharding import shard_positions, shard_sequence
 
-__all__ = ["PACKING_MODES", "Batch", "Packing", "document_boundaries", "make_batch"]
-
 Packing = Literal["concat", "reset_at_document_boundaries"]
 PACKING_MODES: tuple[str, ...] = ("concat", "reset_at_document_boundaries")
 
@@ -86,7 +84,7 @@ class Batch:
                 else self.cu_seqlens}
 
 
-def document_boundaries(doc_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _document_boundaries(doc_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``doc_key [b, S]`` -> ``(cu_seqlens [n+1] int32, document positions [b, S] int64,
     max_seqlen)`` (module docstring)."""
     b, s = doc_key.shape
@@ -108,7 +106,7 @@ def make_batch(window: torch.Tensor, doc_key: torch.Tensor, packing: Packing, cp
                          f"{', '.join(PACKING_MODES)})")
     inputs, labels = window[:, :-1], window[:, 1:]
     seq_len = inputs.shape[1]
-    cu, doc_pos, max_seqlen = document_boundaries(doc_key[:, :-1])
+    cu, doc_pos, max_seqlen = _document_boundaries(doc_key[:, :-1])
 
     def shard(x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, cp, cp_rank, 1, load_balance=None).contiguous()

@@ -54,8 +54,6 @@ from overlap_runtime.trainer.parallel_dims import ParallelDims
 if TYPE_CHECKING:
     from overlap_runtime.pipeline import ExecutionTrace
 
-__all__ = ["ParallelModel", "build_model", "build_parallel_model", "ce_sum"]
-
 
 def build_model(config: TrainConfig, device: torch.device | str = "cpu", *,
                 meta: bool = False) -> Qwen3_5ForCausalLM:

@@ -76,19 +76,6 @@ from overlap_runtime.trainer.errors import CheckpointError
 from overlap_runtime.trainer.manifest import (MANIFEST_NAME, verify_checkpoint, write_manifest,
                                               write_part)
 
-__all__ = [
-    "CheckpointError",
-    "Checkpointer",
-    "FAULT_ENV",
-    "MANIFEST_NAME",
-    "checkpoint_step",
-    "list_checkpoints",
-    "latest_checkpoint",
-    "resolve_resume",
-    "step_dir_name",
-    "verify_checkpoint",
-]
-
 FAULT_ENV = "OVERLAP_RUNTIME_CHECKPOINT_FAULT"
 _EXPERT_SEP = "/expert"
 

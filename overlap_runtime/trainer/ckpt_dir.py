@@ -37,22 +37,6 @@ from typing import Any
 from overlap_runtime.trainer.errors import CheckpointError
 from overlap_runtime.trainer.manifest import has_manifest, verify_checkpoint
 
-__all__ = [
-    "OLD_PREFIX",
-    "TMP_PREFIX",
-    "TRASH_PREFIX",
-    "checkpoint_step",
-    "choose_resume",
-    "commit_directory",
-    "fsync_directory",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "prune",
-    "recover",
-    "resolve_resume",
-    "step_dir_name",
-]
-
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
@@ -94,7 +78,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def fsync_directory(path: Path) -> None:
+def _fsync_directory(path: Path) -> None:
     """Make the renames inside directory ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -114,7 +98,7 @@ def commit_directory(tmp: Path, final: Path) -> None:
     if replaced:
         os.replace(final, old)
     os.replace(tmp, final)
-    fsync_directory(parent)
+    _fsync_directory(parent)
     if replaced:
         shutil.rmtree(old)
 
@@ -148,7 +132,7 @@ def recover(directory: Path) -> list[str]:
         elif name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             shutil.rmtree(child, ignore_errors=True)
     if notes:
-        fsync_directory(directory)
+        _fsync_directory(directory)
     return notes
 
 

@@ -24,8 +24,6 @@ from pathlib import Path
 
 from overlap_runtime.trainer.errors import CheckpointError
 
-__all__ = ["LOCK_NAME", "DirectoryLock", "check_unlocked"]
-
 LOCK_NAME = ".lock"
 
 

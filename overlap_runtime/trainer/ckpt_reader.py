@@ -32,8 +32,6 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from overlap_runtime.trainer.errors import CheckpointError
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "safe_load_metadata"]
-
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (_DCP_META, "Metadata"), (_DCP_META, "MetadataIndex"), (_DCP_META, "StorageMeta"),
@@ -65,7 +63,7 @@ class _AllowListUnpickler(pickle.Unpickler):
                               f"code)")
 
 
-def safe_load_metadata(data: bytes, source: str) -> Any:
+def _safe_load_metadata(data: bytes, source: str) -> Any:
     """Unpickle DCP metadata ``data`` through the allow-list (``source`` names it in errors)."""
     try:
         return _AllowListUnpickler(io.BytesIO(data), source).load()
@@ -77,7 +75,7 @@ def safe_load_metadata(data: bytes, source: str) -> Any:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """A ``FileSystemReader`` whose ``.metadata`` goes through :func:`safe_load_metadata`,
+    """A ``FileSystemReader`` whose ``.metadata`` goes through :func:`_safe_load_metadata`,
     read when the reader is made: a bad file is a :class:`CheckpointError` here, before DCP
     (which would log a traceback and retry other files) ever reads it."""
 
@@ -89,7 +87,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         except OSError as exc:
             raise CheckpointError(f"checkpoint {path}: cannot read .metadata: "
                                   f"{exc.strerror}") from None
-        self._metadata = safe_load_metadata(data, str(meta))
+        self._metadata = _safe_load_metadata(data, str(meta))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.checkpoint.metadata import StorageMeta

@@ -32,8 +32,6 @@ from overlap_runtime.trainer.documents import check_first_records
 from overlap_runtime.trainer.loop import (compare_runs, spawn_training, train_distributed,
                                           train_single)
 
-__all__ = ["add_arguments", "run"]
-
 
 def _summary(result: Any) -> dict[str, Any]:
     steady = result.steps[1:] or result.steps

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_export_arguments", "add_train_arguments"]
-
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``overlap-runtime train``."""

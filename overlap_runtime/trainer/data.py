@@ -50,20 +50,6 @@ from overlap_runtime.trainer.packed_dataset import PackedDataset
 if TYPE_CHECKING:
     from overlap_runtime.config.train import DataConfig
 
-__all__ = [
-    "BOS_ID",
-    "EOS_ID",
-    "PAD_ID",
-    "SEP_ID",
-    "SPECIAL_TOKENS",
-    "VOCAB_SIZE",
-    "Batch",
-    "ByteTokenizer",
-    "TextDataset",
-    "build_dataset",
-    "load_corpus",
-]
-
 def load_corpus(path: str | Path | None = None) -> str:
     """The packaged corpus (``path=None``) or the UTF-8 text file at ``path``.
 

@@ -3,7 +3,7 @@
 Every dataset's batch is a pure function of the step, so the position is one number, the next
 step to serve. The fingerprint records what makes step ``s`` mean the same tokens: the files
 (resolved path, size, mtime), the tokenizer (file hash), the format and text field, the special
-ids, ``seq_len``, rows per step, packing and seed. :func:`check_state` compares a checkpoint's
+ids, ``seq_len``, rows per step, packing and seed. :func:`_check_state` compares a checkpoint's
 fingerprint with the current one and names every field that changed, so a resume on different
 data fails instead of silently reading other tokens.
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["STATE_VERSION", "DataStateMismatch", "StepPositionState", "check_state", "make_state"]
-
 STATE_VERSION = 1
 
 
@@ -27,7 +25,7 @@ class DataStateMismatch(ValueError):
     """A dataset state from a checkpoint does not describe the data of this run."""
 
 
-def make_state(next_step: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
+def _make_state(next_step: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
     """The state dict: ``{"version", "next_step", "fingerprint"}`` (module docstring)."""
     return {"version": STATE_VERSION, "next_step": int(next_step), "fingerprint": fingerprint}
 
@@ -52,7 +50,7 @@ def _describe_files(old: Any, new: Any) -> str:
     return "; ".join(parts)
 
 
-def check_state(state: dict[str, Any], fingerprint: dict[str, Any]) -> int:
+def _check_state(state: dict[str, Any], fingerprint: dict[str, Any]) -> int:
     """The ``next_step`` of ``state`` once its fingerprint matches ``fingerprint``.
 
     Raises:
@@ -93,7 +91,7 @@ class StepPositionState:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"version", "next_step", "fingerprint"}``: the next step to serve and the data."""
-        return make_state(self.position, self.fingerprint())
+        return _make_state(self.position, self.fingerprint())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state["next_step"]`` after checking the fingerprint.
@@ -101,4 +99,4 @@ class StepPositionState:
         Raises:
             DataStateMismatch: naming every field of the data that changed.
         """
-        self.position = check_state(state, self.fingerprint())
+        self.position = _check_state(state, self.fingerprint())

@@ -53,22 +53,6 @@ from overlap_runtime.config.data_sources import (FORMAT_EXTENSIONS, DataTokenize
                                                  load_tokenizer, require_extra, resolve_files)
 from overlap_runtime.trainer.errors import DataError
 
-__all__ = [
-    "FORMAT_EXTENSIONS",
-    "ByteTokenizer",
-    "DataError",
-    "DataTokenizer",
-    "HFTokenizer",
-    "TokenizedDocuments",
-    "check_first_records",
-    "file_fingerprint",
-    "load_tokenizer",
-    "read_documents",
-    "require_extra",
-    "resolve_files",
-    "tokenize_documents",
-]
-
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")  # one or more blank lines (after \n-normalising)
 _ENCODE_BATCH = 1024
 

@@ -36,8 +36,6 @@ from overlap_runtime.pipeline.errors import (
     root_cause,
 )
 
-__all__ = ["CheckpointError", "DataError", "TrainStepError", "UserFacingError", "step_context"]
-
 
 class UserFacingError(RuntimeError):
     """An error whose message alone says what to fix (a file, a field, a path and the rule)."""

@@ -10,8 +10,6 @@ from overlap_runtime.config.hf import HFConfigError
 from overlap_runtime.trainer.cli_args import add_export_arguments as add_arguments
 from overlap_runtime.trainer.hf_export import CheckpointError, ExportError, export_checkpoint
 
-__all__ = ["add_arguments", "run"]
-
 
 def run(args: argparse.Namespace) -> int:
     try:

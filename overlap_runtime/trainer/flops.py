@@ -31,9 +31,6 @@ import torch
 
 from overlap_runtime.models.flops import active_parameters, train_flops_per_step
 
-__all__ = ["PEAK_BF16_FLOPS", "active_parameters", "device_peak_flops", "mfu",
-           "train_flops_per_step"]
-
 # (pattern matched against torch.cuda.get_device_name, dense bf16 FLOP/s per device); the first
 # match wins, so more specific names come first ("H100 PCIe" before "H100", "H200" before "H20").
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (

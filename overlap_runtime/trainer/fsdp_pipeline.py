@@ -42,10 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GatheredStep", "check_fsdp_internals", "fsdp_units"]
 
-
-def fsdp_units(modules: Sequence[nn.Module]) -> list[Any]:
+def _fsdp_units(modules: Sequence[nn.Module]) -> list[Any]:
     """The FSDP2 modules (``FSDPModule``) inside ``modules``, outermost first per module."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -69,7 +67,7 @@ def check_fsdp_internals(modules: Sequence[nn.Module]) -> None:
         ok = (ctx is not None and hasattr(ctx, "all_states")
               and callable(getattr(state, "_root_post_backward_final_callback", None))
               and callable(getattr(state, "_lazy_init", None)))
-        for unit in fsdp_units([root]):
+        for unit in _fsdp_units([root]):
             s = _state(unit)
             for name, hooks in (("_pre_forward_hook_handle", unit._forward_pre_hooks),
                                 ("_post_forward_hook_handle", unit._forward_hooks)):
@@ -113,7 +111,7 @@ class GatheredStep:
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         self.roots = _roots(modules)
-        self.units = fsdp_units(self.roots)
+        self.units = _fsdp_units(self.roots)
         self._saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
 
     def __enter__(self) -> "GatheredStep":
@@ -145,7 +143,7 @@ class GatheredStep:
         if exc_type is not None:
             return
         for root in self.roots:
-            for unit in fsdp_units([root]):
+            for unit in _fsdp_units([root]):
                 unit.set_requires_gradient_sync(True, recurse=False)
                 unit.set_reshard_after_backward(True, recurse=False)
                 unit.set_reshard_after_forward(True, recurse=False)

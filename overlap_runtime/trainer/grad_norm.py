@@ -25,8 +25,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["clip_grad_norm"]
-
 
 def _sq_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares (fp32, 0-dim, on ``device``) of ``tensors``: one multi-tensor norm

@@ -38,9 +38,6 @@ from overlap_runtime.trainer.ckpt_reader import SafeFileSystemReader, SafeLoadPl
 from overlap_runtime.trainer.errors import CheckpointError
 from overlap_runtime.trainer.manifest import MANIFEST_NAME, verify_checkpoint
 
-__all__ = ["CheckpointError", "ExportError", "ExportReport", "export_checkpoint",
-           "checkpoint_model_config", "read_checkpoint_tensors"]
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT_RE = re.compile(r"^(.*)/expert(\d+)$")
 _MODEL = "model."
@@ -60,7 +57,7 @@ class ExportReport:
     dtype: str
 
 
-def checkpoint_model_config(checkpoint: str | Path) -> Any:
+def _checkpoint_model_config(checkpoint: str | Path) -> Any:
     """The :class:`~overlap_runtime.models.Qwen3_5Config` a checkpoint was saved with (its
     ``config.json``).
 
@@ -169,7 +166,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt}: no such checkpoint directory")
     _verify(ckpt, allow_unverified, log)
-    config = checkpoint_model_config(ckpt)
+    config = _checkpoint_model_config(ckpt)
     spec = get_model_spec("qwen3_5")
     hf_config = spec.hf_config_from(config)
     name = dtype or config.hf_dtype or "float32"

@@ -56,17 +56,6 @@ from overlap_runtime.trainer.step_check import StepCheck
 if TYPE_CHECKING:
     from overlap_runtime.pipeline import ExecutionTrace
 
-__all__ = [
-    "StepMetrics",
-    "TrainResult",
-    "compare_runs",
-    "format_step",
-    "rank_main",
-    "spawn_training",
-    "train_distributed",
-    "train_single",
-]
-
 Log = Callable[[str], None]
 
 

@@ -41,17 +41,6 @@ from typing import Iterable
 
 from overlap_runtime.trainer.errors import CheckpointError
 
-__all__ = [
-    "MANIFEST_NAME",
-    "HASH_ALGORITHM",
-    "file_digest",
-    "has_manifest",
-    "hash_files",
-    "verify_checkpoint",
-    "write_manifest",
-    "write_part",
-]
-
 MANIFEST_NAME = "manifest.json"
 HASH_ALGORITHM = "sha256"
 FORMAT = 1
@@ -60,7 +49,7 @@ _CHUNK = 8 << 20  # bytes read per update: large enough that hashing, not Python
 _MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few hundred bytes per file
 
 
-def file_digest(path: Path) -> tuple[int, str]:
+def _file_digest(path: Path) -> tuple[int, str]:
     """``(size in bytes, hex SHA-256)`` of the file at ``path``, read in 8 MiB chunks."""
     h = hashlib.new(HASH_ALGORITHM)
     buf = bytearray(_CHUNK)
@@ -76,7 +65,7 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def hash_files(root: Path, names: Iterable[str], threads: int | None = None
+def _hash_files(root: Path, names: Iterable[str], threads: int | None = None
                ) -> dict[str, dict[str, int | str]]:
     """``{name: {"size", "sha256"}}`` of the files ``root / name``, hashed in up to ``threads``
     threads (default: the CPUs this process may use)."""
@@ -85,7 +74,7 @@ def hash_files(root: Path, names: Iterable[str], threads: int | None = None
         return {}
     workers = max(1, min(len(names), threads or len(os.sched_getaffinity(0))))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-hash") as pool:
-        digests = list(pool.map(lambda n: file_digest(root / n), names))
+        digests = list(pool.map(lambda n: _file_digest(root / n), names))
     return {n: {"size": size, HASH_ALGORITHM: digest} for n, (size, digest) in zip(names, digests)}
 
 
@@ -102,7 +91,7 @@ def _write_json_atomically(path: Path, payload: dict) -> None:
 def write_part(directory: Path, rank: int, names: Iterable[str]) -> None:
     """Rank ``rank``'s share of the manifest: the files it wrote in ``directory``, hashed."""
     _write_json_atomically(directory / f"{PART_PREFIX}{rank:05d}.json",
-                           {"files": hash_files(directory, names)})
+                           {"files": _hash_files(directory, names)})
 
 
 def _entries(directory: Path) -> dict[str, os.stat_result]:
@@ -138,7 +127,7 @@ def write_manifest(directory: Path) -> None:
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"checkpoint {directory}: {rel} is not a regular file")
     rest = [rel for rel in entries if rel not in files and rel != MANIFEST_NAME]
-    files.update(hash_files(directory, rest))
+    files.update(_hash_files(directory, rest))
     _write_json_atomically(directory / MANIFEST_NAME,
                            {"format": FORMAT, "algorithm": HASH_ALGORITHM, "files": files})
 
@@ -218,7 +207,7 @@ def verify_checkpoint(path: str | Path) -> None:
         if st.st_size != files[rel]["size"]:
             raise CheckpointError(f"{where}: {rel} is {st.st_size} bytes, its manifest says "
                                   f"{files[rel]['size']} (truncated or changed after the save)")
-    actual = hash_files(directory, files)
+    actual = _hash_files(directory, files)
     for rel in sorted(files):
         if actual[rel][HASH_ALGORITHM] != files[rel][HASH_ALGORITHM]:
             raise CheckpointError(f"{where}: {rel} does not match its {HASH_ALGORITHM} in the "

@@ -20,8 +20,6 @@ from overlap_runtime.pipeline import ExecutionTrace
 from overlap_runtime.pipeline.exec_trace import TraceEvent
 from overlap_runtime.trainer import config_from_dict, train_distributed
 
-__all__ = ["StepArchive", "traced_training", "merge_ranks", "ping_latency"]
-
 
 class StepArchive(list):  # type: ignore[type-arg]
     """An event list that keeps what it held each time the trainer clears it (one step)."""
@@ -40,7 +38,7 @@ class StepArchive(list):  # type: ignore[type-arg]
         return self.steps
 
 
-def ping_latency(rounds: int = 20, timeout_s: float = 60.0) -> float:
+def _ping_latency(rounds: int = 20, timeout_s: float = 60.0) -> float:
     """Median one-way time (s) of a 4-byte gloo message between ranks 0 and 1 of the default
     group (ping-pong; other ranks skip). Every rank returns the same figure."""
     import torch
@@ -71,7 +69,7 @@ def traced_training(rank: int, world_size: int, config_dict: dict[str, Any]) -> 
 
     torch.set_num_threads(1)
     config = config_from_dict(config_dict)
-    latency = ping_latency()
+    latency = _ping_latency()
     trace = ExecutionTrace(rank=rank)
     archive = StepArchive()
     trace.events = archive

@@ -53,8 +53,6 @@ from overlap_runtime.pipeline.exec_trace import ExecutionTrace
 from overlap_runtime.trainer.a2a_overlap import a2a_overlap_ns
 from overlap_runtime.config.train import ConfigError
 
-__all__ = ["JsonlWriter", "MetricsStream", "TensorBoardWriter", "make_writers", "peak_memory"]
-
 TENSORBOARD_HINT = "pip install overlap_runtime[tensorboard]"
 
 

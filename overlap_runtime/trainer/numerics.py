@@ -51,19 +51,6 @@ from overlap_runtime.trainer.parallel_dims import ParallelDims
 if TYPE_CHECKING:
     from overlap_runtime.trainer.loop import TrainResult
 
-__all__ = [
-    "StepDifference",
-    "distributed_gradients",
-    "floor_config",
-    "gate_gradient_scales",
-    "gate_scaled_errors",
-    "gradient_errors",
-    "initial_weights",
-    "single_gradients",
-    "step_differences",
-    "trained_weights",
-]
-
 Weights = dict[str, torch.Tensor]
 
 

@@ -31,8 +31,6 @@ from overlap_runtime.trainer.metrics import MetricsStream, make_writers
 from overlap_runtime.trainer.profiling import ProfilerWindow
 from overlap_runtime.trainer.progress import Progress, resolve_progress_mode
 
-__all__ = ["RunObserver", "observed_trace"]
-
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 

@@ -37,8 +37,6 @@ from overlap_runtime.trainer.documents import (DataTokenizer, TokenizedDocuments
 if TYPE_CHECKING:
     from overlap_runtime.config.train import DataConfig
 
-__all__ = ["PackedDataset", "special_ids"]
-
 _EPOCH_CACHE = 4  # epochs whose order is kept (a step touches one or two)
 
 

@@ -52,8 +52,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from overlap_runtime.config.layout import Layout
 from overlap_runtime.context_parallel.hierarchical import hierarchical_cp_mesh
 
-__all__ = ["ParallelDims"]
-
 _WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp")
 _EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
 

@@ -34,8 +34,6 @@ from overlap_runtime.pipeline.exec_trace import (ExecutionTrace, TraceEvent,
                                                  chrome_trace_events, decode_events,
                                                  encode_events)
 
-__all__ = ["ProfilerWindow", "gather_rank_events"]
-
 
 def _experimental_config() -> Any:
     """``_ExperimentalConfig(profile_all_threads=True)`` where torch supports it, else None
@@ -49,7 +47,7 @@ def _experimental_config() -> Any:
         return None
 
 
-def gather_rank_events(events: list[TraceEvent], device: torch.device,
+def _gather_rank_events(events: list[TraceEvent], device: torch.device,
                        timeout_s: float | None = None) -> list[TraceEvent]:
     """Every rank's ``events`` on every rank, each relabelled with its global rank (two bounded
     all-gathers over the default group, on ``device``: lengths, then the padded JSON bytes)."""
@@ -145,7 +143,7 @@ class ProfilerWindow:
             return
         events = self.events
         if gather and self.distributed:
-            events = gather_rank_events(events, self.device, self.timeout_s)
+            events = _gather_rank_events(events, self.device, self.timeout_s)
         elif not self.distributed:
             events = [TraceEvent(self.rank, e.thread, e.name, e.cat, e.start_ns, e.end_ns)
                       for e in events]

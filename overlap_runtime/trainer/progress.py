@@ -16,8 +16,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Literal, TextIO
 
-__all__ = ["Progress", "resolve_progress_mode"]
-
 Mode = Literal["bar", "lines", "off"]
 
 

@@ -25,8 +25,6 @@ from overlap_runtime.ops.step_record import StepRecorder, recording
 from overlap_runtime.stepgraph.compose import compile_step, estimate_tasks
 from overlap_runtime.stepgraph.conformance import check_conformance
 
-__all__ = ["StepCheck"]
-
 
 class StepCheck:
     """Step-graph validation and the first step's conformance check of one rank.

@@ -33,10 +33,8 @@ from .common import ContextParallelGDNMixer, GDNCPPlan
 from .halo import local_core_inputs
 from .varlen import packed_local_outputs, packed_shard_inputs, packed_tail_maps
 
-__all__ = ["gathered_initial_state", "AllGatherGDNMixer"]
 
-
-def gathered_initial_state(
+def _gathered_initial_state(
     m: torch.Tensor, s: torch.Tensor, plan: GDNCPPlan
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """All-gather every rank's summary and compose the prefix before this rank.
@@ -69,7 +67,7 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         plan = self.plan
         q, k, v, g, beta = local_core_inputs(layer, plan, proj, mask)
         m, s = state_summary(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=layer.chunk_size)
-        h_in, gathered = gathered_initial_state(m, s, plan)
+        h_in, gathered = _gathered_initial_state(m, s, plan)
         o = layer.core(q, k, v, g, beta, initial_state=h_in, backend=plan.backend,
                        options=plan.options)
         if h_in is None:  # rank 0 reads no summary; keep the collective in its graph
@@ -84,7 +82,7 @@ class AllGatherGDNMixer(ContextParallelGDNMixer):
         plan = self.plan
         table, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
         m, s = packed_tail_maps(q, k, v, g, beta, table, layer.chunk_size)
-        h_in, gathered = gathered_initial_state(m, s, plan)
+        h_in, gathered = _gathered_initial_state(m, s, plan)
         o = packed_local_outputs(q, k, v, g, beta, h_in, table, q.shape[-1] ** -0.5,
                                  layer.chunk_size, plan.backend, plan.options)
         # Always attached: a rank whose rows all start a document at its first token reads no

@@ -28,17 +28,6 @@ from overlap_runtime.ops.gdn import GDNKernelOptions
 from overlap_runtime.ops.gdn import get_backend, validate_inputs
 from overlap_runtime.ops.gdn.options import TRITON_CHUNK
 
-__all__ = [
-    "GDNCPPlan",
-    "ContextParallelGDNMixer",
-    "post_recv",
-    "post_send",
-    "check_halo",
-    "check_backend_before_comm",
-    "check_ranks_agree_on_call",
-    "TRITON_CHUNK",
-]
-
 @dataclass(frozen=True)
 class GDNCPPlan:
     """What ``LinearAttentionContextParallel.apply`` binds to a layer (never per-call data).

@@ -41,9 +41,6 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet, GDNProjections
 
 from .common import GDNCPPlan, check_halo, post_recv, post_send
 
-__all__ = ["HaloConv", "TorchConv", "TritonConv", "DocumentConv", "document_causal_conv",
-           "halo_conv_qkv", "local_core_inputs"]
-
 LeftFn = Callable[[], "torch.Tensor | None"]
 
 
@@ -247,7 +244,7 @@ def document_causal_conv(x: torch.Tensor, weight: torch.Tensor, left: torch.Tens
     return F.silu(out)
 
 
-def halo_conv_qkv(layer: GatedDeltaNet, mixed_qkv: torch.Tensor, plan: GDNCPPlan,
+def _halo_conv_qkv(layer: GatedDeltaNet, mixed_qkv: torch.Tensor, plan: GDNCPPlan,
                   doc_ids: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal conv of a sequence shard with the previous rank's halo, then split into q, k, v.
@@ -295,6 +292,6 @@ def local_core_inputs(
     Returns:
         ``(q, k [B, L, H, K], v [B, L, HV, V], g [B, L, HV] fp32, beta [B, L, HV])``.
     """
-    q, k, v = halo_conv_qkv(layer, proj.mixed_qkv, plan, doc_ids)
+    q, k, v = _halo_conv_qkv(layer, proj.mixed_qkv, plan, doc_ids)
     g, beta = layer.gates(proj.a, proj.b, mask=mask)
     return q, k, v, g, beta

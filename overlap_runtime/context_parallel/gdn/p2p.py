@@ -70,8 +70,6 @@ from .halo import local_core_inputs
 from .state_passing import StatePassingGDN, local_backend, state_passing_gdn
 from .varlen import packed_shard_inputs
 
-__all__ = ["ChainLink", "gdn_state_chain", "P2PGDNMixer"]
-
 
 class ChainLink(StateLink):
     """The state hooks wired to the CP neighbours, for one forward or backward of one rank.

@@ -75,8 +75,6 @@ from .scan_rounds import AffinePrefixRounds
 from .state_passing import StatePassingGDN, local_backend, state_passing_gdn
 from .varlen import packed_shard_inputs
 
-__all__ = ["ScanLink", "gdn_prefix_scan", "PrefixScanGDNMixer"]
-
 _FWD = "gdn prefix_scan forward (M, S)"
 _BWD = "gdn prefix_scan backward (M^T, dH)"
 

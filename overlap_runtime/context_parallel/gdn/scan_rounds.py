@@ -52,8 +52,6 @@ from overlap_runtime.ops.gdn import compose
 
 from .common import GDNCPPlan, post_recv, post_send
 
-__all__ = ["AffinePrefixRounds", "scan_rounds", "scan_messages"]
-
 
 def scan_rounds(cp_size: int) -> int:
     """``ceil(log2 P)``: the rounds of the scan over ``P`` positions (0 for one position)."""

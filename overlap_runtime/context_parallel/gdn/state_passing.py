@@ -56,9 +56,6 @@ from .varlen import (
     packed_tail_maps,
 )
 
-__all__ = ["CPLink", "LocalGDN", "EagerLocal", "TritonLocal", "local_backend",
-           "StatePassingGDN", "state_passing_gdn", "local_output_grads", "add_summary_grads"]
-
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -149,7 +146,7 @@ class EagerLocal:
         name = getattr(link, "profile_name", "gdn.cp")
         with profile_range(f"{name} bwd local output"):
             if table.whole_rows:
-                grads, dh_local, leaves = local_output_grads(
+                grads, dh_local, leaves = _local_output_grads(
                     inputs, needs, h_in, do, self.scale, self.chunk_size, self.backend,
                     self.options)
             else:
@@ -168,7 +165,7 @@ class EagerLocal:
         if dh_out is not None and any(needs):
             with profile_range(f"{name} bwd summary"):
                 if table.whole_rows:
-                    add_summary_grads(grads, leaves, needs, h_in, dh_out, self.scale,
+                    _add_summary_grads(grads, leaves, needs, h_in, dh_out, self.scale,
                                       self.chunk_size)
                 else:
                     grads = add_packed_tail_grads(grads, leaves, table, h_in, dh_out,
@@ -274,7 +271,7 @@ def state_passing_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                                  table, plan, link_type)
 
 
-def local_output_grads(
+def _local_output_grads(
     inputs: tuple[torch.Tensor, ...], needs: tuple[bool, ...], h_in: torch.Tensor | None,
     do: torch.Tensor, scale: float, chunk_size: int, backend: str,
     options: GDNKernelOptions | None = None,
@@ -291,7 +288,7 @@ def local_output_grads(
     Returns:
         ``(grads, dH_in_local, leaves)``: the five input gradients of the local output (None
         where not needed), ``dH_in_local [B, HV, K, V]`` (None when ``h_in`` is None) and the
-        detached leaves (for :func:`add_summary_grads`).
+        detached leaves (for :func:`_add_summary_grads`).
     """
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_(need) for x, need in zip(inputs, needs)]
@@ -311,7 +308,7 @@ def local_output_grads(
     return grads, dh_in_local, leaves
 
 
-def add_summary_grads(
+def _add_summary_grads(
     grads: list[torch.Tensor | None], leaves: list[torch.Tensor], needs: tuple[bool, ...],
     h_in: torch.Tensor | None, dh_out: torch.Tensor, scale: float, chunk_size: int,
 ) -> None:

@@ -42,8 +42,6 @@ from typing import Callable, Mapping
 
 from overlap_runtime.graph.tasks import Task
 
-__all__ = ["GDN_P2P_FUSED_NODE_KINDS", "GDN_P2P_NODE_KINDS", "chain_op_seconds"]
-
 #: Node costs of the eager chain.
 GDN_P2P_NODE_KINDS: tuple[str, ...] = (
     "gdn_prepare", "gdn_summary", "gdn_apply", "gdn_output",

@@ -72,8 +72,6 @@ from .p2p import P2PGDNMixer
 from .prefix_scan import PrefixScanGDNMixer
 from .ulysses import UlyssesGDNMixer, ulysses_head_layout
 
-__all__ = ["LinearAttentionContextParallel", "LINEAR_ATTENTION_CP_MODES"]
-
 #: the built-in GDN CP modes (``config.cp_modes``); a registered mode joins
 #: ``config.cp_modes.cp_mode_names("linear_attention")``
 LINEAR_ATTENTION_CP_MODES: tuple[str, ...] = tuple(

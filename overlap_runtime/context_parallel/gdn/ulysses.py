@@ -34,8 +34,6 @@ from overlap_runtime.ops import comm
 from .common import ContextParallelGDNMixer
 from .varlen import check_packed_call
 
-__all__ = ["UlyssesHeadLayout", "ulysses_head_layout", "UlyssesGDNMixer"]
-
 
 class UlyssesHeadLayout:
     """Which key and value heads each CP rank owns in the head-sharded phase.

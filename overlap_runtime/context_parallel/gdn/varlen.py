@@ -62,10 +62,6 @@ from overlap_runtime.ops import comm
 from .common import GDNCPPlan
 from .halo import local_core_inputs
 
-__all__ = ["ShardTable", "shard_table", "packed_local_outputs", "packed_tail_maps",
-           "packed_local_output_grads", "add_packed_tail_grads", "packed_shard_inputs",
-           "check_packed_call"]
-
 
 @dataclass(frozen=True)
 class ShardTable:
@@ -73,7 +69,7 @@ class ShardTable:
 
     A dense batch is whole rows (:meth:`dense`: one piece per row, each continuing whatever
     state enters the shard); a packed batch cuts each row at the document starts
-    (:func:`shard_table`, module docstring). The local ops read the table, not the kind of
+    (:func:`_shard_table`, module docstring). The local ops read the table, not the kind of
     batch: whole rows run the op on ``[B, L]`` with ``H_in`` entering every row, pieces run one
     varlen call over the rows flattened to ``[1, B * L]`` (:meth:`cu_seqlens`).
 
@@ -121,7 +117,7 @@ class ShardTable:
         return firsts
 
 
-def shard_table(cu_seqlens: torch.Tensor, batch: int, local_len: int, cp_size: int,
+def _shard_table(cu_seqlens: torch.Tensor, batch: int, local_len: int, cp_size: int,
                 rank: int, halo: int) -> ShardTable:
     """The table of rank ``rank``'s shard of a packed batch ``[B, P * local_len]`` with the
     global ``cu_seqlens``."""
@@ -150,7 +146,7 @@ def packed_shard_inputs(layer: GatedDeltaNet, plan: GDNCPPlan, proj: GDNProjecti
     documents): the prologue of every state-passing mode."""
     batch, local_len = proj.mixed_qkv.shape[:2]
     check_packed_call(layer, plan, cu_seqlens, batch, local_len)
-    table = shard_table(cu_seqlens, batch, local_len, plan.cp_size, plan.rank, layer.conv_halo)
+    table = _shard_table(cu_seqlens, batch, local_len, plan.cp_size, plan.rank, layer.conv_halo)
     return table, local_core_inputs(layer, plan, proj, mask, table.doc_ids)
 
 

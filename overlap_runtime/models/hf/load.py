@@ -27,8 +27,6 @@ from overlap_runtime.models.hf.safetensors_dir import SafetensorsDir
 from overlap_runtime.models.hf.state_dict import Source, hf_prefix, hf_source, skipped_prefixes
 from overlap_runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 
-__all__ = ["HFLoadError", "expected_sources", "load_hf_weights", "LoadReport"]
-
 
 class HFLoadError(ValueError):
     """A checkpoint that does not fit the model; the message names the keys."""
@@ -41,7 +39,7 @@ def _whole_model_names(config: Any) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
-def expected_sources(config: Any, keys: set[str]) -> dict[str, Source]:
+def _expected_sources(config: Any, keys: set[str]) -> dict[str, Source]:
     """``{our name: Source}`` of the whole model, checked against the checkpoint's ``keys``.
 
     Raises:
@@ -106,7 +104,7 @@ def load_hf_weights(modules: Iterable[nn.Module], directory: str, config: Any,
     """
     files = SafetensorsDir(directory)
     keys = files.keys
-    sources = expected_sources(config, keys)
+    sources = _expected_sources(config, keys)
     meta = files.meta()
     whole = dict(_whole_model_names(config))
     skipped = skipped_prefixes(keys)

@@ -17,8 +17,6 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["SafetensorsDir", "SafetensorsReader"]
-
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 

@@ -29,9 +29,6 @@ from typing import Callable
 
 import torch
 
-__all__ = ["EXPERT_PROJECTIONS", "Source", "hf_source", "hf_prefix", "skipped_prefixes",
-           "export_tensors", "ZERO_CENTERED_NORM_RE"]
-
 #: our stacked expert weight -> Hugging Face's per-expert projection
 EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

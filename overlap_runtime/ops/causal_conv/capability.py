@@ -20,8 +20,6 @@ import os
 
 import torch
 
-__all__ = ["MAX_KERNEL_SIZE", "SUPPORTED_DTYPES", "check_causal_conv_inputs"]
-
 MAX_KERNEL_SIZE = 8
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

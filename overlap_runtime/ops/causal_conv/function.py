@@ -19,9 +19,6 @@ import torch
 
 from .capability import check_causal_conv_inputs
 
-__all__ = ["CausalConvSiluFunction", "causal_conv_silu_backward", "causal_conv_silu_forward",
-           "causal_conv_silu_triton"]
-
 BLOCK_T = 32
 BLOCK_C = 128
 BACKWARD_ROWS = 256

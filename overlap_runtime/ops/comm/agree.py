@@ -33,8 +33,6 @@ from .collectives import all_gather
 from .handle import CommTimeoutError
 from .ranks import group_size
 
-__all__ = ["check_ranks_agree"]
-
 
 def _code(value: Any) -> int:
     if isinstance(value, int):  # bool too

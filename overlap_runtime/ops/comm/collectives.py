@@ -27,8 +27,6 @@ from ..profile_range import profile_range
 from .handle import AsyncHandle, resolve_timeout, wait_work
 from .ranks import check_device_backend, group_size
 
-__all__ = ["all_to_all_single", "all_gather", "attach"]
-
 
 # --------------------------------------------------------------------------- all-to-all
 

@@ -40,16 +40,6 @@ from ..profile_range import profile_range
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("OVERLAP_RUNTIME_COMM_TIMEOUT_S", "300"))
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "AsyncHandle",
-    "CommFailedError",
-    "CommTimeoutError",
-    "is_device_side",
-    "resolve_timeout",
-    "wait_work",
-]
-
 
 class CommTimeoutError(TimeoutError):
     """A collective or point-to-point wait passed its timeout (the message names the op)."""
@@ -67,7 +57,7 @@ def resolve_timeout(timeout_s: float | None) -> float:
     return t
 
 
-def is_device_side(device: torch.device | str | None) -> bool:
+def _is_device_side(device: torch.device | str | None) -> bool:
     """Whether waits for works on ``device`` are device-side (cuda, npu) rather than host waits."""
     return device is not None and torch.device(device).type in ("cuda", "npu")
 
@@ -82,7 +72,7 @@ def wait_work(work: Any, timeout_s: float, what: str,
     """
     if work is None:
         return
-    if is_device_side(device):
+    if _is_device_side(device):
         work.wait()
         return
     bound_ms = max(1, math.ceil(timeout_s * 1000.0))

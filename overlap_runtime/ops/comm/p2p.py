@@ -20,8 +20,6 @@ from ..profile_range import profile_range
 from .handle import AsyncHandle, resolve_timeout
 from .ranks import check_device_backend, global_rank, group_rank, group_size
 
-__all__ = ["isend", "irecv", "ring_shift"]
-
 
 def _check_peer(peer: int, group: dist.ProcessGroup | None, op: str) -> int:
     me, world = group_rank(group), group_size(group)

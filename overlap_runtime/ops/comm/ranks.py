@@ -12,8 +12,6 @@ import torch.distributed as dist
 
 from overlap_runtime.platform import BACKEND_FOR_KIND
 
-__all__ = ["group_rank", "group_size", "global_rank", "check_device_backend"]
-
 
 def group_rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank inside ``group`` (the default group when None)."""

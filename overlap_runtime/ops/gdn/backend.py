@@ -36,17 +36,6 @@ import torch
 from .function import DEFAULT_BLOCK_CHUNKS, chunk_gated_delta_rule_eager
 from .options import GDNKernelOptions
 
-__all__ = [
-    "GDNBackend",
-    "EagerBackend",
-    "TritonBackend",
-    "SUPPORTED_BACKENDS",
-    "get_backend",
-    "validate_inputs",
-    "chunk_gated_delta_rule",
-    "GDNKernelOptions",
-]
-
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.float64)
 _OFFSET_DTYPES = (torch.int32, torch.int64)

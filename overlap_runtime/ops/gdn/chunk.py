@@ -39,16 +39,6 @@ import torch.nn.functional as F
 
 from .reference import compute_dtype, expand_heads, l2norm
 
-__all__ = [
-    "PreparedChunks",
-    "gate_sums",
-    "prepare_chunks",
-    "scan_states",
-    "chunk_outputs",
-    "chunk_output",
-    "chunk_forward",
-]
-
 
 @dataclass(frozen=True)
 class PreparedChunks:

@@ -48,8 +48,6 @@ import torch.nn.functional as F
 from .backend import chunk_gated_delta_rule as _chunk_gated_delta_rule
 from .options import GDNKernelOptions
 
-__all__ = ["chunk_gated_delta_rule", "DEFAULT_BACKEND", "FLA_VERSION"]
-
 FLA_VERSION = "0.6.0"
 DEFAULT_BACKEND = "triton"
 _CHUNK_SIZES = (16, 32, 64)

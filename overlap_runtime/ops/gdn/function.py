@@ -32,15 +32,13 @@ from torch.autograd.function import once_differentiable
 from .chunk import chunk_forward
 from .reference import compute_dtype
 
-__all__ = ["ChunkGatedDeltaRuleFunction", "chunk_gated_delta_rule_eager", "sequence_bounds"]
-
 DEFAULT_BLOCK_CHUNKS = 4
 
 
 Bounds = tuple[tuple[int, int], ...]
 
 
-def sequence_bounds(cu_seqlens: torch.Tensor | None) -> Bounds | None:
+def _sequence_bounds(cu_seqlens: torch.Tensor | None) -> Bounds | None:
     """``((start, stop), ...)`` of each packed sequence read from ``cu_seqlens`` (one host read),
     or None without ``cu_seqlens`` (every row of the batch is one whole sequence)."""
     if cu_seqlens is None:
@@ -61,7 +59,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     bounds)`` returns ``(o [B, T, HV, V], final_state)``; see the module docstring.
 
     ``bounds`` None: each batch row is one sequence, states ``[B, HV, K, V]``. Else (B == 1,
-    packed) the ``(start, stop)`` of each of the N sequences (:func:`sequence_bounds`): the state
+    packed) the ``(start, stop)`` of each of the N sequences (:func:`_sequence_bounds`): the state
     restarts from ``initial_state[n]`` (zeros without one) at each start, states are
     ``[N, HV, K, V]``, and an empty sequence's final state is its initial state.
     """
@@ -184,5 +182,5 @@ def chunk_gated_delta_rule_eager(
         scale = q.shape[-1] ** -0.5
     return ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, block_chunks,
-        sequence_bounds(cu_seqlens),
+        _sequence_bounds(cu_seqlens),
     )

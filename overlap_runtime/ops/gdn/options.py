@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["GDNKernelOptions", "TRITON_CHUNK"]
-
 #: tokens per chunk of the Triton backend: a Triton GDN call (and each CP rank's share of a
 #: sequence under the Triton backend) is a whole number of chunks
 TRITON_CHUNK = 64

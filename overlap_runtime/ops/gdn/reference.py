@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["l2norm", "recurrent_gated_delta_rule"]
-
 L2NORM_EPS = 1e-6
 
 

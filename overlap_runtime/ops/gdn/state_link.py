@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StateLink"]
-
 
 class StateLink:
     """Where the state entering a sequence comes from and where the state leaving it goes, when

@@ -24,17 +24,6 @@ import torch
 
 from .chunk import PreparedChunks, prepare_chunks, to_chunks
 
-__all__ = [
-    "chunk_transitions",
-    "tree_compose",
-    "summarize",
-    "state_summary",
-    "apply_summary",
-    "compose",
-    "apply_summary_backward",
-    "output_state_grad",
-]
-
 
 def compose(
     later: tuple[torch.Tensor, torch.Tensor], earlier: tuple[torch.Tensor, torch.Tensor]

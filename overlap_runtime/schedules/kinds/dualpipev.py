@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     from ...graph.simulate import CostModel
     from ..spec import ScheduleSpec
 
-__all__ = ["KIND", "build_dualpipev"]
-
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from ...graph.simulate import CostModel
     from ..spec import ScheduleSpec
 
-__all__ = ["KIND", "build_gpipe"]
-
 _F, _B = ActionKind.F, ActionKind.B
 
 

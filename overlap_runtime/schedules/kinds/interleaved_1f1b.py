@@ -24,8 +24,6 @@ from ..kind import ScheduleKind, one_f_one_b_bubble, interleave_1f1b, stages_of_
 if TYPE_CHECKING:
     from ..spec import ScheduleSpec
 
-__all__ = ["KIND", "build_interleaved_1f1b"]
-
 _F, _B = ActionKind.F, ActionKind.B
 
 

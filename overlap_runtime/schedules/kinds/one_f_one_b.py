@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from ...graph.simulate import CostModel
     from ..spec import ScheduleSpec
 
-__all__ = ["KIND", "build_1f1b"]
-
 _F, _B = ActionKind.F, ActionKind.B
 
 

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from ...graph.simulate import CostModel
     from ..spec import ScheduleSpec
 
-__all__ = ["KIND", "build_zero_bubble"]
-
 _F, _I, _W = ActionKind.F, ActionKind.I, ActionKind.W
 
 

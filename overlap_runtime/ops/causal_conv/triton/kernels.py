@@ -34,9 +34,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["causal_conv_silu_fwd_kernel", "causal_conv_silu_bwd_kernel",
-           "causal_conv_silu_bwd_left_kernel"]
-
 
 @triton.jit
 def _load_xf(x_ptr, left_ptr, b, pos, cols, col_ok, T, C, SXB, SXT, HALO,

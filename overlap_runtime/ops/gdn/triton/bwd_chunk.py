@@ -36,8 +36,6 @@ import triton.language as tl
 
 from .common import autotune_configs, chunk_span, gate_floored, mm, mma
 
-__all__ = ["dqkwg_kernel", "wy_kkt_bwd_kernel"]
-
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit

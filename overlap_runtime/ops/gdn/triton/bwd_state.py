@@ -23,8 +23,6 @@ import triton.language as tl
 
 from .common import autotune_configs, chunk_span, mm, mma, segment_span
 
-__all__ = ["dv_local_kernel", "bwd_scan_kernel"]
-
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit

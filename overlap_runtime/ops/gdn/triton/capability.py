@@ -24,8 +24,6 @@ import os
 
 import torch
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "TEST_HEAD_DIMS", "check_triton_inputs"]
-
 SUPPORTED_HEAD_DIMS = (64, 128)
 TEST_HEAD_DIMS = (16, 32)
 _IO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

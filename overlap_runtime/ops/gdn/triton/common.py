@@ -21,10 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRET", "IS_CUDA", "mm", "mma", "mm_f32x3", "autotune_configs", "CHUNK",
-           "GATE_FLOOR", "gate_floor", "gate_floored", "num_sms", "choose_segments",
-           "chunk_span", "segment_span"]
-
 CHUNK = 64
 
 # Gates below -GATE_FLOOR are raised to it before the fp32 in-chunk cumsum. exp(-20) = 2.1e-9 is

@@ -84,21 +84,6 @@ from .fused_fwd import FusedConfig, fused_prepare, fused_summaries, fused_walk
 from .l2norm import l2norm_apply, l2norm_forward, l2norm_group_backward
 from .varlen import VarlenLayout, varlen_layout
 
-__all__ = [
-    "TritonChunkGatedDeltaRuleFunction",
-    "chunk_gated_delta_rule_triton",
-    "segment_layout",
-    "segment_summaries",
-    "chain",
-    "state_scan",
-    "state_grad_scan",
-    "prepare",
-    "StateLink",
-    "gdn_forward",
-    "gdn_backward",
-    "ScanMeta",
-]
-
 
 def _block(key_dim: int, value_dim: int) -> int:
     return min(64, key_dim, value_dim)

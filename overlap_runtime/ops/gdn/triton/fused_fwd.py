@@ -70,9 +70,6 @@ from .common import CHUNK, GATE_FLOOR, chunk_span, gate_floor, mm, mm_f32x3, mma
 from .fwd_prepare import _kkt_block, _store_block, _store_gamma, _unit_lower_inverse
 from .l2norm import L2NORM_EPS
 
-__all__ = ["FusedConfig", "DEFAULT_CONFIG", "fused_prep_kernel", "fused_walk_kernel",
-           "fused_prepare", "fused_summaries", "fused_walk"]
-
 
 @dataclass(frozen=True)
 class FusedConfig:

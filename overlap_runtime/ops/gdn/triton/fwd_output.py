@@ -12,8 +12,6 @@ import triton.language as tl
 
 from .common import autotune_configs, chunk_span, mm
 
-__all__ = ["output_kernel"]
-
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
 @triton.jit

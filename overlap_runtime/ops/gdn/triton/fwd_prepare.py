@@ -30,8 +30,6 @@ import triton.language as tl
 
 from .common import CHUNK, autotune_configs, chunk_span, gate_floor, mm, mm_f32x3
 
-__all__ = ["kkt_solve", "wy_forward"]
-
 
 @triton.jit
 def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, eos, H: tl.constexpr, HV: tl.constexpr,

@@ -27,8 +27,6 @@ import triton.language as tl
 
 from .common import autotune_configs, chunk_span, mm, mm_f32x3, mma, segment_span
 
-__all__ = ["fwd_scan_kernel", "chain_kernel"]
-
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "SUMMARY", "VARLEN"])
 @triton.jit

@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["l2norm_forward", "l2norm_apply", "l2norm_group_backward"]
-
 L2NORM_EPS = 1e-6
 
 

@@ -27,9 +27,6 @@ from .common import CHUNK
 from .function import _block, chain, dv_local, prepare, segment_layout, segment_summaries, \
     state_grad_scan
 
-__all__ = ["state_summary", "output_state_grad", "apply_summary", "apply_summary_backward",
-           "compose"]
-
 
 def _check_chunk(chunk_size: int) -> None:
     if chunk_size != CHUNK:

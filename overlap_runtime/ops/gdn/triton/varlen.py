@@ -32,8 +32,6 @@ import torch
 
 from .common import CHUNK, choose_segments
 
-__all__ = ["VarlenLayout", "varlen_layout"]
-
 
 @dataclass(frozen=True)
 class VarlenLayout:
