@@ -18,11 +18,12 @@ TEST_WORKERS ?= 2
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.bootstrapped
 
-.PHONY: demo test venv bench clean-venv help
+.PHONY: demo test test-quick venv bench clean-venv help
 
 help:
 	@echo "make demo   run the main job on CPU ranks spawned here (gloo)"
 	@echo "make test   run the test suite (TEST_WORKERS=2 pytest-xdist workers; 0: one process)"
+	@echo "make test-quick  the inner loop: no Triton-interpreter cases, no slow end-to-end runs"
 	@echo "variables: TORCH_SPEC='$(TORCH_SPEC)' EXTRAS='$(EXTRAS)' PYTHON=$(PYTHON)"
 
 venv: $(STAMP)
@@ -43,6 +44,13 @@ demo: $(STAMP)
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 test: $(STAMP)
 	@$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+
+# The inner loop while editing: everything but the Triton-interpreter cases and the slow
+# end-to-end runs (examples under torchrun, the demo and train commands in fresh interpreters).
+# Not a substitute for `make test`, which CI runs.
+test-quick: $(STAMP)
+	@$(BIN)/python -m pytest -q $(XDIST) -m "not triton and not slow" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 clean-venv:

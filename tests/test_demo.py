@@ -189,6 +189,7 @@ def test_report_fails_when_the_overlapped_loss_differs(tmp_path: Path,
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_demo_spawned_end_to_end(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
@@ -201,6 +202,7 @@ def test_demo_spawned_end_to_end(tmp_path: Path) -> None:
     _check_output(proc.stdout, trace)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_demo_under_torchrun(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"

@@ -74,6 +74,7 @@ def run_example(name: str, nproc: int, timeout_s: float = RUN_TIMEOUT_S
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_runs_under_torchrun_and_passes_its_check(name: str) -> None:

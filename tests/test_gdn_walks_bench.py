@@ -15,8 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")]
 
 
 def test_every_walk_variant_matches_the_librarys_walk():

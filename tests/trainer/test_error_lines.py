@@ -214,6 +214,7 @@ def _stderr_is_one_line(proc: subprocess.CompletedProcess[str], code: int, names
     assert "--- rank " in log.read_text(), log  # the ranks' tracebacks are in the log
 
 
+@pytest.mark.slow
 def test_a_checkpoint_failing_verification_inside_the_ranks_is_one_line_exit_2(
         in_ranks: Concurrently) -> None:
     first, again = in_ranks.result("corrupted")
@@ -221,6 +222,7 @@ def test_a_checkpoint_failing_verification_inside_the_ranks_is_one_line_exit_2(
     _stderr_is_one_line(again, 2, "__1_0.distcp does not match its sha256")
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_one_line_exit_1(in_ranks: Concurrently) -> None:
     _stderr_is_one_line(in_ranks.result("killed"), 1,
                         "rank 1 of 2 was killed by signal SIGKILL")

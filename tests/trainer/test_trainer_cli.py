@@ -78,6 +78,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Concurrently]:
         yield started
 
 
+@pytest.mark.slow
 def test_cli_spawns_ranks_compares_and_writes_metrics(runs: Concurrently) -> None:
     proc, metrics = runs.result("spawned")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -96,6 +97,7 @@ def test_cli_spawns_ranks_compares_and_writes_metrics(runs: Concurrently) -> Non
     assert data["summary"]["median_tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun(runs: Concurrently) -> None:
     proc, metrics = runs.result("torchrun")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -121,6 +123,7 @@ def test_building_the_parser_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_cli_checkpoints_and_resumes(runs: Concurrently) -> None:
     first, again, ckpt = runs.result("checkpoint")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
