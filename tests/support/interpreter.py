@@ -15,8 +15,8 @@ covers every language module the helper's globals hold; anything else (a helper 
 a launch, one that sees a language module the launch did not patch) takes triton's own path.
 The helper's body, its rewriting and the error it raises are triton's. Only the test children
 install it (never the library): it relies on the interpreter's internals, so it checks that
-they are the ones it knows and otherwise leaves triton as it is (:func:`install` returns
-False).
+they are the ones it knows (:func:`known_interpreter`: the helper call's body, statement by
+statement) and otherwise leaves triton as it is (:func:`install` returns False).
 """
 
 from __future__ import annotations
@@ -41,12 +41,36 @@ def _language_modules(fn: Any) -> frozenset[int]:
                      if inspect.ismodule(v) and v in (tl, tl.core))
 
 
+#: The body of ``InterpretedFunction.__call__`` that :func:`install` replaces (triton 3.x),
+#: statement by statement: the shortcut only skips its first statement.
+KNOWN_HELPER_CALL = ("_patch_lang(self.fn)", "fn = self.rewrite()",
+                     "try:\n    return fn(*args, **kwargs)\nexcept Exception as e:\n"
+                     "    raise InterpreterError(repr(e)) from e")
+
+
+def known_interpreter(interp: Any) -> bool:
+    """Whether ``triton.runtime.interpreter`` has what :func:`install` wraps, with a helper
+    call whose body is :data:`KNOWN_HELPER_CALL` (any other triton is left as it is)."""
+    import ast
+    import textwrap
+
+    needed = ("GridExecutor", "InterpretedFunction", "_patch_lang", "InterpreterError")
+    if not all(hasattr(interp, name) for name in needed) or not all(
+            hasattr(interp.InterpretedFunction, a) for a in ("rewrite", "__call__")):
+        return False
+    try:
+        source = textwrap.dedent(inspect.getsource(interp.InterpretedFunction.__call__))
+    except (OSError, TypeError):
+        return False
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    return tuple(ast.unparse(node) for node in body) == KNOWN_HELPER_CALL
+
+
 def install() -> bool:
     """Install the shortcut in this process (idempotent); True when it is active.
 
-    Only under ``TRITON_INTERPRET=1`` and only where ``triton.runtime.interpreter`` has the
-    ``GridExecutor`` / ``InterpretedFunction`` / ``_patch_lang`` / ``InterpreterError`` it
-    wraps."""
+    Only under ``TRITON_INTERPRET=1`` and only on an interpreter :func:`known_interpreter`
+    accepts."""
     global _INSTALLED
     if _INSTALLED:
         return True
@@ -56,9 +80,7 @@ def install() -> bool:
         from triton.runtime import interpreter as interp
     except ImportError:
         return False
-    needed = ("GridExecutor", "InterpretedFunction", "_patch_lang", "InterpreterError")
-    if not all(hasattr(interp, name) for name in needed) or not all(
-            hasattr(interp.InterpretedFunction, a) for a in ("rewrite", "__call__")):
+    if not known_interpreter(interp):
         return False
     launch = interp.GridExecutor.__call__
     call = interp.InterpretedFunction.__call__

@@ -1,6 +1,6 @@
 """``python -m tests.support.interpreter_check`` (``TRITON_INTERPRET=1``): the shortcut of
 ``tests.support.interpreter`` against triton's own path on one kernel that calls a
-``@triton.jit`` helper 16 times per program. Prints ``RESULT {"installed", "patches":
+``@triton.jit`` helper 16 times per program. Prints ``RESULT {"known", "triton", "installed", "patches":
 {"triton", "shortcut"}, "bitwise", "within_bound"}``: how often ``triton.language`` was patched
 in one launch of two programs each way, whether the outputs agree bitwise, and whether the
 shortcut's sums are within ``16 eps32 sum|terms|`` of float64."""
@@ -33,6 +33,7 @@ def _kernel(x, y, n: tl.constexpr):
 
 
 def check() -> dict[str, Any]:
+    known = interpreter.known_interpreter(interp)  # before install() replaces the helper call
     patches = [0]
     patch_lang = interp._patch_lang
 
@@ -54,7 +55,8 @@ def check() -> dict[str, Any]:
     # 16 fp32 additions per column: |error| <= 16 eps32 sum|terms|
     bound = 16 * torch.finfo(torch.float32).eps * terms.abs().sum(0)
     excess = ((outs["shortcut"].double() - terms.sum(0)).abs() - bound).max()
-    return {"installed": installed, "patches": counts,
+    return {"known": known, "triton": triton.__version__,
+            "installed": installed, "patches": counts,
             "bitwise": torch.equal(outs["triton"], outs["shortcut"]),
             "within_bound": bool(excess <= 0)}
 
