@@ -404,6 +404,38 @@ def test_ranks_start_with_the_preloaded_modules_and_without_triton() -> None:
         assert all(found.values()), f"not preloaded: {[m for m, ok in found.items() if not ok]}"
 
 
+_PRELOAD_SCRIPT = """
+import json
+from overlap_runtime import rank_start
+rank_start.preload_in_forkserver("xml.dom.minidom")
+from overlap_runtime.launch import spawn
+from tests.support.preload_probe import modules_at_start
+ranks = spawn(modules_at_start, 2, args=(["xml.dom.minidom", "pytest"],), timeout_s=120)
+try:
+    rank_start.preload_in_forkserver("json")
+    late = "no error"
+except RuntimeError as exc:
+    late = str(exc)
+print(json.dumps({"ranks": ranks, "late": late}))
+"""
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10: no preload from the parent's path")
+def test_preload_in_forkserver_gives_ranks_the_modules_and_refuses_once_started() -> None:
+    """In a fresh interpreter: a module added with ``preload_in_forkserver`` is in every rank
+    when its function starts (the function's own module imports nothing); one not added is not;
+    adding after the first spawn raises, naming the rule."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _PRELOAD_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ranks"] == [{"xml.dom.minidom": True, "pytest": False}] * 2, out
+    assert "already running" in out["late"] and "before the first spawn" in out["late"], out
+
+
 def _never_runs(rank: int, world: int) -> None:
     raise AssertionError("the package check must stop the rank first")
 
