@@ -26,8 +26,7 @@ from the Triton backward raises the gradient errors to ~0.3-0.5).
   once: both checkpointed calls are compared with it).
 
 The CP2 cases share one spawn of two ranks (``jobs_worker``, a module fixture: each test asserts
-its own results); p2p CP3 has its own. About 35 s on two shared cores (the interpreter
-dominates).
+its own results); p2p CP3 has its own. About 35 s of CPU in all (the interpreter dominates).
 """
 
 from __future__ import annotations
