@@ -56,7 +56,7 @@ CASE_MODES = [MODES[:3], MODES, MODES[:3]]
 def cp2_figures() -> dict[str, float]:
     """The worst figure of every mode over its cases, one spawn (``{"<mode>:<tensor>": rel-L2,
     "scan_vs_chain:<tensor>": rel-L2}``)."""
-    return run_ranks(Interpreted(gdn_worker), 2, timeout_s=400.0, env=INTERPRETER_ENV,
+    return run_ranks(Interpreted(gdn_worker), 2, timeout_s=600.0, env=INTERPRETER_ENV,
                      args=(MODES, CASES_CP2, "triton", HEAD_DIM, CASE_MODES, True))[0]
 
 
