@@ -5,7 +5,8 @@ every parameter gradient and the grad norm within rel-L2 1e-5.
 
 p2p CP2, B = 2, local 64 (the GDN core on the eager backend: only the conv runs interpreted),
 and Ulysses CP2 (the local conv of a head slice, ``channels`` indexing the weight). Ranks run as
-children with ``TRITON_INTERPRET=1`` (see test_gdn_cp_triton.py). About 15 s on two cores.
+children with ``TRITON_INTERPRET=1`` (see test_gdn_cp_triton.py); both modes in one spawn of
+two ranks (a module fixture; each test asserts its mode's results). About 6 s on two cores.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from tests.support.gdn_cp import assert_figures, compare_worker
+from tests.support.gdn_cp import assert_figures, compare_worker, jobs_worker
 
 from overlap_runtime.testing import run_ranks
 from tests.support.interpreter import INTERPRETER_ENV, Interpreted
@@ -25,12 +26,22 @@ pytestmark = [
 ]
 
 
+MODES = ["p2p", "ulysses"]
 
-@pytest.mark.parametrize("mode", ["p2p", "ulysses"])
-def test_triton_conv_cp2_matches_single_process(mode: str) -> None:
-    results = run_ranks(Interpreted(compare_worker), 2, timeout_s=240.0, env=INTERPRETER_ENV,
-                        args=(mode, 2, 64, 1, False, False, 4, "eager", 8, "triton"))
-    for rank, res in enumerate(results):
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    """Per rank ``{mode: compare_worker's result}``, both modes in one spawn."""
+    jobs = [(mode, compare_worker, (mode, 2, 64, 1, False, False, 4, "eager", 8, "triton"))
+            for mode in MODES]
+    return run_ranks(Interpreted(jobs_worker), 2, timeout_s=300.0, env=INTERPRETER_ENV,
+                     args=(jobs,))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_conv_cp2_matches_single_process(mode: str, results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        res = r[mode]
         what = f"conv_backend=triton mode={mode} cp=2 rank={rank}"
         assert res["triton_interpreted"], f"{what}: the Triton kernels did not run"
         assert_figures(res["worst"], what, 1e-5)

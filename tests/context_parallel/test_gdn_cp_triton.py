@@ -22,9 +22,11 @@ from the Triton backward raises the gradient errors to ~0.3-0.5).
 * all_gather CP2: the eager summaries gathered, the Triton op from ``H_in`` on each rank
   (its backward's ``dh0`` carries the gradient back into the gathered summaries).
 * p2p CP2 with padding (B=2, right and left, one rank holding only padding): exact zeros.
-* p2p CP2 under ``checkpoint(use_reentrant=False)``, twice: bitwise the plain run.
+* p2p CP2 under ``checkpoint(use_reentrant=False)``, twice: bitwise the plain run (which runs
+  once: both checkpointed calls are compared with it).
 
-About 115 s on two shared cores (the interpreter dominates; the checkpoint case is ~45 s).
+The CP2 cases share one spawn of two ranks (``jobs_worker``, a module fixture: each test asserts
+its own results); p2p CP3 has its own. About 35 s of CPU in all (the interpreter dominates).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from tests.support.gdn_cp import assert_figures, checkpoint_worker, compare_worker
+from tests.support.gdn_cp import (assert_figures, checkpoint_worker, compare_worker,
+                                  jobs_worker)
 
 from overlap_runtime.testing import run_ranks
 from tests.support.interpreter import INTERPRETER_ENV, Interpreted
@@ -46,29 +49,45 @@ pytestmark = [
 TOL = 1e-5
 HEAD_DIM = 16  # interpreter head dims: 16 or 32 (triton/capability.py)
 
+COMPARE_CASES = [("ulysses", 2, 64), ("p2p", 2, 128), ("p2p", 3, 64), ("all_gather", 2, 64)]
 
-@pytest.mark.parametrize("mode,cp,local_len", [("ulysses", 2, 64), ("p2p", 2, 128),
-                                               ("p2p", 3, 64), ("all_gather", 2, 64)])
-def test_triton_matches_single_process_eager(mode: str, cp: int, local_len: int) -> None:
-    results = run_ranks(
-        Interpreted(compare_worker), cp, timeout_s=300.0, env=INTERPRETER_ENV,
-        args=(mode, 1, local_len, 1, False, False, 4, "triton", HEAD_DIM),
-    )
+
+def _compare_args(mode: str, batch: int, local_len: int, use_mask: bool) -> tuple:
+    return (mode, batch, local_len, 1, use_mask, False, 4, "triton", HEAD_DIM)
+
+
+@pytest.fixture(scope="module")
+def cp2_results() -> list[dict]:
+    """Every CP2 case of this file in one spawn of two ranks: per rank ``{case: result}``."""
+    jobs = [(f"{mode}-{local_len}", compare_worker, _compare_args(mode, 1, local_len, False))
+            for mode, cp, local_len in COMPARE_CASES if cp == 2]
+    jobs.append(("padding", compare_worker, _compare_args("p2p", 2, 64, True)))
+    jobs.append(("checkpoint", checkpoint_worker, ("p2p", 1, 64, "triton", HEAD_DIM, True)))
+    return run_ranks(Interpreted(jobs_worker), 2, timeout_s=400.0, env=INTERPRETER_ENV,
+                     args=(jobs,))
+
+
+@pytest.mark.parametrize("mode,cp,local_len", COMPARE_CASES)
+def test_triton_matches_single_process_eager(mode: str, cp: int, local_len: int,
+                                             request: pytest.FixtureRequest) -> None:
+    if cp == 2:
+        results = [r[f"{mode}-{local_len}"] for r in request.getfixturevalue("cp2_results")]
+    else:
+        results = run_ranks(Interpreted(compare_worker), cp, timeout_s=300.0,
+                            env=INTERPRETER_ENV, args=_compare_args(mode, 1, local_len, False))
+    assert len(results) == cp
     for rank, res in enumerate(results):
         what = f"backend=triton mode={mode} cp={cp} local={local_len} rank={rank}"
         assert res["triton_interpreted"], f"{what}: the Triton kernels did not run"
         assert_figures(res["worst"], what, TOL)
 
 
-def test_triton_p2p_padding_cp2() -> None:
+def test_triton_p2p_padding_cp2(cp2_results: list[dict]) -> None:
     """B=2: row 0 has 27 real tokens then right padding (rank 1 holds only padding), row 1 five
     left pads. Padded outputs and input gradients are exactly 0; real tokens equal the unpadded
     row run alone."""
-    results = run_ranks(
-        Interpreted(compare_worker), 2, timeout_s=240.0, env=INTERPRETER_ENV,
-        args=("p2p", 2, 64, 1, True, False, 4, "triton", HEAD_DIM),
-    )
-    for rank, res in enumerate(results):
+    for rank, r in enumerate(cp2_results):
+        res = r["padding"]
         what = f"backend=triton mode=p2p cp=2 rank={rank} padded"
         assert res["triton_interpreted"], f"{what}: the Triton kernels did not run"
         assert_figures(res["worst"], what, TOL)
@@ -78,12 +97,11 @@ def test_triton_p2p_padding_cp2() -> None:
         assert res["row1_vs_unpadded"] <= TOL, what
 
 
-def test_triton_p2p_activation_checkpoint_identical() -> None:
+def test_triton_p2p_activation_checkpoint_identical(cp2_results: list[dict]) -> None:
     """checkpoint(use_reentrant=False) recomputes the forward (halo, summary, H message) inside
     backward; twice in a row the results equal the plain run bit for bit."""
-    results = run_ranks(Interpreted(checkpoint_worker), 2, timeout_s=240.0, env=INTERPRETER_ENV,
-                        args=("p2p", 1, 64, "triton", HEAD_DIM))
-    for rank, res in enumerate(results):
+    for rank, r in enumerate(cp2_results):
+        res = r["checkpoint"]
         what = f"backend=triton mode=p2p cp=2 rank={rank} checkpointed"
         assert res["identical"], what
         assert_figures(res["worst"], what, TOL)

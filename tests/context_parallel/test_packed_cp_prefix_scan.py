@@ -11,18 +11,15 @@ starting exactly at rank starts, ranks holding only the middle of one long docum
 whole summary is a pair in the scan's rounds), a rank whose last document starts inside it
 composed with a pass-through rank into one pair (``M' = 0`` inside a composition, CP5: at
 CP <= 4 the scan composes only a pair with a state, the chain's very products), two rows
-with different piece patterns, documents shorter than the conv halo. The Triton backend runs
-one CP2 case under ``TRITON_INTERPRET=1`` (fp32, K = V = 16, 64 tokens per rank).
+with different piece patterns, documents shorter than the conv halo. The Triton backend's CP2
+case under ``TRITON_INTERPRET=1`` (fp32, K = V = 16, 64 tokens per rank) is
+``test_packed_cp_triton.py::test_packed_prefix_scan_triton_interpreted_cp2``: it shares that
+file's spawn and its p2p chain run on the same shards.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
-
 from overlap_runtime.testing import run_ranks
-from tests.support.interpreter import INTERPRETER_ENV, Interpreted
 
 from tests.support.packed_cp import Case, scan_chain_worker
 
@@ -55,14 +52,3 @@ def _check(worst: dict[str, float], cps: set[int], what: str) -> None:
 def test_packed_prefix_scan_cp2_cp4_cp5_against_documents_and_chain() -> None:
     worst = run_ranks(scan_chain_worker, 5, args=(CASES,), timeout_s=150)[0]
     _check(worst, {2, 4, 5}, f"GDN packed prefix_scan eager {CASES}")
-
-
-@pytest.mark.triton
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_packed_prefix_scan_triton_interpreted_cp2() -> None:
-    """Row 0: a document crossing the boundary between one shorter than the halo and one-token
-    documents; row 1: a document starting exactly at rank 1's start."""
-    cases: list[tuple[int, Case]] = [(2, (2, 64, [2, 67, 1, 1, 57] + [64, 64]))]
-    worst = run_ranks(Interpreted(scan_chain_worker), 2, args=(cases, "triton", 16),
-                      env=INTERPRETER_ENV, timeout_s=300)[0]
-    _check(worst, {2}, f"GDN packed prefix_scan backend=triton {cases}")

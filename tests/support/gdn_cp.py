@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,8 +169,13 @@ def compare_worker(rank: int, world: int, mode: str, batch: int, local_len: int,
 
 
 def checkpoint_worker(rank: int, world: int, mode: str, batch: int, local_len: int,
-                      backend: str = "eager", head_dim: int = HEAD_DIM) -> dict:
-    """Same inputs with and without activation checkpointing: are the results bitwise equal?"""
+                      backend: str = "eager", head_dim: int = HEAD_DIM,
+                      plain_once: bool = False) -> dict:
+    """Same inputs with and without activation checkpointing: are the results bitwise equal?
+
+    The checkpointed layer runs twice; by default the plain layer runs before each, with
+    ``plain_once`` only once, both checkpointed results compared with that one run (each still
+    against the single-process reference)."""
     mesh = init_device_mesh("cpu", (world,))
     ref_module = make_module(head_dim=head_dim)
     style = LinearAttentionContextParallel(mode=mode, backend=backend)
@@ -177,16 +183,25 @@ def checkpoint_worker(rank: int, world: int, mode: str, batch: int, local_len: i
     ckpt = style.apply(copy.deepcopy(ref_module), mesh)
     x, w = make_inputs(batch, world * local_len, seed=7)
     out = {"identical": True, "worst": {}}
+    a = ref = None
     for _ in range(2):  # twice: the recompute's P2P order must stay aligned across calls
-        a = _cp_run(plain, x, w, None, rank, world, use_checkpoint=False)
+        if a is None or not plain_once:
+            a = _cp_run(plain, x, w, None, rank, world, use_checkpoint=False)
+            ref = _reference(ref_module, x, w, None)
         b = _cp_run(ckpt, x, w, None, rank, world, use_checkpoint=True)
         same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and all(
             torch.equal(a[2][n], b[2][n]) for n in a[2]
         )
         out["identical"] = out["identical"] and same
-        for k, v in _errors(b, _reference(ref_module, x, w, None)).items():
+        for k, v in _errors(b, ref).items():
             out["worst"][k] = max(out["worst"].get(k, 0.0), v)
     return out
+
+
+def jobs_worker(rank: int, world: int, jobs: list[tuple[str, Any, tuple]]) -> dict[str, Any]:
+    """Several workers of one world size in one spawn, one after the other: ``{name:
+    fn(rank, world, *args)}`` for each ``(name, fn, args)`` of ``jobs`` (module-level ``fn``)."""
+    return {name: fn(rank, world, *args) for name, fn, args in jobs}
 
 
 def _raises(fn, exc_type: type[BaseException]) -> str:

@@ -98,12 +98,17 @@ def _check_interpreted(rank: int, backend: str) -> None:
 
 
 def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case],
-               backend: str = "eager", head_dim: int = HEAD_DIM) -> dict[str, float]:
+               backend: str = "eager", head_dim: int = HEAD_DIM,
+               case_modes: list[list[str]] | None = None,
+               scan_vs_chain: bool = False) -> dict[str, float]:
     """Each mode x case: output, input gradient and every parameter gradient (summed over ranks)
     against the per-document float64 reference; returns ``{"<mode>:<tensor>": worst}``.
 
     ``backend="eager"`` runs the CP layer in float64; ``"triton"`` (under the interpreter,
     head dims 16/32) in fp32, the Triton backend's dtype, against the same float64 reference.
+    ``case_modes[i]`` (default: every mode) are the modes case ``i`` runs. With
+    ``scan_vs_chain``, a case that runs both ``"prefix_scan"`` and ``"p2p"`` also compares the
+    two on the same shards: ``{"scan_vs_chain:<tensor>": worst}``.
     """
     mesh = init_device_mesh("cpu", (world,))
     ref = make_module(head_dim=head_dim).double()
@@ -118,10 +123,16 @@ def gdn_worker(rank: int, world: int, modes: list[str], cases: list[Case],
         w = torch.randn(batch, seq, HIDDEN, generator=gen, dtype=torch.float64)
         # the reference does not depend on the mode: run once per case, compared with each
         y_ref, dx_ref, g_ref = _per_document_reference(ref, x, w, lengths)
+        runs = {}
         for mode, cp in cps.items():
-            got = _packed_cp_run(cp, x, w, lengths, rank, world, dtype)
+            if case_modes is not None and mode not in case_modes[i]:
+                continue
+            runs[mode] = got = _packed_cp_run(cp, x, w, lengths, rank, world, dtype)
             for k, err in _reference_figures(got, y_ref, dx_ref, g_ref).items():
                 _worst(worst, f"{mode}:{k}", err)
+        if scan_vs_chain and "prefix_scan" in runs and "p2p" in runs:
+            for k, scan in runs["prefix_scan"].items():
+                _worst(worst, f"scan_vs_chain:{k}", rel_l2(scan, runs["p2p"][k]))
     _check_interpreted(rank, backend)
     return worst
 
