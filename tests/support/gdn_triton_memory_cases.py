@@ -7,7 +7,10 @@ with and without ``recompute_w``, found by content against the forward's own nor
 u and w (``prepare``), and its bytes against what the forward kept before (those as well); the
 backward's recomputed normalised q, k and w against the forward's own, bitwise; the output, the
 final state and every gradient with ``recompute_w`` against without, bitwise; both against the
-float64 eager backend (rel-L2).
+float64 eager backend (rel-L2). ``prepare`` (the forward's first kernels: l2norm, kkt_solve,
+wy_fwd) runs once per config: both forwards get clones of the explicit call's outputs, their
+arguments being the same bits (``SharedPrepare``, tests/support/gdn_triton_cases.py); the
+backward's recomputation runs its own kernels.
 """
 
 from __future__ import annotations
