@@ -236,6 +236,15 @@ def gates(case: str) -> dict:
             run = f"ns{segments}"
             for name, t in got.items():
                 errors[f"{run} {name}"] = rel_l2(t, expected[name])
+            # each value head alone as well (its share of a whole-tensor error is a third):
+            # the tensors per value head whose reference is not 0 there (the initial state's
+            # gradient is 0 in head 0, reset at its first token)
+            for head in range(3):
+                for name in ("o", "final_state", "dv", "dg", "dbeta"):
+                    index = (slice(None), head) if name == "final_state" else (
+                        slice(None), slice(None), head)
+                    errors[f"{run} {name} head{head}"] = rel_l2(got[name][index],
+                                                                 expected[name][index])
             nonfinite[run] = [n for n, t in got.items() if not torch.isfinite(t).all().item()]
             for pattern, gate, head, positions in GATE_PATTERNS:
                 chunk, _ = slots[pattern]
