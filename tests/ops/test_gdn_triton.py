@@ -4,8 +4,9 @@ On the CPU the kernels run under the Triton interpreter: the cases run in one ch
 ``TRITON_INTERPRET=1`` (triton reads it when the kernels are first imported, so setting it here
 would leak into every later test file and could not be undone). The cases live in
 ``tests.support.gdn_triton_cases``: small sizes (T <= 264), output, final state, dH0 and every
-input gradient; each test asserts its own case's result. On a CUDA machine the full-size check at the end also runs (it is the test that
-catches Hopper miscompiles of the backward, gpu/README.md).
+input gradient; each test asserts its own case's result. On a CUDA machine the full-size check
+at the end also runs (it is the test that catches Hopper miscompiles of the backward,
+gpu/README.md).
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def test_interpreter_matches_reference(case):
 @needs_triton
 @pytest.mark.parametrize("case", ["gates_fp32", "gates_bf16"])
 def test_interpreter_exact_for_extreme_gates(case):
-    """g = -inf / -1e4 at chunk starts, middles, ends, the first and last tokens, two and eight
-    in a chunk, -12 over the partial last chunk (issue #28 item 1), each pattern in its own
-    chunk of one sequence, with one segment and with two: finite, within the usual tolerance of
-    the float64 recurrence, forward and backward; dg = 0 at a reset."""
+    """g = -inf / -1e38 / -1e4 at chunk starts, middles, ends, the first and last tokens, two
+    and eight in a chunk, -12 over the partial last chunk (issue #28 item 1), each pattern in
+    its own chunk of one sequence, with one segment and with two: finite, within the usual
+    tolerance of the float64 recurrence (each tensor, and each value head alone), forward and
+    backward; dg = 0 at a floored gate (below -20), as the reference's."""
     result = _run_case(case)
     errors, tol = result["errors"], result["tolerance"]
     # per pattern: rel-L2 of its chunk's rows (reported, not bounded: a chunk whose gradients
@@ -83,7 +85,7 @@ def test_interpreter_exact_for_extreme_gates(case):
     assert len(result["nonfinite"]) == 2 and not any(result["nonfinite"].values()), \
         f"non-finite output or gradient: {result['nonfinite']}"
     assert not result["nonzero_dg_at_resets"], \
-        f"dg is not 0 at a g = -inf token: {result['nonzero_dg_at_resets']}"
+        f"dg is not 0 at a floored gate: {result['nonzero_dg_at_resets']}"
     bad = {name: err for name, err in errors.items() if not err <= tol}
     assert not bad, f"rel-L2 above {tol}: {bad}; largest per pattern chunk: {worst}"
 
