@@ -7,7 +7,10 @@ with and without ``recompute_w``, found by content against the forward's own nor
 u and w (``prepare``), and its bytes against what the forward kept before (those as well); the
 backward's recomputed normalised q, k and w against the forward's own, bitwise; the output, the
 final state and every gradient with ``recompute_w`` against without, bitwise; both against the
-float64 eager backend (rel-L2).
+float64 eager backend (rel-L2). ``prepare`` (the forward's first kernels: l2norm, kkt_solve,
+wy_fwd) runs once per config: both forwards get clones of the explicit call's outputs, their
+arguments being the same bits (``SharedPrepare``, tests/support/gdn_triton_cases.py); the
+backward's recomputation runs its own kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ torch.set_num_threads(1)
 from tests.support.gdn import make_inputs, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn import GDNKernelOptions, chunk_gated_delta_rule  # noqa: E402
 from overlap_runtime.ops.gdn.triton import function as fn  # noqa: E402
+from tests.support.gdn_triton_cases import SharedPrepare  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
 STATE = "initial_state"
@@ -97,33 +101,37 @@ def run_all() -> dict:
         x, cu = _inputs(config)
         layout = None if cu is None else fn._varlen(x["q"], x["v"], segments, None, cu)
         chunks = None if layout is None else layout.chunks
-        with torch.no_grad():  # the forward's own normalised q, k (and 1/norm), w, u
-            prep = fn.prepare(*(x[n].detach() for n in NAMES), l2, chunks)
-        gen = torch.Generator().manual_seed(5)
-        results, saved, same = {}, {}, {}
-        for tag, backend, recompute_w in (("saved_w", "triton", False),
-                                          ("recompute_w", "triton", True),
-                                          ("ref", "eager", None)):
-            inp = upcast(x) if backend == "eager" else {
-                n: t.detach().clone().requires_grad_() for n, t in x.items()}
-            o, h = _run(inp, cu, config, backend, recompute_w)
-            if backend == "triton":
-                kept = o.grad_fn.saved_tensors
-                saved[tag] = _saved_report(kept, inp, prep, l2)
-                if recompute_w:  # what the backward recomputes, against the forward's own
-                    # (gdn_forward's saved order: q, k, v, g, beta, 1/norms, gamma, Ainv, w)
-                    q, k, v, _, beta, q_rstd, k_rstd, gamma, ainv, w = kept[:10]
-                    qn, kn, w = fn._recompute(q, k, v, beta, q_rstd, k_rstd, gamma, ainv, w,
-                                              chunks)
-                    same = {"qn": torch.equal(qn, prep["qn"]), "kn": torch.equal(kn, prep["kn"]),
-                            "w": torch.equal(w, prep["w"])}
-                del kept
-            if tag == "saved_w":
-                do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
-                dh = torch.randn(h.shape, generator=gen, dtype=torch.float64)
-            ((o.double() * do).sum() + (h.double() * dh).sum()).backward()
-            results[tag] = {"o": o.detach(), "h": h.detach(),
-                            **{"d" + n: inp[n].grad for n in NAMES + (STATE,)}}
+        # the forward's own normalised q, k (and 1/norm), w, u: both forwards get clones of
+        # these (their prepare's arguments are the same bits: SharedPrepare)
+        with SharedPrepare() as shared:
+            with torch.no_grad():
+                prep = fn.prepare(*(x[n].detach() for n in NAMES), l2, chunks)
+            gen = torch.Generator().manual_seed(5)
+            results, saved, same = {}, {}, {}
+            for tag, backend, recompute_w in (("saved_w", "triton", False),
+                                              ("recompute_w", "triton", True),
+                                              ("ref", "eager", None)):
+                inp = upcast(x) if backend == "eager" else {
+                    n: t.detach().clone().requires_grad_() for n, t in x.items()}
+                o, h = _run(inp, cu, config, backend, recompute_w)
+                if backend == "triton":
+                    kept = o.grad_fn.saved_tensors
+                    saved[tag] = _saved_report(kept, inp, prep, l2)
+                    if recompute_w:  # what the backward recomputes, against the forward's own
+                        # (gdn_forward's saved order: q, k, v, g, beta, 1/norms, gamma, Ainv, w)
+                        q, k, v, _, beta, q_rstd, k_rstd, gamma, ainv, w = kept[:10]
+                        qn, kn, w = fn._recompute(q, k, v, beta, q_rstd, k_rstd, gamma, ainv, w,
+                                                  chunks)
+                        same = {"qn": torch.equal(qn, prep["qn"]),
+                                "kn": torch.equal(kn, prep["kn"]), "w": torch.equal(w, prep["w"])}
+                    del kept
+                if tag == "saved_w":
+                    do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+                    dh = torch.randn(h.shape, generator=gen, dtype=torch.float64)
+                ((o.double() * do).sum() + (h.double() * dh).sum()).backward()
+                results[tag] = {"o": o.detach(), "h": h.detach(),
+                                **{"d" + n: inp[n].grad for n in NAMES + (STATE,)}}
+        assert (shared.runs, shared.reused) == (1, 2), (config, shared.runs, shared.reused)
         bitwise = {n: torch.equal(results["saved_w"][n], results["recompute_w"][n])
                    for n in results["ref"]}
         errors = {f"{tag}/{n}": rel_l2(results[tag][n], results["ref"][n])
