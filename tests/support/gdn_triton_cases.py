@@ -56,7 +56,7 @@ class SharedPrepare:
             if flag == use_qk_l2norm and all(_same(a, b) for a, b in zip(args, seen_args)):
                 self.reused += 1
                 # an output that is an input (q, k without the norm) is this call's input
-                return {n: (args[i] if isinstance(i, int) else i.clone())
+                return {n: (args[i] if isinstance(i, int) else None if i is None else i.clone())
                         for n, i in out.items()}
         out = self._prepare(q, k, v, g, beta, use_qk_l2norm, chunks)
         self.runs += 1
