@@ -5,7 +5,7 @@ own case's result.
 A cases module (``python -m tests.support.<script> CASE [CASE ...]``) ends with
 ``run_cases(sys.argv[1:], run)``: every case runs in turn and prints one line
 ``RESULT <case> <json>``; a case that raises prints its traceback to stderr and
-``FAILED <case>`` and the others still run (the child then exits 1).
+``FAILED <case> <json traceback>`` and the others still run (the child then exits 1).
 
 :class:`GroupedCases` is the parent side, with :class:`tests.support.gdn.InterpretedCases`'s
 interface (``start``, ``result``, ``close``; use it with ``gdn.children_fixture``): ``start``
@@ -30,17 +30,16 @@ from tests.support.gdn import ROOT, _default_workers, interpreter_env, support_c
 
 def run_cases(cases: list[str], run: Callable[[str], dict]) -> None:
     """The child's main: ``run(case)`` for each case, one ``RESULT <case> <json>`` line each
-    (``FAILED <case>`` and the traceback on stderr for a case that raises); exits 1 if any
-    failed."""
+    (``FAILED <case> <json traceback>`` for a case that raises, the traceback on stderr too);
+    exits 1 if any failed."""
     failed = []
     for case in cases:
         try:
             result = run(case)
         except Exception:  # noqa: BLE001 - reported, and the remaining cases still run
-            print(f"--- case {case} failed:", file=sys.stderr)
-            traceback.print_exc()
-            sys.stderr.flush()
-            print(f"FAILED {case}", flush=True)
+            error = traceback.format_exc()
+            print(f"--- case {case} failed:\n{error}", file=sys.stderr, flush=True)
+            print(f"FAILED {case} {json.dumps(error)}", flush=True)
             failed.append(case)
             continue
         print(f"RESULT {case} {json.dumps(result)}", flush=True)
@@ -58,9 +57,10 @@ class _Child:
                                      cwd=str(ROOT))
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
+        self.timed_out = False
         self._cond = threading.Condition()
         self._results: dict[str, str] = {}
-        self._failed: set[str] = set()
+        self._failed: dict[str, str] = {}
         self._out: list[str] = []
         self._err: list[str] = []
         self._open = 2  # streams not yet at their end
@@ -79,7 +79,8 @@ class _Child:
                         case, _, payload = rest.partition(" ")
                         self._results[case] = payload
                     elif head == "FAILED":
-                        self._failed.add(rest)
+                        case, _, payload = rest.partition(" ")
+                        self._failed[case] = payload
                 self._cond.notify_all()
         with self._cond:
             self._open -= 1
@@ -100,13 +101,18 @@ class _Child:
 
     def result(self, case: str) -> dict:
         with self._cond:
-            found = self._wait(lambda: case in self._results)
+            self._wait(lambda: case in self._results or case in self._failed)
+            found, error = case in self._results, self._failed.get(case)
+        if error is not None:  # the case raised; the group's other cases run on
+            raise AssertionError(f"{self.script} {case} (group {' '.join(self.cases)}) raised:\n"
+                                 f"{json.loads(error)}")
         if not found:
-            timed_out = self.proc.poll() is None and time.monotonic() >= self.deadline
+            if self.proc.poll() is None and time.monotonic() >= self.deadline:
+                self.timed_out = True
             self.kill()
             with self._cond:
-                why = (f"no result within {self.timeout_s:.0f} s (the group's limit)"
-                       if timed_out else f"no result (exit code {self.proc.returncode})")
+                why = (f"no result within {self.timeout_s:.0f} s (the group's limit; killed)"
+                       if self.timed_out else f"no result (exit code {self.proc.returncode})")
                 raise AssertionError(f"{self.script} {case} (group {' '.join(self.cases)}): "
                                      f"{why}\n{self._output()}")
         if case == self.cases[-1]:  # the last case: the child must also exit cleanly

@@ -1,6 +1,7 @@
 """Cases of tests/ops/test_gdn_triton_varlen.py, run as ``python -m tests.support.gdn_triton_varlen_cases
-CASE [CASE ...]`` in a child process with ``TRITON_INTERPRET=1`` (as tests/support/gdn_triton_cases.py, for the same
-reason; several cases share one child: tests/support/case_groups.py). Prints one line per case,
+CASE [CASE ...]`` in a child process with ``TRITON_INTERPRET=1`` (as
+tests/support/gdn_triton_cases.py, for the same reason; the test runs several cases in one child:
+tests/support/case_groups.py). Prints one line per case,
 ``RESULT <case> {"errors": {name: rel-L2}, "tolerance": float, ...}``.
 
 Every case packs sequences of the given lengths into ``B = 1`` and runs the Triton op with
