@@ -34,6 +34,7 @@ def run_cases(cases: list[str], run: Callable[[str], dict]) -> None:
     exits 1 if any failed."""
     failed = []
     for case in cases:
+        started = time.process_time()
         try:
             result = run(case)
         except Exception:  # noqa: BLE001 - reported, and the remaining cases still run
@@ -43,6 +44,8 @@ def run_cases(cases: list[str], run: Callable[[str], dict]) -> None:
             failed.append(case)
             continue
         print(f"RESULT {case} {json.dumps(result)}", flush=True)
+        print(f"case {case}: {time.process_time() - started:.2f} s CPU", file=sys.stderr,
+              flush=True)
     sys.exit(1 if failed else 0)
 
 
