@@ -1,7 +1,8 @@
 """The fused GDN forward (ops/gdn/triton/fused_fwd.py, ``fused_forward=True``).
 
 On the CPU each case runs under the Triton interpreter in a child process (cases in
-``tests.support.gdn_triton_fused_cases``; why a child: test_gdn_triton.py): dense and packed inputs,
+``tests.support.gdn_triton_fused_cases``, a group of them per child; why a child:
+test_gdn_triton.py): dense and packed inputs,
 value heads sharing key heads, with and without initial states and the l2 norm, one and
 several scan segments, both diagonal-block inverses, forward alone and forward + backward
 (the fused walk writes the tensors the backward reads), against the float64 token recurrence.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.gdn import InterpretedCases, children_fixture, make_inputs, rel_l2
+from tests.support.case_groups import GroupedCases
+from tests.support.gdn import children_fixture, make_inputs, rel_l2
 
 pytestmark = pytest.mark.triton
 
@@ -22,7 +24,11 @@ NAMES = ("q", "k", "v", "g", "beta")
 needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
 
-_CASES = InterpretedCases("gdn_triton_fused_cases", timeout_s=480)
+# one child per worker runs a group of the cases (tests.support.case_groups); the costs (CPU
+# seconds of each case inside a group child, measured) balance two groups
+_CASES = GroupedCases("gdn_triton_fused_cases", timeout_s=480,
+                      cost={"fp32_packed": 17, "fp32_gqa": 6, "fp32_heads_no_state": 6,
+                            "fp32_no_norm": 4.4, "bf16_gqa": 8, "errors": 0.3})
 _CASE_OF_TEST = {"test_interpreter_fused_misuse_names_the_rule": "errors"}
 
 _interpreter_children = children_fixture(_CASES, _CASE_OF_TEST)

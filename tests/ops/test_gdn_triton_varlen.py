@@ -1,7 +1,8 @@
 """Packed variable-length sequences (``cu_seqlens``) in the Triton GDN kernels (issue #22 item 1).
 
 On the CPU each case runs under the Triton interpreter in a child process (cases in
-``tests.support.gdn_triton_varlen_cases``, why a child: test_gdn_triton.py): lengths shorter than a chunk,
+``tests.support.gdn_triton_varlen_cases``, a group of them per child; why a child:
+test_gdn_triton.py): lengths shorter than a chunk,
 equal to it, one past it, empty, with and without initial states, with and without the l2 norm,
 value heads sharing key heads, one scan segment per sequence and chained segments, against the
 float64 recurrence run on each sequence alone: output, final states and every gradient. On a
@@ -14,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.gdn import InterpretedCases, children_fixture, make_inputs, rel_l2
+from tests.support.case_groups import GroupedCases
+from tests.support.gdn import children_fixture, make_inputs, rel_l2
 
 pytestmark = pytest.mark.triton
 
@@ -24,7 +26,12 @@ needs_triton = pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
 
 
-_CASES = InterpretedCases("gdn_triton_varlen_cases")
+# one child per worker runs a group of the cases (tests.support.case_groups); the costs (CPU
+# seconds of each case inside a group child, measured) balance two groups
+_CASES = GroupedCases("gdn_triton_varlen_cases",
+                      cost={"fp32_gqa_state": 5.1, "fp32_chained_no_state_no_norm": 6.1,
+                            "fp32_norm_in_kernel_chained": 6.1, "bf16_gqa_state": 6.3,
+                            "one_sequence_is_dense": 3.4, "errors": 0.1})
 _CASE_OF_TEST = {"test_interpreter_one_sequence_is_the_dense_path_bit_for_bit":
                  "one_sequence_is_dense", "test_interpreter_varlen_errors_name_the_value": "errors"}
 

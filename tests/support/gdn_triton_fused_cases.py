@@ -1,6 +1,8 @@
 """Cases of tests/ops/test_gdn_triton_fused.py, run as ``python -m tests.support.gdn_triton_fused_cases
-CASE`` in a child process with ``TRITON_INTERPRET=1`` (as tests/support/gdn_triton_cases.py, for the same
-reason). Prints ``RESULT {"errors": {name: rel-L2}, "tolerance": float, ...}``.
+CASE [CASE ...]`` in a child process with ``TRITON_INTERPRET=1`` (as
+tests/support/gdn_triton_cases.py, for the same reason; the test runs several cases in one child:
+tests/support/case_groups.py). Prints one line per case,
+``RESULT <case> {"errors": {name: rel-L2}, "tolerance": float, ...}``.
 
 The fused forward (ops/gdn/triton/fused_fwd.py) against the float64 token recurrence (run per
 sequence for packed inputs): without gradients (nothing saved: o and the final state) for both
@@ -10,7 +12,6 @@ chain); with gradients (the fused walk writes the saved set, the unchanged backw
 
 from __future__ import annotations
 
-import json
 import sys
 from unittest import mock
 
@@ -21,7 +22,9 @@ from tests.support.interpreter import require_interpreter  # noqa: E402
 require_interpreter()
 torch.set_num_threads(1)
 
+from tests.support.case_groups import run_cases  # noqa: E402
 from tests.support.gdn import make_inputs, per_sequence_reference, rel_l2  # noqa: E402
+from overlap_runtime.ops.gdn.triton import function  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
     chunk_gated_delta_rule_triton, gdn_forward)
 from overlap_runtime.ops.gdn.triton import fused_fwd  # noqa: E402
@@ -81,6 +84,41 @@ def _reference(x: dict, offsets: list[int] | None, l2: bool, do: torch.Tensor,
     return o_ref.detach(), h_ref.detach(), grads
 
 
+class _PrepOnce:
+    """Within ``with``: the first ``fused_prepare`` of gdn_forward runs the kernel; a later
+    call with the same arguments (the same input tensors, flags, chunk count, config and an
+    equal chunk table: the kernel's every input) returns clones of that first output, which
+    the kernel would write again bit for bit; any other call raises. ``calls`` counts them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._first: tuple | None = None
+        self._patch = mock.patch.object(function, "fused_prepare", self._prepare)
+
+    def _prepare(self, q, k, v, g, beta, use_qk_l2norm, num_chunks, chunks, save,  # noqa: ANN001
+                 config=fused_fwd.DEFAULT_CONFIG):  # noqa: ANN001
+        self.calls += 1
+        args = (q, k, v, g, beta, use_qk_l2norm, num_chunks, chunks, save, config)
+        if self._first is None:
+            out = fused_fwd.fused_prepare(*args)
+            self._first = (args, {n: None if t is None else t.clone() for n, t in out.items()})
+            return out
+        first, out = self._first
+        same = all(a is b for a, b in zip(args[:5], first[:5])) and args[5:7] == first[5:7] \
+            and args[8:] == first[8:] and (
+                (chunks is None and first[7] is None)
+                or (chunks is not None and first[7] is not None and torch.equal(chunks, first[7])))
+        assert same, "fused_prepare called with other inputs than the first call"
+        return {n: None if t is None else t.clone() for n, t in out.items()}
+
+    def __enter__(self) -> "_PrepOnce":
+        self._patch.start()
+        return self
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        self._patch.stop()
+
+
 def run_case(case: str) -> dict:
     tol, l2 = CASES[case][-1], CASES[case][-2]
     x, cu, offsets = _inputs(case)
@@ -95,18 +133,22 @@ def run_case(case: str) -> dict:
     inputs = [x[n].detach() for n in NAMES]
     h0 = None if x[STATE] is None else x[STATE].detach()
     # forward alone (nothing saved): one segment and three (summaries + chain), both inverses;
-    # the doubling runs with q, k normalised in the walk (prenorm=False)
-    for segments in (1, 3):
-        for doubling in (False, True):
-            config = FusedConfig(inv_doubling=doubling, prenorm=not doubling)
-            with torch.no_grad():
-                o, h, saved, _ = gdn_forward(*inputs, h0, key_dim ** -0.5, l2, segments,
-                                             cu_seqlens=cu, fused=True, save=False,
-                                             fused_config=config)
-            assert saved is None
-            tag = f"ns{segments}_{'dbl' if doubling else 'subst'}"
-            errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
-            finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
+    # the doubling runs with q, k normalised in the walk (prenorm=False). The parallel launch
+    # does not depend on the segments: it runs once per inverse (_PrepOnce), and the three
+    # segments' forward goes through gdn_forward as the one segment's does, on its output.
+    for doubling in (False, True):
+        config = FusedConfig(inv_doubling=doubling, prenorm=not doubling)
+        with _PrepOnce() as prep_once:
+            for segments in (1, 3):
+                with torch.no_grad():
+                    o, h, saved, _ = gdn_forward(*inputs, h0, key_dim ** -0.5, l2, segments,
+                                                 cu_seqlens=cu, fused=True, save=False,
+                                                 fused_config=config)
+                assert saved is None
+                tag = f"ns{segments}_{'dbl' if doubling else 'subst'}"
+                errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
+                finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
+        assert prep_once.calls == 2, prep_once.calls
     # forward + backward through the autograd Function: the fused walk writes the saved set
     # (the second with q, k normalised in the walk, which then writes q's 1/norm)
     for segments, recompute_w in ((1, False), (2, True)):
@@ -145,7 +187,9 @@ def errors_name_the_rule(case: str) -> dict:
     return {"raised": raised}
 
 
+def run(case: str) -> dict:
+    return run_case(case) if case in CASES else errors_name_the_rule(case)
+
+
 if __name__ == "__main__":
-    name = sys.argv[1]
-    result = run_case(name) if name in CASES else errors_name_the_rule(name)
-    print("RESULT " + json.dumps(result))
+    run_cases(sys.argv[1:], run)

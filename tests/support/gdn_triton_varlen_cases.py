@@ -1,6 +1,8 @@
 """Cases of tests/ops/test_gdn_triton_varlen.py, run as ``python -m tests.support.gdn_triton_varlen_cases
-CASE`` in a child process with ``TRITON_INTERPRET=1`` (as tests/support/gdn_triton_cases.py, for the same
-reason). Prints one JSON object ``{"errors": {name: rel-L2}, "tolerance": float, ...}``.
+CASE [CASE ...]`` in a child process with ``TRITON_INTERPRET=1`` (as
+tests/support/gdn_triton_cases.py, for the same reason; the test runs several cases in one child:
+tests/support/case_groups.py). Prints one line per case,
+``RESULT <case> {"errors": {name: rel-L2}, "tolerance": float, ...}``.
 
 Every case packs sequences of the given lengths into ``B = 1`` and runs the Triton op with
 ``cu_seqlens`` forward and backward; the reference is the float64 token recurrence run on each
@@ -9,7 +11,6 @@ sequence alone from its own initial state (zeros without one).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -19,6 +20,7 @@ from tests.support.interpreter import require_interpreter  # noqa: E402
 require_interpreter()
 torch.set_num_threads(1)
 
+from tests.support.case_groups import run_cases  # noqa: E402
 from tests.support.gdn import make_inputs, per_sequence_reference, rel_l2, upcast  # noqa: E402
 from overlap_runtime.ops.gdn.triton.function import chunk_gated_delta_rule_triton  # noqa: E402
 
@@ -126,12 +128,13 @@ def errors_name_the_rule(case: str) -> dict:
     return {"raised": raised}
 
 
+def run(case: str) -> dict:
+    if case in CASES:
+        return forward_backward(case)
+    if case == "one_sequence_is_dense":
+        return one_sequence_is_dense(case)
+    return errors_name_the_rule(case)
+
+
 if __name__ == "__main__":
-    name = sys.argv[1]
-    if name in CASES:
-        result = forward_backward(name)
-    elif name == "one_sequence_is_dense":
-        result = one_sequence_is_dense(name)
-    else:
-        result = errors_name_the_rule(name)
-    print("RESULT " + json.dumps(result))
+    run_cases(sys.argv[1:], run)
