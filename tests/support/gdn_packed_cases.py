@@ -64,13 +64,7 @@ def layer_case() -> dict[str, float]:
     hidden = torch.randn(2, 80, 32, generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 80, dtype=torch.int64)
     mask[0, 40] = mask[1, 79] = 0
-    ref = reference_layer(layer)
-    # the F.conv1d conv for q, k and v too: a Triton layer also holds the Triton conv as its
-    # per-group conv (conv_parts_fn), which reference_layer keeps; None: the one torch conv,
-    # then split views (GatedDeltaNet.causal_conv_qkv), so no Triton kernel runs in the
-    # reference
-    ref.conv_parts_fn = None
-    return layer_packed_vs_alone(layer, ref, hidden, LAYER_CU, mask)
+    return layer_packed_vs_alone(layer, reference_layer(layer), hidden, LAYER_CU, mask)
 
 
 if __name__ == "__main__":

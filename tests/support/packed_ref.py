@@ -95,7 +95,11 @@ def slow_decay(layer: GatedDeltaNet) -> GatedDeltaNet:
 
 
 def reference_layer(layer: GatedDeltaNet) -> GatedDeltaNet:
-    """A copy of ``layer`` on the eager GDN backend and the ``F.conv1d`` torch conv."""
+    """A copy of ``layer`` on the eager GDN backend and the ``F.conv1d`` torch conv, for q, k
+    and v too: a Triton-conv layer also holds the Triton conv as its per-group conv
+    (``conv_parts_fn``); without it the copy runs the one torch conv, then split views
+    (``GatedDeltaNet.causal_conv_qkv``), so no Triton kernel runs in the reference."""
     ref = copy.deepcopy(layer)
     ref.backend, ref.conv_backend, ref.conv_fn = "eager", "torch", causal_conv_silu
+    ref.conv_parts_fn = None
     return ref
