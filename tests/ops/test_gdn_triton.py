@@ -17,7 +17,8 @@ import os
 import pytest
 import torch
 
-from tests.support.gdn import InterpretedCases, _selected_cases, make_inputs, rel_l2
+from tests.support.case_groups import GroupedCases
+from tests.support.gdn import children_fixture, make_inputs, rel_l2
 from overlap_runtime.ops.gdn import chunk_gated_delta_rule
 
 pytestmark = pytest.mark.triton
@@ -30,32 +31,19 @@ needs_triton = pytest.mark.skipif(
 
 _CASE_OF_TEST = {"test_interpreter_nan_stays_in_its_chunk": "nan_fp32",
                  "test_interpreter_capability_errors_name_the_rule": "capability_errors"}
-# One child runs the selected tests' cases one after the other (each child spends ~2 s CPU
-# importing torch and triton; this file's tests run in one worker anyway): its RESULT holds
-# every case's own result, or the error that case raised. The time limit covers all of them.
-_CHILD = InterpretedCases("gdn_triton_cases", timeout_s=900)
-_GROUP: list[str] = []
-_RESULTS: dict[str, dict] = {}
+# one child per worker runs a group of the cases (tests.support.case_groups), each test
+# asserting its own case's result; the costs (CPU seconds of each case in a group child,
+# measured) balance two groups
+_CASES = GroupedCases("gdn_triton_cases", timeout_s=480,
+                      cost={"summaries": 10, "gates_fp32": 11, "gates_bf16": 10, "nan_fp32": 12.6,
+                            "bf16_segments": 10, "fp32_one_segment": 7, "fp32_segments": 6,
+                            "fp32_norm_in_kernel": 6, "capability_errors": 0.5})
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_child(request):
-    if importlib.util.find_spec("triton") is not None:
-        _GROUP[:] = list(dict.fromkeys(_selected_cases(request, _CASE_OF_TEST)))
-        if _GROUP:
-            _CHILD.start([",".join(_GROUP)])
-    yield
-    _CHILD.close()
+_interpreter_children = children_fixture(_CASES, _CASE_OF_TEST)
 
 
 def _run_case(case: str) -> dict:
-    if case not in _RESULTS:
-        group = ",".join(_GROUP) if case in _GROUP else case
-        _RESULTS.update(_CHILD.result(group)["cases"])
-    result = _RESULTS[case]
-    if "error" in result:
-        pytest.fail(f"case {case} raised in the child:\n{result['error']}")
-    return result
+    return _CASES.result(case)
 
 
 @needs_triton

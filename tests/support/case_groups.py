@@ -7,8 +7,8 @@ A cases module (``python -m tests.support.<script> CASE [CASE ...]``) ends with
 ``RESULT <case> <json>``; a case that raises prints its traceback to stderr and
 ``FAILED <case> <json traceback>`` and the others still run (the child then exits 1).
 
-:class:`GroupedCases` is the parent side, with :class:`tests.support.gdn.InterpretedCases`'s
-interface (``start``, ``result``, ``close``; use it with ``gdn.children_fixture``): ``start``
+:class:`GroupedCases` is the parent side (``start``, ``result``, ``close``; use it with
+``gdn.children_fixture``): ``start``
 splits the selected cases into one group per worker (one group under pytest-xdist, where the
 worker process already holds a core; two otherwise: ``gdn._default_workers``), balanced by an
 estimated cost per case, and starts their children at once; ``result(case)`` returns that

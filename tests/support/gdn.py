@@ -8,8 +8,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,67 +56,6 @@ def run_interpreted(script: str, *args: str, timeout_s: float = 300) -> dict:
     return _result(script, args, proc.returncode, proc.stdout, proc.stderr)
 
 
-class InterpretedCases:
-    """The interpreter children of one test module's cases, run two at a time.
-
-    ``start(cases)`` launches ``python -m tests.support.<script> <case>`` for each case, at
-    most ``workers`` at once (each child is single-threaded and the Triton interpreter is
-    CPU-bound: see :func:`_default_workers`); ``result(case)``
-    returns that child's ``RESULT`` dict as :func:`run_interpreted` does, running the case now
-    if it was not started. Every wait is bounded by ``timeout_s`` per child (a child past it is
-    killed and the test fails naming the case)."""
-
-    def __init__(self, script: str, timeout_s: float = 300, workers: int | None = None) -> None:
-        self.script, self.timeout_s = script, timeout_s
-        self.workers = _default_workers() if workers is None else workers
-        self._queue: list[str] = []
-        self._running: dict[str, tuple[subprocess.Popen, float]] = {}
-        self._done: dict[str, tuple[int, str, str]] = {}
-
-    def start(self, cases: list[str]) -> None:
-        self._queue.extend(c for c in dict.fromkeys(cases)
-                           if c not in self._done and c not in self._running)
-        self._fill()
-
-    def _fill(self) -> None:
-        while self._queue and len(self._running) < self.workers:
-            case = self._queue.pop(0)
-            proc = subprocess.Popen(support_command(self.script, case),
-                                    env=interpreter_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
-            self._running[case] = (proc, time.monotonic())
-
-    def _finish(self, case: str) -> None:
-        proc, started = self._running.pop(case)
-        try:
-            out, err = proc.communicate(timeout=max(1.0, self.timeout_s
-                                                    - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate(timeout=30)
-            self._done[case] = (-9, out, f"{self.script} {case}: no result within "
-                                         f"{self.timeout_s} s\n{err}")
-        else:
-            self._done[case] = (proc.returncode, out, err)
-        self._fill()
-
-    def result(self, case: str) -> dict:
-        if case not in self._done and case not in self._running and case not in self._queue:
-            return run_interpreted(self.script, case, timeout_s=self.timeout_s)
-        while case not in self._done:  # a queued case starts when a running one is finished
-            self._finish(case if case in self._running else next(iter(self._running)))
-        code, out, err = self._done.pop(case)
-        return _result(self.script, (case,), code, out, err)
-
-    def close(self) -> None:
-        """Kill what is still running (a module whose tests were deselected or failed early)."""
-        for proc, _ in self._running.values():
-            proc.kill()
-            proc.communicate(timeout=30)
-        self._running.clear()
-        self._queue.clear()
-
-
 def _selected_cases(request, case_of_test: dict[str, str]) -> list[str]:  # noqa: ANN001
     """The interpreter cases of this module's selected tests, in collection order: a test's
     ``case`` parameter, else ``case_of_test[test function name]``."""
@@ -132,10 +71,10 @@ def _selected_cases(request, case_of_test: dict[str, str]) -> list[str]:  # noqa
     return cases
 
 
-def children_fixture(cases: InterpretedCases, case_of_test: dict[str, str]):  # noqa: ANN201
+def children_fixture(cases: Any, case_of_test: dict[str, str]):  # noqa: ANN201
     """A module-scoped autouse fixture (assign it to a module-level name): the selected tests'
-    interpreter children start together, two at a time, and what still runs at the module's
-    end is killed. ``case_of_test`` names the case of each test without a ``case`` parameter."""
+    cases start in ``cases`` (a ``tests.support.case_groups.GroupedCases``), and what still runs
+    at the module's end is killed. ``case_of_test`` names the case of each test without a ``case`` parameter."""
 
     @pytest.fixture(scope="module", autouse=True)
     def _interpreter_children(request):  # noqa: ANN001, ANN202

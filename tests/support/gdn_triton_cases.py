@@ -1,19 +1,18 @@
 """Cases of tests/ops/test_gdn_triton.py, run as ``python -m tests.support.gdn_triton_cases
-CASE[,CASE...]`` in a child process with ``TRITON_INTERPRET=1`` (triton reads it when a kernel
+CASE [CASE ...]`` in a child process with ``TRITON_INTERPRET=1`` (triton reads it when a kernel
 module is imported, so it must be set before; a child keeps it out of the other test files).
-The cases run one after the other; prints one JSON object ``{"cases": {case: result}}``, each
-result ``{"errors": {name: rel-L2}, "tolerance": float, ...}`` (or ``{"raised": ...}`` for the
-error cases, ``{"error": traceback}`` for a case that raised).
+The cases run one after the other (``tests.support.case_groups.run_cases``: one ``RESULT <case>
+<json>`` line each, ``{"errors": {name: rel-L2}, "tolerance": float, ...}`` or ``{"raised": ...}``
+for the error cases; ``FAILED <case> <traceback>`` for a case that raised).
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 
 import torch
 
+from tests.support.case_groups import run_cases  # noqa: E402
 from tests.support.interpreter import require_interpreter  # noqa: E402
 
 require_interpreter()
@@ -377,10 +376,4 @@ def run_case(name: str) -> dict:
 
 
 if __name__ == "__main__":
-    results = {}
-    for name in sys.argv[1].split(","):  # each case's result, or the error it raised
-        try:
-            results[name] = run_case(name)
-        except Exception:  # noqa: BLE001  (reported to that case's test)
-            results[name] = {"error": traceback.format_exc()}
-    print("RESULT " + json.dumps({"cases": results}))
+    run_cases(sys.argv[1:], run_case)
