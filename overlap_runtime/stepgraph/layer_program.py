@@ -107,14 +107,16 @@ class LayerOp:
     ``stepgraph.costs``): a chain receive's apply per hop, a scan receive's compose per round,
     the summary all-gather's prefix compose of the far end (``stepgraph.scale.priced_ops``).
 
+    ``join``: a non-blocking message that the next op of that name waits for (the forward MoE
+    combine joins ``moe.combine_wait``: the shared expert runs while it flies).
+
     Priced (the same type, filled in by a pricing pass such as ``stepgraph.scale.priced_ops``
     or ``stepgraph.predict.measured_ops``; None / defaults on the layer program's ops):
     ``cost`` (seconds), ``task_kind`` (the cost-model key the op's task carries; default its
-    ``kind``), ``group_size`` (the ranks of its group: a representative expansion builds one
+    name), ``group_size`` (the ranks of its group: a representative expansion builds one
     rank per pipeline coordinate, whose collective then stands for ``group_size`` identical
-    ones), ``join`` (a non-blocking message: the next op of that name waits for it) and
-    ``program_only`` (a leading op only the program order waits for: the task's inputs go to
-    the op after it). ``stepgraph.layout_graph`` expands priced ops.
+    ones) and ``program_only`` (a leading op only the program order waits for: the task's
+    inputs go to the op after it). ``stepgraph.expand`` expands priced and unpriced ops alike.
     """
 
     name: str
@@ -419,7 +421,8 @@ def _ffn_forward(config: "TrainConfig", s: MicrobatchShape, tag: str) -> list[La
                    f"{tag}.dispatch_counts"),
              _coll("moe.dispatch", "ep", "all_to_all", rows, f"{tag}.dispatch"),
              experts,
-             _coll("moe.combine", "ep", "all_to_all", rows, f"{tag}.combine", exact)]
+             replace(_coll("moe.combine", "ep", "all_to_all", rows, f"{tag}.combine", exact),
+                     join="moe.combine_wait")]
             + shared + [_c("moe.combine_wait", t * k * hid * 2)])
 
 
@@ -431,7 +434,7 @@ def _ffn_backward(config: "TrainConfig", fwd: list[LayerOp]) -> list[LayerOp]:
     ops: list[LayerOp] = []
     if "moe.combine" in by:  # the reverse all-to-alls: combine's first, dispatch's last
         c, d = by["moe.combine"], by["moe.dispatch"]
-        ops.append(replace(c, name="moe.combine.bwd", exact=True))
+        ops.append(replace(c, name="moe.combine.bwd", exact=True, join=None))
         ops.append(_c("moe.experts.bwd", work["moe.experts"]))
         if "moe.shared_expert" in by:
             ops.append(_c("moe.shared_expert.bwd", work["moe.shared_expert"]))
@@ -490,7 +493,8 @@ def layer_program(config: "TrainConfig", layer: int, direction: Direction,
               else _attention_backward(config, s, mixer_f, mode))
            + [_norms(s, m.hidden_size, "norm1.bwd")])
     if config.train.activation_checkpoint:
-        bwd = [replace(o, name=f"recompute.{o.name}") for o in fwd] + bwd
+        # the replay's combine is issued like a blocking one (no join)
+        bwd = [replace(o, name=f"recompute.{o.name}", join=None) for o in fwd] + bwd
     if direction == "B":
         return tuple(bwd)
     if direction == "I":  # half the compute (input gradients), every message

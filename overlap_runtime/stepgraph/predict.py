@@ -21,10 +21,10 @@ from overlap_runtime.graph.simulate import simulate
 from overlap_runtime.graph.task_graph import TaskGraph
 from overlap_runtime.graph.tasks import Task
 
-from .compose import pipeline_graph
+from .compose import compile_step
 from .costs import MeasuredCosts
 from .layer_program import LayerOp
-from .layout_graph import layout_graph, priced_op
+from .pricing import priced_op
 from .shared_cores import simulate_shared_cores
 
 
@@ -38,15 +38,16 @@ class StepFigures:
 
 
 def measured_ops(costs: MeasuredCosts, ep: int = 2, per_rank: bool = False
-                 ) -> Callable[[Task], list[LayerOp]]:
-    """The op chain of a pipeline action from measured costs: a runtime op (the uncovered time
-    per program step), then its busy work in the ``n + 1`` compute regions around the ``n``
-    all-to-alls it ran (``costs.a2a``, shares ``costs.regions``), each all-to-all a collective
-    of the ``ep`` ranks on ``comm:ep`` costing its measured mean span. ``per_rank``: the
-    task's ``rank`` is a global rank and its own costs (``costs.by_rank``) are used."""
+                 ) -> Callable[[Task, int], list[tuple[None, LayerOp]]]:
+    """The op source (``stepgraph.expand``) of measured costs: a pipeline action's chain is a
+    runtime op (the uncovered time per program step, on ``comm:host``), then its busy work in
+    the ``n + 1`` compute regions around the ``n`` all-to-alls it ran (``costs.a2a``, shares
+    ``costs.regions``), each all-to-all a collective of the ``ep`` ranks on ``comm:ep``
+    costing its measured mean span. ``per_rank``: the global rank's own costs
+    (``costs.by_rank``) are used."""
 
-    def ops(t: Task) -> list[LayerOp]:
-        c = costs.by_rank.get(t.rank, costs) if per_rank else costs
+    def ops(t: Task, rank: int) -> list[tuple[None, LayerOp]]:
+        c = costs.by_rank.get(rank, costs) if per_rank else costs
         stage = int(t.meta["stage"])
         work = c.cost(stage, t.kind)
         paired = t.lane in ("fwd", "bwd")
@@ -62,7 +63,7 @@ def measured_ops(costs: MeasuredCosts, ep: int = 2, per_rank: bool = False
         for j in range(n):
             out.append(priced_op(f"a2a{j}", "a2a", a2a, group="ep", group_size=ep))
             out.append(priced_op(f"compute{j + 1}", t.kind, work * share[j + 1]))
-        return out
+        return [(None, op) for op in out]
 
     return ops
 
@@ -70,8 +71,9 @@ def measured_ops(costs: MeasuredCosts, ep: int = 2, per_rank: bool = False
 def predict_step(config: Any, costs: MeasuredCosts, *, message_s: float, cores: int | None = None,
                  per_rank: bool = True) -> StepFigures:
     """Simulated step of ``config``'s pipeline: each F/B/I/W costs its measured busy time
-    around its measured all-to-alls, each SEND ``message_s``
-    (:func:`~overlap_runtime.stepgraph.layout_graph.layout_graph`).
+    around its measured all-to-alls (:func:`measured_ops`), each SEND ``message_s``, in the
+    simulation view of the step graph (:func:`~overlap_runtime.stepgraph.compose.compile_step`
+    with ``async_p2p`` and ``hook_waits``).
 
     ``per_rank`` (default): every rank simulated with its own measured costs, the expert
     all-to-alls as collectives of their EP group (peers wait for each other); False: one
@@ -81,9 +83,9 @@ def predict_step(config: Any, costs: MeasuredCosts, *, message_s: float, cores: 
     acc = config.train.accelerator
     world = acc.resolved_world_size
     inner = world // acc.pp
-    g = layout_graph(pipeline_graph(config), measured_ops(costs, acc.ep, per_rank), inner=inner,
-                     representative=not per_rank, per_rank=per_rank,
-                     message_cost=lambda t: message_s)
+    g = compile_step(config, validate=False, representative=not per_rank,
+                     ops=measured_ops(costs, acc.ep, per_rank),
+                     message_cost=lambda t: message_s, async_p2p=True, hook_waits=True).graph
     if cores is not None and cores < world:
         weight = 1 if per_rank else inner
         res = simulate_shared_cores(g, cores, {r: weight for r in g.ranks})

@@ -3,10 +3,10 @@
 :func:`price_step` is a pass over the graph of :func:`~.compose.compile_step`: every task gets
 the cost ``op_seconds(task)`` returns (seconds; a compute op on its rank's device, a send or
 a collective on its communication lane; a receive finishes with its send, so its own price
-is not used), and every task is tagged with ``meta['action_lane']``, the lane of the pipeline
-action it belongs to (``fwd`` / ``bwd`` inside an OVERLAP_B_F step), so the all-to-all overlap
-of :func:`overlap_runtime.graph.comm_overlap.simulated_a2a_overlap` can tell paired all-to-alls
-from the rest. :func:`predict_priced` simulates the priced graph:
+is not used); every task keeps the expansion's ``meta['action_lane']``, the lane of the
+pipeline action it belongs to (``fwd`` / ``bwd`` inside an OVERLAP_B_F step), so the all-to-all
+overlap of :func:`overlap_runtime.graph.comm_overlap.simulated_a2a_overlap` can tell paired
+all-to-alls from the rest. :func:`predict_priced` simulates the priced graph:
 
     step_s    the simulated step (list scheduler, ``graph.simulate``)
     serial_s  max over ranks of the rank's summed op costs (receives excluded): the step with
@@ -27,11 +27,29 @@ from overlap_runtime.graph.simulate import SimulationResult, simulate
 from overlap_runtime.graph.task_graph import TaskGraph
 from overlap_runtime.graph.tasks import Task
 
+from .layer_program import LayerOp
+
 if TYPE_CHECKING:
     from .compose import StepGraph
 
 #: The cost model of a pricing pass: seconds of one op task of a compiled step.
 OpSeconds = Callable[[Task], float]
+
+
+def priced_op(name: str, kind: str, cost: float, group: str | None = None,
+              group_size: int = 1, join: str | None = None,
+              program_only: bool = False) -> LayerOp:
+    """A priced :class:`~.layer_program.LayerOp` built directly (no layer program behind it),
+    for an op source (``stepgraph.expand``): ``name`` (shown in traces), ``kind`` (its task's
+    kind, the cost-model key), ``cost`` (seconds), for communication the ``group`` name and
+    ``group_size`` (a collective). ``join``: a non-blocking message (the MoE combine): it forks
+    from the op before it and the next op named ``join`` waits for it; None: blocking.
+    ``program_only``: a leading op that only the program order waits for (the runtime's own
+    work between two program steps): the task's inputs go to the op after it, so it overlaps
+    the wait for them."""
+    return LayerOp(name, "compute" if group is None else "collective", group,  # type: ignore[arg-type]
+                   cost=float(cost), task_kind=kind, group_size=group_size, join=join,
+                   program_only=program_only)
 
 
 @dataclass(frozen=True)
@@ -51,20 +69,13 @@ def price_step(step: "StepGraph", op_seconds: OpSeconds) -> TaskGraph:
     Raises ValueError naming the task whose cost is negative or not finite.
     """
     g = step.graph
-    lane_of: dict[object, str] = {}
-    for acts in step.actions.values():
-        for ids in acts.values():
-            lanes = [g.task(i).lane for i in ids if g.task(i).comm is None]
-            for i in ids:
-                lane_of[i] = lanes[0] if lanes else g.task(i).lane
     tasks = []
     for t in g.tasks():
         cost = float(op_seconds(t))
         if not (cost >= 0 and math.isfinite(cost)):
             raise ValueError(f"price_step: task {t.label or t.id!r} costs {cost} s; a cost "
                              f"must be a finite number >= 0")
-        tasks.append(t._replace(cost=cost, meta={**t.meta,
-                                                 "action_lane": lane_of.get(t.id, t.lane)}))
+        tasks.append(t._replace(cost=cost))
     out = TaskGraph(g.name)
     out.add_tasks(tasks)
     for kind in ("program", "data", "match"):

@@ -14,9 +14,12 @@ and a :class:`~overlap_runtime.stepgraph.costs.MachineProfile`:
    prefix compose, hierarchical attention's all-to-alls on ``cp_a2a`` and its ring on
    ``cp_ring`` (ranks ``cp_a2a`` apart), ring-attention hops only where they outlast the block
    they are prefetched behind;
-3. one representative rank per pipeline rank (:func:`~overlap_runtime.stepgraph.layout_graph.
-   layout_graph` with ``representative=True``): ranks of one cp/ep/dp group run the same
-   program; their collectives are costed by the group's size;
+3. the step graph of those priced ops with one representative rank per pipeline rank
+   (:func:`~overlap_runtime.stepgraph.compose.compile_step` with ``representative=True``, the
+   expansion the trainer's conformance check uses): ranks of one cp/ep/dp group run the same
+   program; their collectives are costed by the group's size; pipeline messages complete out
+   of order and an OVERLAP_B_F step keeps the coordinator's compute waits (the simulation
+   view of ``stepgraph.expand``);
 4. the list-scheduler simulation, plus what lies outside the pipeline: FSDP's one unshard
    (all-gather) and one reduce-scatter per step over ``dp_shard x cp``, and the optimizer step
    (16 bytes per sharded parameter through HBM);
@@ -37,10 +40,9 @@ from overlap_runtime.graph.tasks import Task
 
 from overlap_runtime.config.train import schedule_spec
 
-from .compose import pipeline_graph, stage_layers_of
+from .compose import compile_step, pipeline_graph, stage_layers_of
 from .costs import MachineProfile
 from .layer_program import LayerOp, MicrobatchShape, microbatch_shape, stage_program
-from .layout_graph import layout_graph
 
 if TYPE_CHECKING:
     from overlap_runtime.config.train import TrainConfig
@@ -63,8 +65,9 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
     """Price the ops of one stage action on ``profile`` (see the module doc for the rules).
 
     Returns the same ops priced (``cost``, ``task_kind`` ``compute`` / ``comm``, a message's
-    ``group_size``), sends dropped. Compute ops keep their names; messages become blocking ops
-    on ``comm:<group>`` (the
+    ``group_size``), sends dropped. Compute ops keep their names; a receive becomes a blocking
+    collective of its group (the wait of one rank, which then needs no peer built), so every
+    message is a blocking op on ``comm:<group>`` but the combine (its ``join``) (the
     group's collectives are costed by its size and placement: ``cp`` and ``ep`` consecutive
     ranks; hierarchical attention's ``cp_a2a`` the ``cp_a2a`` consecutive ranks of one ring
     index, ``cp_ring`` the ``cp / cp_a2a`` ranks ``cp_a2a`` apart). Sends cost nothing on the
@@ -74,6 +77,13 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
     round with its compose (:meth:`MachineProfile.prefix_scan`; its other receives then cost
     nothing). The summary all-gather is followed by the far end's prefix compose (``state``).
     """
+    return [op for _, op in priced_program(program, profile, cp=cp, ep=ep, cp_a2a=cp_a2a)]
+
+
+def priced_program(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile, *,
+                   cp: int, ep: int, cp_a2a: int | None = None) -> list[tuple[int, LayerOp]]:
+    """:func:`priced_ops` with each op's decoder layer: ``(layer, priced op)`` (an op source's
+    form, ``stepgraph.expand``)."""
     ops = [op for _, op in program]
     sizes: dict[str | None, tuple[int, int]] = {"cp": (cp, 1), "ep": (ep, 1)}
     if cp_a2a is not None:
@@ -82,11 +92,11 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
         sizes["cp_a2a"] = (cp_a2a, 1)
         sizes["cp_ring"] = (cp // cp_a2a, cp_a2a)
     scans_priced: set[str] = set()
-    out: list[LayerOp] = []
-    for j, op in enumerate(ops):
+    out: list[tuple[int, LayerOp]] = []
+    for j, (layer, op) in enumerate(program):
         if op.kind == "compute":
-            out.append(replace(op, cost=profile.compute(op.flops, op_class(op.name)),
-                               task_kind="compute"))
+            out.append((layer, replace(op, cost=profile.compute(op.flops, op_class(op.name)),
+                                       task_kind="compute")))
             continue
         if op.group in ("cp_a2a", "cp_ring") and op.group not in sizes:
             raise ValueError(f"priced_ops: op {op.name!r} is on group {op.group!r} "
@@ -117,11 +127,13 @@ def priced_ops(program: tuple[tuple[int, LayerOp], ...], profile: MachineProfile
             hidden = profile.compute(nxt.flops, op_class(nxt.name)) \
                 if nxt is not None and prefetched else 0.0
             cost = max(0.0, profile.ring_step(op.nbytes, g, stride) - hidden)
-        join = "moe.combine_wait" if op.name == "moe.combine" else None
-        out.append(replace(op, cost=cost, task_kind="comm", group_size=g, join=join))
+        # a collective, or a receive as a blocking wait of its group (no peer on one rank)
+        out.append((layer, replace(op, kind="collective", peer=None, cost=cost,
+                                   task_kind="comm", group_size=g)))
         if op.kind == "collective" and op.flops and op.name.startswith("gdn.gather_summary"):
-            out.append(LayerOp(f"{op.name}.compose", "compute", flops=op.flops,
-                               cost=profile.compute(op.flops, "state"), task_kind="compute"))
+            out.append((layer, LayerOp(f"{op.name}.compose", "compute", flops=op.flops,
+                                       cost=profile.compute(op.flops, "state"),
+                                       task_kind="compute")))
     return out
 
 
@@ -290,25 +302,25 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
         num_stages, stage_to_rank = 1, {0: 0}
     stage_layers = stage_layers_of(config, num_stages)
     last = num_stages - 1
-    cache: dict[tuple[int, str], list[LayerOp]] = {}
+    cache: dict[tuple[int, str], list[tuple[int, LayerOp]]] = {}
     rep_cp = min(1, dims.cp - 1)  # a middle rank: halo and chain messages both ways
     cp_a2a = acc.hierarchical_cp.a2a if acc.hierarchical_cp is not None else None
 
-    def ops_of(t: Task) -> list[LayerOp]:
+    def ops_of(t: Task, rank: int) -> list[tuple[int, LayerOp]]:
         stage = int(t.meta["stage"])
         key = (stage, t.kind)
         if key not in cache:
             prog = stage_program(config, stage_layers[stage], t.kind, shape,  # type: ignore[arg-type]
                                  cp_rank=rep_cp, stage=stage, first=stage == 0,
                                  last=stage == last)
-            cache[key] = priced_ops(prog, profile, cp=dims.cp, ep=dims.ep, cp_a2a=cp_a2a)
+            cache[key] = priced_program(prog, profile, cp=dims.cp, ep=dims.ep, cp_a2a=cp_a2a)
         return cache[key]
 
     act_bytes = shape.tokens * config.model.hidden_size * shape.dtype_bytes
     pp_link = profile.link(2, inner)
-    graph = layout_graph(pipeline, ops_of, inner=inner, representative=representative,
-                         message_cost=lambda t: pp_link.time(act_bytes),
-                         name=f"step {config.train.pipeline.schedule} pp={dims.pp}")
+    graph = compile_step(config, validate=False, representative=representative, ops=ops_of,
+                         message_cost=lambda t: pp_link.time(act_bytes), async_p2p=True,
+                         hook_waits=True).graph
     t1 = time.perf_counter()
     res = simulate(graph)
     t2 = time.perf_counter()

@@ -35,7 +35,7 @@ def simulate_shared_cores(graph: TaskGraphData, cores: int,
     seconds for compute, wall seconds for communication) on ``cores`` shared cores.
 
     ``rank_weight[r]``: how many real ranks rank ``r`` stands for (a representative of its
-    pipeline coordinate, :func:`~overlap_runtime.stepgraph.layout_graph.layout_graph`): while
+    pipeline coordinate, ``compile_step(..., representative=True)``): while
     it computes it counts ``rank_weight[r]`` times in ``k``. Default 1."""
     if cores < 1:
         raise ValueError(f"cores={cores} must be >= 1")

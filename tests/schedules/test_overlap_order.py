@@ -2,8 +2,8 @@
 
 The runtime's own order is compared with this function in tests/coordinator (test_deadlock.py:
 drain and back-to-back runs; test_overlap_dist.py: the launch log of real all-to-alls), and the
-step graph chains an OVERLAP_B_F step's all-to-alls with it (stepgraph.compose,
-stepgraph.layout_graph); here the function meets the order written out by hand.
+step graph chains an OVERLAP_B_F step's all-to-alls with it (stepgraph.overlap_edges, used by
+stepgraph.expand for every step graph); here the function meets the order written out by hand.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The pricing pass over a compiled step (``stepgraph.pricing``) and the one op type
-(``LayerOp``, priced or not) that ``layout_graph`` expands."""
+(``LayerOp``, priced or not) that ``compile_step`` expands (``stepgraph.expand``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.support.step_configs import moe_config
 from overlap_runtime.graph.tasks import Task
 from overlap_runtime.stepgraph.compose import compile_step
 from overlap_runtime.stepgraph.layer_program import LayerOp
-from overlap_runtime.stepgraph.pricing import by_op_name, predict_priced, price_step
+from overlap_runtime.stepgraph.pricing import by_op_name, predict_priced, price_step, priced_op
 
 
 def test_every_op_of_an_overlap_b_f_step_is_tagged_with_its_side() -> None:
@@ -44,14 +44,10 @@ def test_serial_step_sums_each_rank_and_skips_receives() -> None:
     assert pred.step_s >= pred.serial_s
 
 
-def test_layout_graph_refuses_an_unpriced_op() -> None:
-    from overlap_runtime.schedules import ScheduleSpec, compile_spec
-    from overlap_runtime.stepgraph.layout_graph import layout_graph, priced_op
-
-    pipe = compile_spec(ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=2)).graph
-
-    def ops(t: Task) -> list[LayerOp]:
-        return [priced_op("c", t.kind, 1.0), LayerOp("moe.router", "compute", flops=8.0)]
+def test_compile_step_refuses_an_unpriced_op_among_priced_ones() -> None:
+    def ops(t: Task, rank: int) -> list[tuple[None, LayerOp]]:
+        return [(None, priced_op("c", t.kind, 1.0)),
+                (None, LayerOp("moe.router", "compute", flops=8.0))]
 
     with pytest.raises(ValueError, match=r"ops \['moe.router'\] of .* have no cost"):
-        layout_graph(pipe, ops, inner=1, representative=True)
+        compile_step(moe_config(pp=2, ep=2, layers=2, microbatches=2), ops=ops, representative=True)

@@ -1,16 +1,22 @@
 """Cost models of the step graph: alpha-beta links and collectives by placement, node costs
 measured from traces (waits taken out), the shared-core simulation and its inverse, the
-coordinator's hand-over edges. Pure Python, no ranks."""
+coordinator's hand-over edges, the step graph over priced op sources (per rank, one rank per
+pipeline coordinate). Pure Python, no ranks."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.support.step_configs import gdn_chain_config, moe_config
+
 from overlap_runtime.graph import Task, TaskGraph
 from overlap_runtime.graph.simulate import simulate
 from overlap_runtime.pipeline.exec_trace import TraceEvent
+from overlap_runtime.stepgraph.compose import compile_step
 from overlap_runtime.stepgraph.costs import Link, h200_profile, measured_costs, split_busy
-from overlap_runtime.stepgraph.layout_graph import handover_edges
+from overlap_runtime.stepgraph.layer_program import LayerOp
+from overlap_runtime.stepgraph.overlap_edges import overlap_edges
+from overlap_runtime.stepgraph.pricing import priced_op
 from overlap_runtime.stepgraph.shared_cores import simulate_shared_cores, work_of_spans
 
 
@@ -82,35 +88,66 @@ def test_shared_cores_stretch_and_their_inverse() -> None:
 def test_handover_edges_alternate_the_comm_token_backward_first() -> None:
     """fwd: c0 d c1 k c2, bwd: c0' k' c1' d' c2'. Token: k' -> d -> d' -> k; each compute after
     a comm waits for the peer's launch of its next comm (the op before it)."""
-    fwd = [("c0", False), ("d", True), ("c1", False), ("k", True), ("c2", False)]
-    bwd = [("b0", False), ("kb", True), ("b1", False), ("db", True), ("b2", False)]
-    edges = set(handover_edges(fwd, bwd))
+    def side(names: list[str]) -> list[tuple[str, LayerOp]]:
+        return [(n, priced_op(n, "a2a", 1.0, group="ep", group_size=2) if n in "dk" or
+                 n in ("kb", "db") else priced_op(n, "F", 1.0)) for n in names]
+
+    fwd = side(["c0", "d", "c1", "k", "c2"])
+    bwd = side(["b0", "kb", "b1", "db", "b2"])
+    launch, waits = overlap_edges(fwd, bwd, hook_waits=True)
+    assert launch == ["kb", "d", "db", "k"]  # the token hand-overs: consecutive launches
+    edges = set(zip(launch, launch[1:])) | set(waits)
     assert {("kb", "d"), ("d", "db"), ("db", "k")} <= edges
     assert ("c0", "b1") in edges  # bwd computes after fwd launched d (fwd's c0 done)
     assert ("b1", "c1") in edges  # fwd computes after bwd launched db
     assert ("c1", "b2") in edges
     assert not any(v == "c2" for _, v in edges)  # the last comm: the peer has departed
+    # the conformance graph keeps the launch order only
+    assert overlap_edges(fwd, bwd, hook_waits=False) == (launch, [])
 
 
-def test_layout_graph_per_rank_costs_and_ep_rendezvous() -> None:
-    """pp2 x 2 inner ranks: with ``per_rank`` each global rank gets its own op costs; its
-    all-to-all is a collective of its EP pair, so the fast peer waits for the slow one."""
-    from overlap_runtime.schedules import ScheduleSpec, compile_spec
-    from overlap_runtime.stepgraph.layout_graph import layout_graph, priced_op as Op
-
-    pipe = compile_spec(ScheduleSpec(kind="1f1b", pp_size=2, num_microbatches=2)).graph
+def test_per_rank_op_source_and_ep_rendezvous() -> None:
+    """pp2 x 2 inner ranks: an op source is asked once per global rank (its own op costs);
+    its all-to-all is a collective of its EP pair, so the fast peer waits for the slow one."""
     seen: list[int] = []
 
-    def ops(t: Task) -> list[Op]:
-        seen.append(t.rank)
-        slow = 3.0 if t.rank == 1 else 1.0  # global rank 1: the slow EP peer of rank 0
-        return [Op("c", t.kind, slow), Op("a2a", "a2a", 0.5, group="ep", group_size=2),
-                Op("c2", t.kind, 1.0)]
+    def ops(t: Task, rank: int) -> list[tuple[None, LayerOp]]:
+        seen.append(rank)
+        slow = 3.0 if rank == 1 else 1.0  # global rank 1: the slow EP peer of rank 0
+        return [(None, priced_op("c", t.kind, slow)),
+                (None, priced_op("a2a", "a2a", 0.5, group="ep", group_size=2)),
+                (None, priced_op("c2", t.kind, 1.0))]
 
-    g = layout_graph(pipe, ops, inner=2, representative=False, per_rank=True,
-                     message_cost=lambda t: 0.0)
+    g = compile_step(moe_config(pp=2, ep=2, layers=2, microbatches=2), ops=ops,
+                     message_cost=lambda t: 0.0, async_p2p=True).graph
     assert sorted(set(seen)) == [0, 1, 2, 3]
+    assert g.task((0, "0F0", 1)).comm.key == "ep[0,1]"  # type: ignore[union-attr]
     res = simulate(g)
     start = dict(zip([t.id for t in res.tasks], res.start))
     # rank 0's first all-to-all starts when rank 1 (3 s of compute) reaches it, not at 1 s
     assert start[(0, "0F0", 1)] == pytest.approx(3.0)
+    with pytest.raises(ValueError, match=r"priced for a group of 4 but its ep group ep\[0,1\]"):
+        compile_step(moe_config(pp=2, ep=2, layers=2, microbatches=2), validate=False,
+                     ops=lambda t, r: [(None, priced_op("a2a", "a2a", 0.5, group="ep",
+                                                        group_size=4))])
+
+
+def test_representative_builds_one_rank_per_pipeline_coordinate() -> None:
+    """``representative``: only inner index 0 of each pp rank, each collective a group of one
+    (ep[0]) carrying the full group's cost; a message to a peer is refused (no peer built)."""
+    config = moe_config(pp=2, ep=2, layers=2, microbatches=2)
+
+    def ops(t: Task, rank: int) -> list[tuple[None, LayerOp]]:
+        return [(None, priced_op("c", t.kind, 1.0)),
+                (None, priced_op("a2a", "a2a", 0.5, group="ep", group_size=2))]
+
+    full = compile_step(config, ops=ops, message_cost=lambda t: 0.0)
+    rep = compile_step(config, ops=ops, message_cost=lambda t: 0.0, representative=True)
+    assert rep.dims_ranks() == [0, 2] and full.dims_ranks() == [0, 1, 2, 3]
+    assert rep.graph.ranks == [0, 2] and 2 * len(rep.graph) == len(full.graph)
+    a2a = [t for t in rep.graph.tasks() if t.lane == "comm:ep"]
+    assert {t.comm.key for t in a2a} == {"ep[0]", "ep[2]"}  # type: ignore[union-attr]
+    assert all(t.cost == 0.5 for t in a2a)  # the cost of the whole group's all-to-all
+    assert simulate(rep.graph).makespan == pytest.approx(simulate(full.graph).makespan)
+    with pytest.raises(ValueError, match=r"a send to a peer has no peer in a representative"):
+        compile_step(gdn_chain_config(2), representative=True)
