@@ -155,7 +155,8 @@ def layer_ops(config: "TrainConfig", dims: "ParallelDims", stage_layers: list[li
 def compile_step(config: "TrainConfig", *, validate: bool = True,
                  dims: "ParallelDims | None" = None, representative: bool = False,
                  ops: OpSource | None = None, message_cost: Callable[[Task], float] | None = None,
-                 async_p2p: bool = False, hook_waits: bool = False) -> StepGraph:
+                 async_p2p: bool = False, hook_waits: bool = False,
+                 pipeline: TaskGraph | None = None) -> StepGraph:
     """The task graph of one training step of ``config`` on every rank (module doc).
 
     With ``validate`` the graph is proven deadlock-free before it is returned (raises a
@@ -163,11 +164,12 @@ def compile_step(config: "TrainConfig", *, validate: bool = True,
     layout (default: ``config.train.accelerator.layout()``). ``representative``, ``ops``
     (default :func:`layer_ops`), ``message_cost``, ``async_p2p``, ``hook_waits``: see
     :func:`~.expand.expand`; the defaults give the graph a run is checked against.
+    ``pipeline``: :func:`pipeline_graph` of ``config`` when the caller has it already.
     """
     t0 = time.perf_counter()
     dims = dims if dims is not None else config.train.accelerator.layout()
     shape = microbatch_shape(config)
-    pipe = pipeline_graph(config)
+    pipe = pipeline if pipeline is not None else pipeline_graph(config)
     num_stages = max((t.meta.get("stage", 0) for t in pipe.tasks() if t.meta), default=0) + 1
     stage_layers = stage_layers_of(config, num_stages)
     # the HookCoordinator runs the two sides of a compound step on two threads only with

@@ -125,6 +125,7 @@ class _Expander:
         self.first: dict[tuple[int, str], Hashable] = {}
         self.first_data: dict[tuple[int, str], Hashable] = {}
         self.last: dict[tuple[int, str], Hashable] = {}
+        self.alone: dict[tuple[str, int], str] = {}  # representative: (group, rank) -> key
 
     def comm_task(self, rank: int, groups: dict[str, tuple[str, list[int]]], t: Task,
                   tid: Hashable, layer: int | None, op: LayerOp, meta: dict, label: str
@@ -136,7 +137,9 @@ class _Expander:
         gkey, members = groups[op.group]
         if op.kind == "collective":
             if self.representative:
-                gkey, members = group_key(op.group, [rank]), [rank]
+                gkey = self.alone.get((op.group, rank))
+                if gkey is None:
+                    gkey = self.alone[(op.group, rank)] = group_key(op.group, [rank])
             elif op.group_size not in (1, len(members)):
                 raise ValueError(f"{label}: priced for a group of {op.group_size} but its "
                                  f"{op.group} group {gkey} has {len(members)} ranks")
@@ -179,12 +182,13 @@ class _Expander:
             tid = ids[k]
             label = (f"r{rank}:{text}.L{layer}.{op.name}" if layer is not None
                      else f"r{rank}:{text}.{op.name}")
-            meta = {"action": text, "layer": layer, "op": op, "action_lane": t.lane}
             if not op.is_comm:
                 self.tasks.append(Task(tid, rank, t.lane, op.task_kind or op.name,
                                        cost=op.cost, step=t.step, label=label,
-                                       meta={**meta, "flops": op.flops}))
+                                       meta={"action": text, "layer": layer, "op": op,
+                                             "action_lane": t.lane, "flops": op.flops}))
             else:
+                meta = {"action": text, "layer": layer, "op": op, "action_lane": t.lane}
                 self.tasks.append(self.comm_task(rank, groups, t, tid, layer, op, meta, label))
             if key not in self.first_data and not op.program_only:
                 self.first_data[key] = tid

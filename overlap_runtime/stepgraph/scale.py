@@ -320,7 +320,7 @@ def predict_at_scale(config: "TrainConfig", profile: MachineProfile, *,
     pp_link = profile.link(2, inner)
     graph = compile_step(config, validate=False, representative=representative, ops=ops_of,
                          message_cost=lambda t: pp_link.time(act_bytes), async_p2p=True,
-                         hook_waits=True).graph
+                         hook_waits=True, pipeline=pipeline).graph
     t1 = time.perf_counter()
     res = simulate(graph)
     t2 = time.perf_counter()
