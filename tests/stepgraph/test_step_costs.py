@@ -106,6 +106,35 @@ def test_handover_edges_alternate_the_comm_token_backward_first() -> None:
     assert overlap_edges(fwd, bwd, hook_waits=False) == (launch, [])
 
 
+def test_a_forward_dispatch_is_one_comm_region_with_its_counts() -> None:
+    """Hooks A -> B bracket the counts and the tokens all-to-all: one turn of the token, and
+    the experts after it wait for the backward side's next launch."""
+    from overlap_runtime.stepgraph.layer_program import layer_program
+
+    config = moe_config(ep=2, layers=2)
+    fwd = [(f"f.{o.name}", o) for o in layer_program(config, 0, "F")]
+    bwd = [(f"b.{o.name}", o) for o in layer_program(config, 1, "B")]
+    launch, waits = overlap_edges(fwd, bwd, hook_waits=True)
+    assert launch == ["b.moe.combine.bwd", "f.moe.dispatch_counts", "f.moe.dispatch",
+                      "b.moe.dispatch.bwd", "f.moe.combine"]
+    assert waits == [("f.moe.router", "b.moe.experts.bwd"),  # fwd launched counts + dispatch
+                     ("b.moe.shared_expert.bwd", "f.moe.experts"),  # bwd launched dispatch.bwd
+                     ("f.moe.experts", "b.moe.router.bwd")]  # fwd launched its combine
+    # a longer backward side: the forward's last region (D_LAST) still hands over without
+    # waiting, while the backward drains its two remaining regions alone
+    longer = bwd + [(f"b0.{o.name}", o) for o in layer_program(config, 0, "B")]
+    launch, waits = overlap_edges(fwd, longer, hook_waits=True)
+    assert launch[-3:] == ["f.moe.combine", "b0.moe.combine.bwd", "b0.moe.dispatch.bwd"]
+    assert [v for _, v in waits] == ["b.moe.experts.bwd", "f.moe.experts", "b.moe.router.bwd"]
+    # a combine that is not the forward's last: its region ends at its wait (hook D), so the
+    # shared expert runs inside it and moe.combine_wait is what waits for the peer
+    two = fwd + [(f"f1.{o.name}", o) for o in layer_program(config, 1, "F")]
+    _, waits = overlap_edges(two, longer, hook_waits=True)
+    before = longer[[i for i, _ in longer].index("b0.moe.combine.bwd") - 1][0]
+    assert (before, "f.moe.combine_wait") in waits  # after bwd launched its next combine
+    assert not any(v == "f.moe.shared_expert" for _, v in waits)
+
+
 def test_per_rank_op_source_and_ep_rendezvous() -> None:
     """pp2 x 2 inner ranks: an op source is asked once per global rank (its own op costs);
     its all-to-all is a collective of its EP pair, so the fast peer waits for the slow one."""
