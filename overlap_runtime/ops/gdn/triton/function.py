@@ -645,9 +645,9 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             at every offset, initial_state and the final state are ``[N, HV, K, V]``.
         recompute_w: do not save w ``[B, T, HV, K]`` for the backward, form it again there
             (one more ``wy_fwd`` launch, w only; same results bit for bit).
-        fused_forward: after the chain's prep kernels the forward runs the fused walk
-            (fused_fwd.py) instead of the chain's scan and output; the backward is the same. When no gradient is wanted (grad mode off, or no
-            input requires grad) it writes nothing for a backward: o and the final state only.
+        fused_forward: the chain's prep kernels, then the fused walk (fused_fwd.py) instead of
+            the chain's scan and output; the same backward. With no gradient wanted (grad mode
+            off, or no input requires grad) nothing is kept for a backward: o, final state.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``, differentiable
