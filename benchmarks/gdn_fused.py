@@ -7,7 +7,8 @@ Usage (on the GPU machine, fla-core 0.6.0 installed from the wheels, gpu/README.
 Implementations (bf16, K = V = 128, l2norm in the op, random initial states, fp32 g):
 ``fla`` (fla-core 0.6.0 ``chunk_gated_delta_rule``, Hopper guard lifted for timing only),
 ``chain`` (our Triton backend, the five-kernel forward), ``fused`` (our Triton backend with
-``fused_forward=True``: fused_fwd.py; under ``no_grad`` it writes nothing for a backward).
+``fused_forward=True``: the chain's prep kernels, then the walks of fused_fwd.py; under
+``no_grad`` the walks write nothing for a backward).
 
 Parts, in the order given (default: accuracy profile table variants; each row guarded: a failure is printed and the rest runs; no new row starts
 once ``--budget-s`` seconds have passed):
@@ -15,7 +16,7 @@ once ``--budget-s`` seconds have passed):
   state) of every implementation at B=1 T=8K H=32 and T=32K H=16/HV=32, and the packed 64K row.
 * ``grad_accuracy`` (not a default part: slow): forward and every gradient of ``chain`` and
   ``fused`` (and fla's, guard lifted) at B=1 T=8K H=16/HV=32.
-* ``variants``: forward-only medians of the fused kernel's launch choices at B=1 T=32K H=32
+* ``variants``: forward-only medians of the fused walks' launch choices at B=1 T=32K H=32
   (``--variants``: which; each with rel-L2 of o and the final state against the chain's).
 * ``table``: forward (no_grad) and forward+backward medians (``do_bench``, median) and peak
   memory of fla / chain / fused in the issue's rows.
@@ -167,7 +168,7 @@ def run_impl(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None, 
 def accuracy(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     rows = []
     fwd_cases = [("b1_8k", ("fla", "chain", "fused")),
-                 ("b1_32k_gqa", ("fla", "chain", "fused", "fused_dbl")),
+                 ("b1_32k_gqa", ("fla", "chain", "fused")),
                  ("packed_64k", ("fla", "chain", "fused"))]
     for case, names in fwd_cases:
         if over_budget(args):
@@ -176,9 +177,7 @@ def accuracy(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
             x, cu = make_row(case, device, seed=11)
             ref = reference(x, cu, grads=False)
             for name in names:
-                fn = (impl("fused_cfg", FusedConfig(inv_doubling=True)) if name == "fused_dbl"
-                      else impl(name))
-                got = run_impl(fn, x, cu, grads=False)
+                got = run_impl(impl(name), x, cu, grads=False)
                 row = {"case": case, "impl": name, "pass": "fwd",
                        **{t: rel_l2(got[t], ref[t]) for t in ("o", "final")},
                        "finite": all(bool(torch.isfinite(v).all()) for v in got.values())}
@@ -263,19 +262,15 @@ VARIANTS = {
     "walk_w8": (FusedConfig(walk_warps=8, summary_warps=8), None),
     "walk_s1": (FusedConfig(walk_stages=1, summary_stages=1), None),
     "bv32": (FusedConfig(block=32), None),
-    "no_prenorm": (FusedConfig(prenorm=False), None),
     "ns1": (FusedConfig(), 1),
     "ns1_bv32": (FusedConfig(block=32), 1),
     "ns2": (FusedConfig(), 2),
     "ns8_bv32": (FusedConfig(block=32), 8),
-    "prep_w8": (FusedConfig(prep_warps=8), None),
-    "prep_w2": (FusedConfig(prep_warps=2), None),
-    "prep_dbl": (FusedConfig(inv_doubling=True), None),
 }
 
 
 def variants(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    """Forward-only medians of the fused forward's launch choices at B=1 T=32K H=32, each
+    """Forward-only medians of the fused walks' launch choices at B=1 T=32K H=32, each
     with rel-L2 of o and the final state against the chain's (a miscompile shows here)."""
     rows = []
     x, cu = make_row("b1_32k", device)
@@ -341,11 +336,11 @@ def profile(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
 
 
 def resources() -> list[dict[str, Any]]:
-    """Registers, spills and shared memory of every compiled fused kernel in this process."""
-    from overlap_runtime.ops.gdn.triton.fused_fwd import fused_prep_kernel, fused_walk_kernel
+    """Registers, spills and shared memory of every compiled fused walk in this process."""
+    from overlap_runtime.ops.gdn.triton.fused_fwd import fused_walk_kernel
 
     rows = []
-    for fn in (fused_prep_kernel, fused_walk_kernel):
+    for fn in (fused_walk_kernel,):
         for caches in getattr(fn, "device_caches", {}).values():
             for kernel in caches[0].values():
                 try:

@@ -175,10 +175,10 @@ def run_gdn(varlen: bool) -> None:
 
 
 def run_gdn_fused() -> None:
-    """The fused forward (ops/gdn/triton/fused_fwd.py), K = V = 128, H = 2 / HV = 4, dense
-    T = 128: alone (nothing saved) and through the backward (the saved set), with 2 segments
-    (summary launch + walk); both diagonal-block inverses, 4 and 8 warps, 1 and 2 stages,
-    column blocks of 32, 64 and 128."""
+    """The fused forward's walks (ops/gdn/triton/fused_fwd.py; its prep is the chain's
+    kernels), K = V = 128, H = 2 / HV = 4, dense T = 128: alone (nothing saved) and through the
+    backward (the saved set), with 2 segments (summary launch + walk); the default launch
+    choices, 4 and 8 warps, 1 and 2 stages, column blocks of 32, 64 and 128."""
     import torch
 
     from overlap_runtime.ops.gdn import GDNKernelOptions
@@ -191,10 +191,9 @@ def run_gdn_fused() -> None:
     v = torch.randn(1, 128, 4, 128, generator=gen).bfloat16()
     g = -torch.rand(1, 128, 4, generator=gen)
     beta = torch.rand(1, 128, 4, generator=gen).bfloat16()
-    for config in (FusedConfig(inv_doubling=True), FusedConfig(walk_warps=8, summary_warps=8),
-                   FusedConfig(walk_stages=1, summary_stages=1, prep_warps=8),
-                   FusedConfig(prep_warps=2, block=32), FusedConfig(block=128),
-                   FusedConfig(prenorm=False)):
+    for config in (FusedConfig(), FusedConfig(walk_warps=8, summary_warps=8),
+                   FusedConfig(walk_stages=1, summary_stages=1), FusedConfig(block=32),
+                   FusedConfig(block=128)):
         gdn_forward(q, k, v, g, beta, None, 128 ** -0.5, True, 2, fused=True, save=False,
                     fused_config=config)
 

@@ -4,8 +4,9 @@ On the CPU each case runs under the Triton interpreter in a child process (cases
 ``tests.support.gdn_triton_fused_cases``, a group of them per child; why a child:
 test_gdn_triton.py): dense and packed inputs,
 value heads sharing key heads, with and without initial states and the l2 norm, one and
-several scan segments, both diagonal-block inverses, forward alone and forward + backward
-(the fused walk writes the tensors the backward reads), against the float64 token recurrence.
+several scan segments, forward alone and forward + backward (the fused walk writes the
+per-chunk states and v_new the backward reads), and extreme gates (forward alone), against the
+float64 token recurrence; and the saved set against the kernel chain's.
 On a CUDA machine a full-size bf16 check runs against the fp32 eager backend.
 """
 
@@ -27,8 +28,9 @@ needs_triton = pytest.mark.skipif(
 # one child per worker runs a group of the cases (tests.support.case_groups); the costs (CPU
 # seconds of each case inside a group child, measured) balance two groups
 _CASES = GroupedCases("gdn_triton_fused_cases", timeout_s=480,
-                      cost={"fp32_packed": 17, "fp32_gqa": 6, "fp32_heads_no_state": 6,
-                            "fp32_no_norm": 4.4, "bf16_gqa": 8, "errors": 0.3})
+                      cost={"fp32_packed": 10.3, "fp32_gqa": 3.6, "fp32_heads_no_state": 3.9,
+                            "fp32_no_norm": 3.4, "bf16_gqa": 4.5, "gates_fp32": 4.1,
+                            "errors": 0.2})
 _CASE_OF_TEST = {"test_interpreter_fused_misuse_names_the_rule": "errors"}
 
 _interpreter_children = children_fixture(_CASES, _CASE_OF_TEST)
@@ -36,13 +38,27 @@ _interpreter_children = children_fixture(_CASES, _CASE_OF_TEST)
 
 @needs_triton
 @pytest.mark.parametrize("case", ["fp32_gqa", "fp32_heads_no_state", "fp32_no_norm",
-                                  "fp32_packed", "bf16_gqa"])
+                                  "fp32_packed", "bf16_gqa", "gates_fp32"])
 def test_interpreter_fused_forward_matches_recurrence(case):
     result = _CASES.result(case)
     errors, tol = result["errors"], result["tolerance"]
     assert result["finite"], "non-finite output or gradient"
     bad = {name: err for name, err in errors.items() if not err <= tol}
     assert not bad, f"rel-L2 above {tol}: {bad} (all: {errors})"
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["fp32_gqa", "fp32_heads_no_state", "fp32_no_norm",
+                                  "fp32_packed", "bf16_gqa"])
+def test_interpreter_fused_saved_set_matches_the_chain(case):
+    """The fused forward with 2 segments saves what the chain saves: q, k, v, g, beta and the
+    prep's q_rstd, k_rstd, gamma, Ainv, w bitwise in the same slots; the walk's states, v_new,
+    segment maps and o, the final state within the case's tolerance."""
+    result = _CASES.result(case)
+    assert result["prep_unequal"] == [], f"not bitwise the chain's: {result['prep_unequal']}"
+    tol, errors = result["tolerance"], result["vs_chain"]
+    bad = {name: err for name, err in errors.items() if not err <= tol}
+    assert not bad, f"rel-L2 against the chain above {tol}: {bad} (all: {errors})"
 
 
 @needs_triton

@@ -5,15 +5,18 @@ tests/support/case_groups.py). Prints one line per case,
 ``RESULT <case> {"errors": {name: rel-L2}, "tolerance": float, ...}``.
 
 The fused forward (ops/gdn/triton/fused_fwd.py) against the float64 token recurrence (run per
-sequence for packed inputs): without gradients (nothing saved: o and the final state) for both
-diagonal-block inverses and with one and several scan segments (the summary mode and the
-chain); with gradients (the fused walk writes the saved set, the unchanged backward reads it).
+sequence for packed inputs): without gradients (nothing saved: o and the final state) with one
+and several scan segments (the summary mode and the chain); with gradients (the fused walk
+writes the per-chunk states and v_new, the unchanged backward reads the saved set); its saved
+set against the kernel chain's (the prep's tensors bit for bit: the two paths share one prep
+output here, so what this checks is which tensor lands in which slot; the walk's states,
+v_new, segment maps, o and the final state against the chain's scan and output kernels); the
+extreme gates of tests/support/gdn_triton_cases.py through the fused forward.
 """
 
 from __future__ import annotations
 
 import sys
-from unittest import mock
 
 import torch
 
@@ -24,10 +27,10 @@ torch.set_num_threads(1)
 
 from tests.support.case_groups import run_cases  # noqa: E402
 from tests.support.gdn import make_inputs, per_sequence_reference, rel_l2  # noqa: E402
-from overlap_runtime.ops.gdn.triton import function  # noqa: E402
+from tests.support.gdn_triton_cases import (  # noqa: E402
+    GATE_PATTERNS, GATE_T, GATE_TOL, SharedPrepare)
 from overlap_runtime.ops.gdn.triton.function import (  # noqa: E402
     chunk_gated_delta_rule_triton, gdn_forward)
-from overlap_runtime.ops.gdn.triton import fused_fwd  # noqa: E402
 from overlap_runtime.ops.gdn.triton.fused_fwd import FusedConfig  # noqa: E402
 
 NAMES = ("q", "k", "v", "g", "beta")
@@ -84,39 +87,29 @@ def _reference(x: dict, offsets: list[int] | None, l2: bool, do: torch.Tensor,
     return o_ref.detach(), h_ref.detach(), grads
 
 
-class _PrepOnce:
-    """Within ``with``: the first ``fused_prepare`` of gdn_forward runs the kernel; a later
-    call with the same arguments (the same input tensors, flags, chunk count, config and an
-    equal chunk table: the kernel's every input) returns clones of that first output, which
-    the kernel would write again bit for bit; any other call raises. ``calls`` counts them."""
+# gdn_forward's saved tuple, in order; the first group comes from the prep launches
+SAVED = ("q", "k", "v", "g", "beta", "q_rstd", "k_rstd", "gamma", "ainv", "w", "m_seg",
+         "states", "v_new")
+WALK_SAVED = ("m_seg", "states", "v_new")
 
-    def __init__(self) -> None:
-        self.calls = 0
-        self._first: tuple | None = None
-        self._patch = mock.patch.object(function, "fused_prepare", self._prepare)
 
-    def _prepare(self, q, k, v, g, beta, use_qk_l2norm, num_chunks, chunks, save,  # noqa: ANN001
-                 config=fused_fwd.DEFAULT_CONFIG):  # noqa: ANN001
-        self.calls += 1
-        args = (q, k, v, g, beta, use_qk_l2norm, num_chunks, chunks, save, config)
-        if self._first is None:
-            out = fused_fwd.fused_prepare(*args)
-            self._first = (args, {n: None if t is None else t.clone() for n, t in out.items()})
-            return out
-        first, out = self._first
-        same = all(a is b for a, b in zip(args[:5], first[:5])) and args[5:7] == first[5:7] \
-            and args[8:] == first[8:] and (
-                (chunks is None and first[7] is None)
-                or (chunks is not None and first[7] is not None and torch.equal(chunks, first[7])))
-        assert same, "fused_prepare called with other inputs than the first call"
-        return {n: None if t is None else t.clone() for n, t in out.items()}
-
-    def __enter__(self) -> "_PrepOnce":
-        self._patch.start()
-        return self
-
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
-        self._patch.stop()
+def saved_vs_chain(saved: tuple, o: torch.Tensor, final: torch.Tensor,
+                   inputs: list[torch.Tensor], h0: torch.Tensor | None, scale: float, l2: bool,
+                   cu: torch.Tensor | None) -> tuple[list[str], dict[str, float]]:
+    """A fused forward's ``saved`` set, o and final state (2 segments, w saved) against the
+    kernel chain's on the same inputs: ``(names of the other saved tensors not bitwise equal
+    or not both None, {"saved_<name>": rel-L2} of the walk's tensors, o and the final
+    state)``."""
+    chain = gdn_forward(*inputs, h0, scale, l2, 2, cu_seqlens=cu)
+    unequal, errors = [], {}
+    for name, a, b in zip(SAVED, saved, chain[2], strict=True):
+        if name in WALK_SAVED:
+            errors[f"saved_{name}"] = rel_l2(a, b)
+        elif not ((a is None and b is None)
+                  or (a is not None and b is not None and torch.equal(a, b))):
+            unequal.append(name)
+    errors["saved_o"], errors["saved_final"] = rel_l2(o, chain[0]), rel_l2(final, chain[1])
+    return unequal, errors
 
 
 def run_case(case: str) -> dict:
@@ -132,41 +125,67 @@ def run_case(case: str) -> dict:
     errors, finite = {}, True
     inputs = [x[n].detach() for n in NAMES]
     h0 = None if x[STATE] is None else x[STATE].detach()
-    # forward alone (nothing saved): one segment and three (summaries + chain), both inverses;
-    # the doubling runs with q, k normalised in the walk (prenorm=False). The parallel launch
-    # does not depend on the segments: it runs once per inverse (_PrepOnce), and the three
-    # segments' forward goes through gdn_forward as the one segment's does, on its output.
-    for doubling in (False, True):
-        config = FusedConfig(inv_doubling=doubling, prenorm=not doubling)
-        with _PrepOnce() as prep_once:
-            for segments in (1, 3):
-                with torch.no_grad():
-                    o, h, saved, _ = gdn_forward(*inputs, h0, key_dim ** -0.5, l2, segments,
-                                                 cu_seqlens=cu, fused=True, save=False,
-                                                 fused_config=config)
-                assert saved is None
-                tag = f"ns{segments}_{'dbl' if doubling else 'subst'}"
-                errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
-                finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
-        assert prep_once.calls == 2, prep_once.calls
-    # forward + backward through the autograd Function: the fused walk writes the saved set
-    # (the second with q, k normalised in the walk, which then writes q's 1/norm)
-    for segments, recompute_w in ((1, False), (2, True)):
-        leaves = {n: (None if t is None else t.detach().clone().requires_grad_())
-                  for n, t in x.items()}
-        with mock.patch.object(fused_fwd, "DEFAULT_CONFIG",
-                               FusedConfig(prenorm=not recompute_w)):
+    # The prep (function.prepare: l2norm, kkt_solve, wy_fwd) does not depend on the segments,
+    # the save flag or the path: its kernels run once (SharedPrepare), every later forward
+    # (fused or chain) gets clones of that output.
+    with SharedPrepare() as shared:
+        # forward alone (nothing saved): one segment and three (summaries + chain)
+        for segments in (1, 3):
+            with torch.no_grad():
+                o, h, saved, _ = gdn_forward(*inputs, h0, key_dim ** -0.5, l2, segments,
+                                             cu_seqlens=cu, fused=True, save=False)
+            assert saved is None
+            errors[f"o_ns{segments}"], errors[f"final_ns{segments}"] = (rel_l2(o, o_ref),
+                                                                        rel_l2(h, h_ref))
+            finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
+        # forward + backward through the autograd Function: the saved set (the walk's states and
+        # v_new, the prep's tensors) read by the unchanged backward; with 2 segments and w saved,
+        # that set against the kernel chain's
+        for segments, recompute_w in ((1, True), (2, False)):
+            leaves = {n: (None if t is None else t.detach().clone().requires_grad_())
+                      for n, t in x.items()}
             o, h = chunk_gated_delta_rule_triton(*(leaves[n] for n in NAMES), key_dim ** -0.5,
                                                  leaves[STATE], l2, segments, cu_seqlens=cu,
                                                  recompute_w=recompute_w, fused_forward=True)
-        ((o.double() * do).sum() + (h.double() * dh).sum()).backward()
-        tag = f"grad_ns{segments}"
-        errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
-        for n, t in leaves.items():
-            if t is not None:
-                errors[f"d{n}_{tag}"] = rel_l2(t.grad, g_ref["d" + n])
-                finite &= bool(torch.isfinite(t.grad).all())
-    return {"errors": errors, "tolerance": tol, "finite": finite}
+            if segments == 2:
+                unequal, chain_errors = saved_vs_chain(o.grad_fn.saved_tensors, o.detach(),
+                                                       h.detach(), inputs, h0, key_dim ** -0.5,
+                                                       l2, cu)
+            ((o.double() * do).sum() + (h.double() * dh).sum()).backward()
+            tag = f"grad_ns{segments}"
+            errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
+            for n, t in leaves.items():
+                if t is not None:
+                    errors[f"d{n}_{tag}"] = rel_l2(t.grad, g_ref["d" + n])
+                    finite &= bool(torch.isfinite(t.grad).all())
+    assert (shared.runs, shared.reused) == (1, 4), (shared.runs, shared.reused)
+    return {"errors": errors, "tolerance": tol, "finite": finite, "prep_unequal": unequal,
+            "vs_chain": chain_errors}
+
+
+def gates(case: str) -> dict:
+    """``gates_fp32``: the extreme gate patterns of tests/support/gdn_triton_cases.py (-inf
+    resets at chunk starts, middles and ends, several in a chunk, -1e38, -1e4, a partial last
+    chunk summing to -96) in one sequence; the fused forward alone with one segment and with
+    two against the float64 recurrence (the walks read the prep's floored gamma)."""
+    from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule
+
+    x = make_inputs(1, GATE_T, 1, 3, 32, 32, dtype=torch.float32, seed=7, decay_shift=3.0,
+                    requires_grad=False)
+    for _, gate, head, positions in GATE_PATTERNS:
+        x["g"][:, list(positions), head] = gate
+    o_ref, h_ref = recurrent_gated_delta_rule(*(x[n].double() for n in NAMES),
+                                              initial_state=x[STATE].double())
+    errors, finite = {}, True
+    with SharedPrepare() as shared:
+        for segments in (1, 2):
+            o, h, _, _ = gdn_forward(*(x[n] for n in NAMES), x[STATE], 32 ** -0.5, True,
+                                     segments, fused=True, save=False)
+            errors[f"o_ns{segments}"], errors[f"final_ns{segments}"] = (rel_l2(o, o_ref),
+                                                                        rel_l2(h, h_ref))
+            finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
+    assert (shared.runs, shared.reused) == (1, 1), (shared.runs, shared.reused)
+    return {"errors": errors, "tolerance": GATE_TOL["fp32"], "finite": finite}
 
 
 def errors_name_the_rule(case: str) -> dict:
@@ -188,7 +207,9 @@ def errors_name_the_rule(case: str) -> dict:
 
 
 def run(case: str) -> dict:
-    return run_case(case) if case in CASES else errors_name_the_rule(case)
+    if case in CASES:
+        return run_case(case)
+    return gates(case) if case == "gates_fp32" else errors_name_the_rule(case)
 
 
 if __name__ == "__main__":

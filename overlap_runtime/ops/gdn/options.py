@@ -40,12 +40,12 @@ class GDNKernelOptions:
             K = 128, bf16) and the backward forms it again from the saved inverse (one more
             w-only ``wy_fwd`` launch, about 2-3% of forward+backward at 8K; results bit for bit
             the same). Default False: w is saved (docs/gdn.md, "Triton backend"). A bool.
-        fused_forward: triton only. True: the forward runs the fused kernel
-            (``ops/gdn/triton/fused_fwd.py``: one parallel launch for the WY factors from
-            the raw inputs, then a walk that holds the state on chip across chunks and writes
-            o, no per-chunk state or residual in memory) instead of the five-kernel chain; it writes
-            the same saved set for the backward, and nothing but o and the final state when
-            no gradient is wanted. Default False (docs/benchmarks.md has the timings). A bool.
+        fused_forward: triton only. True: after the chain's prep kernels (l2norm, kkt_solve,
+            wy_fwd) the forward runs the fused walk (``ops/gdn/triton/fused_fwd.py``: the
+            state held on chip across chunks, o written, no per-chunk state or residual in
+            memory) instead of the chain's scan and output kernels; it keeps the same saved
+            set for the backward, and nothing but o and the final state when no gradient is
+            wanted. Default False (docs/benchmarks.md has the timings). A bool.
     """
 
     block_chunks: int | None = None

@@ -80,7 +80,7 @@ from .fwd_output import output_kernel
 from .fwd_prepare import kkt_solve, wy_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
 from . import fused_fwd
-from .fused_fwd import FusedConfig, fused_prepare, fused_summaries, fused_walk
+from .fused_fwd import FusedConfig, fused_summaries, fused_walk
 from .l2norm import l2norm_apply, l2norm_forward, l2norm_group_backward
 from .varlen import VarlenLayout, varlen_layout
 
@@ -344,10 +344,10 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             h0 and the final state are then ``[N, HV, K, V]``.
         recompute_w: leave w out of ``saved``; :func:`gdn_backward` forms it again from the
             saved Ainv (one w-only ``wy_fwd`` launch, bitwise the same w).
-        fused: run the fused forward (fused_fwd.py: one parallel WY launch from the raw
-            inputs, then one summary launch and one walk that keeps the state on chip and
-            writes o, residuals formed on chip) instead of the kernel chain;
-            the same ``saved`` set, written by the walk. ``save=False`` (fused only): nothing
+        fused: run the fused forward (fused_fwd.py: the chain's prep launches, then one
+            summary launch and one walk that keeps the state on chip and writes o, residuals
+            formed on chip) instead of the chain's scan and output kernels; the same ``saved``
+            set (states and v_new written by the walk). ``save=False`` (fused only): nothing
             for a backward is written and ``saved`` is None (inference, no autograd).
         fused_config: the fused kernel's launch choices (None: fused_fwd.DEFAULT_CONFIG).
 
@@ -421,10 +421,10 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    config: FusedConfig | None
                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...] | None,
                               "ScanMeta"]:
-    """:func:`gdn_forward` by the fused kernels: the parallel WY launch from the raw inputs,
+    """:func:`gdn_forward` by the fused walk: the chain's prep launches (:func:`prepare`),
     segment summaries (when the sequence is split), the chain and the state hooks as the kernel
-    chain runs them, then one walk that writes o (and, with ``save``, the saved tensors of the
-    kernel chain)."""
+    chain runs them, then one walk that writes o (and, with ``save``, the per-chunk states and
+    v_new of the chain's saved set; the rest of that set is the prep's)."""
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     bh = batch * num_value_heads
@@ -438,12 +438,12 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
     rows = _rows(bh, ns, layout)
     config = fused_fwd.DEFAULT_CONFIG if config is None else config
-    prep = fused_prepare(q, k, v, g, beta, use_qk_l2norm, num_chunks, tables[0], save, config)
+    prep = prepare(q, k, v, g, beta, use_qk_l2norm, tables[0])
+    prep["ainv"] = prep["ainv"] if save else None  # the backward's alone: freed before the walks
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps
     if meta.chained or wants_maps:
-        m_seg, s_seg = fused_summaries(q, k, prep, use_qk_l2norm, ns, per_segment,
-                                       num_chunks, rows, tables, config)
+        m_seg, s_seg = fused_summaries(prep, ns, per_segment, num_chunks, rows, tables, config)
     if link is not None:
         if wants_maps:
             link.segment_maps(m_seg, s_seg)
@@ -456,8 +456,8 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     else:
         seg_init = _entering(h0_flat, bh, layout)
     del s_seg
-    res = fused_walk(q, k, prep, seg_init, scale, use_qk_l2norm, ns, per_segment,
-                     num_chunks, rows, tables, save, config=config)
+    res = fused_walk(prep, seg_init, scale, ns, per_segment, num_chunks, rows, tables, save,
+                     config=config)
     h_end = res["h_end"]
     if layout is None:
         final = h_end[:, -1].reshape(batch, num_value_heads, key_dim, value_dim)
@@ -468,7 +468,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         link.leaving_state(final)
     saved = None
     if save:
-        saved = (q, k, v, g, beta, res["q_rstd"], prep["k_rstd"], prep["gamma"],
+        saved = (q, k, v, g, beta, prep["q_rstd"], prep["k_rstd"], prep["gamma"],
                  prep["ainv"], None if recompute_w else prep["w"], m_seg, res["states"],
                  res["v_new"])
     return res["o"], final, saved, meta
@@ -645,9 +645,9 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             at every offset, initial_state and the final state are ``[N, HV, K, V]``.
         recompute_w: do not save w ``[B, T, HV, K]`` for the backward, form it again there
             (one more ``wy_fwd`` launch, w only; same results bit for bit).
-        fused_forward: the forward runs the fused kernel (fused_fwd.py) instead of the kernel
-            chain; the backward is the same. When no gradient is wanted (grad mode off, or no
-            input requires grad) it writes nothing for a backward: o and the final state only.
+        fused_forward: the chain's prep kernels, then the fused walk (fused_fwd.py) instead of
+            the chain's scan and output; the same backward. With no gradient wanted (grad mode
+            off, or no input requires grad) nothing is kept for a backward: o, final state.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``, differentiable
