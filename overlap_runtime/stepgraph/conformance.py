@@ -63,6 +63,13 @@ def _got(e: Mapping[str, Any]) -> str:
             f"labelled {e.get('label')!r} (thread {e.get('thread')})")
 
 
+def _is_message(g: Any, ids: list[Hashable]) -> bool:
+    """Whether the action of ``ids`` is a pipeline SEND/RECV (one communication task, no layer
+    op) rather than a compute action, whose first op may be a communication too."""
+    t = g.task(ids[0])
+    return len(ids) == 1 and t.comm is not None and t.meta.get("op") is None
+
+
 def check_conformance(sg: StepGraph, records: Mapping[int, Iterable[Any]]) -> None:
     """Raise :class:`ConformanceError` unless ``records`` (global rank -> entries) is a run of
     ``sg`` (module doc). ``records`` must hold every rank of the layout."""
@@ -88,7 +95,7 @@ def check_conformance(sg: StepGraph, records: Mapping[int, Iterable[Any]]) -> No
                     f"Rule: every communication of a step goes through ops.comm")
             if e["op"] == "task":
                 name = e["task"]
-                if name in acts and g.task(acts[name][0]).comm is None:
+                if name in acts and not _is_message(g, acts[name]):
                     started[name] = started.get(name, 0) + 1
                     if started[name] > 1:
                         raise ConformanceError(f"{where}: task {name} ran twice; the graph has "
@@ -163,7 +170,7 @@ def _check_complete(sg: StepGraph, rank: int, acts: dict[str, list[Hashable]],
                     started: dict[str, int], assigned: dict[Hashable, Any]) -> None:
     g = sg.graph
     for action, ids in acts.items():
-        if g.task(ids[0]).comm is not None:  # a pipeline message
+        if _is_message(g, ids):
             if ids[0] not in assigned:
                 raise ConformanceError(f"rank {rank}: pipeline message {action} never launched; "
                                        f"the graph expects {_expect(g.task(ids[0]))}")
@@ -239,8 +246,7 @@ def ideal_records(sg: StepGraph) -> dict[int, list[dict[str, Any]]]:
     for rank, acts in sg.actions.items():
         rows: list[tuple[Any, int, dict[str, Any]]] = []
         for action, ids in acts.items():
-            t0 = g.task(ids[0])
-            if t0.comm is None:
+            if not _is_message(g, ids):
                 rows.append((min(index[i] for i in ids) - 0.5, 0,
                              {"op": "task", "task": action}))
             for tid in ids:

@@ -88,6 +88,36 @@ def test_checker_catches_a_skipped_message_at_the_end_of_a_task() -> None:
         check_conformance(sg, rec)
 
 
+@pytest.mark.parametrize("name", ["pp2_ep2_cp2", "pp2_ep2_overlap_b_f"])
+def test_checker_checks_actions_that_begin_with_a_communication(name: str) -> None:
+    """A compute action whose first op is a launch (a backward opening with a CP receive or an
+    expert all-to-all) is held to the same rules as any other: its last launch left out, or the
+    action started twice, is caught on every rank that has such an action."""
+    sg = _graph(name)
+    g, rec = sg.graph, ideal_records(sg)
+    found = 0
+    for rank, acts in sg.actions.items():
+        opening = [a for a, ids in acts.items()
+                   if g.task(ids[0]).comm is not None and g.task(ids[0]).meta.get("op")]
+        if not opening:
+            continue
+        action = opening[-1]
+        found += 1
+        short = copy.deepcopy(rec)
+        last = max(i for i, e in enumerate(short[rank])
+                   if e["task"] == action and e["op"] != "task")
+        del short[rank][last]
+        with pytest.raises(ConformanceError, match=rf"rank {rank}, task r{rank}:{action}\.\S+: "
+                                                   rf"never launched"):
+            check_conformance(sg, short)
+        twice = copy.deepcopy(rec)
+        twice[rank].append({"op": "task", "task": action})
+        with pytest.raises(ConformanceError, match=rf"rank {rank}, record #\d+: task {action} "
+                                                   rf"ran twice"):
+            check_conformance(sg, twice)
+    assert found, f"{name}: no action opens with a communication; the test checks nothing"
+
+
 def test_checker_catches_a_send_to_the_wrong_peer() -> None:
     sg = _graph("pp2_ep2_cp2")  # ring attention and the GDN chain on cp2, 8 ranks
     rec = ideal_records(sg)
