@@ -8,20 +8,29 @@ What it shows:
     with EP 2 borrowed from dp_shard x cp and FSDP2 over the 4 ranks of each pipeline stage;
   * ``train_distributed(config)`` on the ranks torchrun started (``ParallelDims`` builds every
     mesh), then ``train_single(config)``: the same model, data and optimizer on one process;
-  * the check: every step's loss and gradient norm agree within 1e-5 relative
-    (``compare_runs``). Every token goes to every expert (top-k = number of experts) so no
-    routing tie can flip between the two runs.
+  * the checks: the first step's communication, recorded on every rank, is the step graph's
+    (``train.check_conformance``: every all-to-all, CP message and pipeline send in the order
+    the graph says, or the run raises), and every step's loss and gradient norm agree with one
+    device within 1e-5 relative (``compare_runs``). Every token goes to every expert (top-k =
+    number of experts) so no routing tie can flip between the two runs.
 
 Run (CPU, gloo; exactly 8 ranks):
   torchrun --nproc-per-node 8 examples/train_4d.py
 
 Prints (rank 0; numbers vary in the last digits):
-  step 1/2  loss 5.556334  grad_norm 1.408990e+00  lr 3.00e-03  tok/s 208  (1232.5 ms)
-  step 2/2  loss 5.485733  grad_norm 2.163943e+00  lr 3.00e-03  tok/s 657  (389.9 ms)
+  step graph: 1952 tasks, 2640 edges on 8 ranks (built in 0.04s, validated in 0.00s)
+  step 1/5  loss 5.563675  grad_norm 1.184454e+00  lr 3.00e-03  tok/s 302  (1695.9 ms)
+  step 2/5  loss 5.484763  grad_norm 1.680112e+00  lr 3.00e-03  tok/s 509  (1005.7 ms)
+  step 3/5  loss 5.391442  grad_norm 1.200641e+00  lr 3.00e-03  tok/s 500  (1024.4 ms)
+  step 4/5  loss 5.302928  grad_norm 1.294038e+00  lr 3.00e-03  tok/s 554  (924.9 ms)
+  step 5/5  loss 5.184281  grad_norm 1.341931e+00  lr 3.00e-03  tok/s 580  (882.8 ms)
   layout: pp2(interleaved_1f1b,v2) x fsdp4 x cp2:p2p/ring x ep2
-  step 1: loss 5.556334 vs 5.556334 (one device), grad norm 1.408990e+00 vs 1.408990e+00
-  step 2: loss 5.485733 vs 5.485733 (one device), grad norm 2.163943e+00 vs 2.163944e+00
-  CHECK train_4d: max relative difference 3.3e-07 <= 1e-05 (loss and grad norm, 2 steps): OK
+  step 1: loss 5.563675 vs 5.563675 (one device), grad norm 1.184454e+00 vs 1.184454e+00
+  step 2: loss 5.484763 vs 5.484763 (one device), grad norm 1.680112e+00 vs 1.680113e+00
+  step 3: loss 5.391442 vs 5.391443 (one device), grad norm 1.200641e+00 vs 1.200641e+00
+  step 4: loss 5.302928 vs 5.302928 (one device), grad norm 1.294038e+00 vs 1.294038e+00
+  step 5: loss 5.184281 vs 5.184282 (one device), grad norm 1.341931e+00 vs 1.341930e+00
+  CHECK train_4d: max relative difference 4.4e-07 <= 1e-05 (loss and grad norm, 5 steps): OK
 Exits 1 (and prints FAIL) on a mismatch.
 """
 
@@ -48,16 +57,16 @@ CONFIG = {
         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
         "moe_aux_loss_coef": 0.0,
     },
-    "data": {"seq_len": 64, "batch_size": 2},  # global length; 2 sequences per dp rank
+    "data": {"seq_len": 64, "batch_size": 4},  # global length; 4 sequences per dp rank
     "optimizer": {"lr": 3e-3, "weight_decay": 0.01, "max_grad_norm": 1.0},
     "train": {
-        "steps": 2, "seed": 0, "precision": "fp32",
+        "steps": 5, "seed": 0, "precision": "fp32", "check_conformance": True,
         "accelerator": {
             "device": "cpu", "world_size": WORLD, "pp": 2, "dp_shard": 2, "cp": 2, "ep": 2,
             "linear_attention_cp_mode": "p2p", "linear_attention_gdn_backend": "eager",
             "full_attention_cp_mode": "ring", "comm_timeout_s": 120,
         },
-        "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 2, "virtual_stages": 2,
+        "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 4, "virtual_stages": 2,
                      "overlap_p2p": True},
     },
 }

@@ -38,6 +38,16 @@ EXAMPLES = {
     "hf_finetune_export.py": 4,
 }
 RUN_TIMEOUT_S = 240
+# script -> lines its output must also hold (beyond the CHECK line): train_4d.py is the trainer's
+# eight-rank layout (pp2 interleaved x fsdp4 x cp2 x ep2) checked against one device over 5 steps
+# and its first step against the step graph (the conformance line is logged only on success)
+EXPECTED_LINES = {
+    "train_4d.py": [
+        r"^layout: pp2\(interleaved_1f1b,v2\) x fsdp4 x cp2:p2p/ring x ep2$",
+        r"^step graph: step 1 conforms \(\d+ launches recorded on 8 ranks\)$",
+        r"^CHECK train_4d: .* \(loss and grad norm, 5 steps\): OK$",
+    ],
+}
 # `testing` is the test harness, not a user API
 PUBLIC_MODULES = {"context_parallel", "coordinator", "graph", "launch", "layers", "models", "moe",
                   "ops", "pipeline", "platform", "schedules", "trainer"}
@@ -86,6 +96,8 @@ def test_example_runs_under_torchrun_and_passes_its_check(name: str) -> None:
                        out, re.MULTILINE)
     assert len(check) == 1, f"{name}: no single 'CHECK {stem}: ... OK' line in:\n{out[-6000:]}"
     assert float(check[0]) <= 1e-5, check
+    for line in EXPECTED_LINES.get(name, []):
+        assert re.search(line, out, re.MULTILINE), f"{name}: no line {line!r} in:\n{out[-6000:]}"
 
 
 def test_every_example_is_run_and_documents_its_command() -> None:

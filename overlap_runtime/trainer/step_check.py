@@ -35,7 +35,7 @@ class StepCheck:
     """
 
     def __init__(self, config: Any, dims: Any, log: Callable[[str], None] | None) -> None:
-        self.config, self.dims = config, dims
+        self.config, self.dims, self._log = config, dims, log
         self.graph = None
         t = config.train
         if t.validate_step_graph or t.check_conformance:
@@ -85,3 +85,7 @@ class StepCheck:
                    for r in range(rows.shape[0])}
         assert self.graph is not None
         check_conformance(self.graph, records)
+        if self._log is not None:
+            launches = sum(len(r) for r in records.values())
+            self._log(f"step graph: step 1 conforms ({launches} launches recorded on "
+                      f"{len(records)} ranks)")

@@ -1,6 +1,8 @@
 """The tiny fp32 trainer layouts shared by the layout tests, the step-graph tests and
 benchmarks/trainer_layouts.py: each a config dict for ``config_from_dict``, hidden 32, 4 layers,
-4 sequences of 64 tokens per dp rank, checked against one device by tests/trainer/test_trainer_4d.py."""
+4 sequences of 64 tokens per dp rank, checked against one device by tests/trainer/test_trainer_4d.py
+(TWO_RANKS, FOUR_RANKS; EIGHT_RANKS only by the step-graph tests: its trained check is
+examples/train_4d.py's, which tests/test_examples.py runs)."""
 
 from __future__ import annotations
 
