@@ -34,15 +34,12 @@ from overlap_runtime.graph import Task, TaskGraph
 from overlap_runtime.graph.validate import CommMatching
 from overlap_runtime.schedules import compile_spec
 
-from .expand import COMPUTE_KINDS, OpSource, expand, group_key
+from .expand import COMPUTE_KINDS, OpSource, expand
 from .layer_program import LayerOp, MicrobatchShape, microbatch_shape, stage_program
 
 if TYPE_CHECKING:
     from overlap_runtime.config.layout import Layout as ParallelDims
     from overlap_runtime.config.train import TrainConfig
-
-__all__ = ["StepGraph", "compile_step", "estimate_tasks", "group_key", "layer_ops",
-           "pipeline_graph", "stage_layers_of"]
 
 
 @dataclass

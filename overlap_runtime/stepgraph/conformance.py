@@ -32,7 +32,8 @@ from typing import Any, Hashable, Iterable, Mapping
 
 from overlap_runtime.graph import Task
 
-from .compose import StepGraph, group_key
+from .compose import StepGraph
+from .expand import group_key
 
 
 class ConformanceError(RuntimeError):
