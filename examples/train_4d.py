@@ -19,7 +19,7 @@ Run (CPU, gloo; exactly 8 ranks):
 
 Prints (rank 0; numbers vary in the last digits):
   step graph: 1952 tasks, 2640 edges on 8 ranks (built in 0.04s, validated in 0.00s)
-  step graph: step 1 conforms (992 launches recorded on 8 ranks)
+  step graph: step 1 conforms (864 launches recorded on 8 ranks)
   step 1/5  loss 5.563675  grad_norm 1.184454e+00  lr 3.00e-03  tok/s 302  (1695.9 ms)
   step 2/5  loss 5.484763  grad_norm 1.680112e+00  lr 3.00e-03  tok/s 509  (1005.7 ms)
   step 3/5  loss 5.391442  grad_norm 1.200641e+00  lr 3.00e-03  tok/s 500  (1024.4 ms)

@@ -86,6 +86,6 @@ class StepCheck:
         assert self.graph is not None
         check_conformance(self.graph, records)
         if self._log is not None:
-            launches = sum(len(r) for r in records.values())
+            launches = sum(e.get("op") != "task" for r in records.values() for e in r)
             self._log(f"step graph: step 1 conforms ({launches} launches recorded on "
                       f"{len(records)} ranks)")
