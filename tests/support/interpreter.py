@@ -10,9 +10,13 @@ no longer a builtin, so nothing changes), at about 1.5 ms a call. The GDN kernel
 thousands of times per launch (the WY inverse's blocks, the loads and stores of 16-row
 blocks), about a tenth of the interpreter's time.
 
-:func:`install` makes a helper call skip that walk when it runs inside a launch whose patch
-covers every language module the helper's globals hold; anything else (a helper called outside
-a launch, one that sees a language module the launch did not patch) takes triton's own path.
+:func:`install` makes a helper call skip that walk when it runs inside a launch and every
+language module the helper's globals hold is patched already: by the launch, or by an earlier
+helper call of the same launch (triton's helper call patches and never restores, so a module it
+patched stays patched until the launch ends; ``tl.sum``, ``tl.zeros`` and ``tl.cumsum`` are such
+helpers, seeing ``triton.language.core`` where the kernels see ``triton.language``). Anything
+else (a helper called outside a launch, the first helper of a launch that sees a module not yet
+patched) takes triton's own path.
 The helper's body, its rewriting and the error it raises are triton's. Only the test children
 install it (never the library): it relies on the interpreter's internals, so it checks that
 they are the ones it knows (:func:`known_interpreter`: the helper call's body, statement by
@@ -88,7 +92,7 @@ def install() -> bool:
 
     def launch_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         stack = _local.__dict__.setdefault("stack", [])
-        stack.append(_language_modules(self.fn))
+        stack.append(set(_language_modules(self.fn)))
         try:
             return launch(self, *args, **kwargs)
         finally:
@@ -96,17 +100,23 @@ def install() -> bool:
 
     def helper_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         stack = _local.__dict__.get("stack")
-        if stack:
-            langs = langs_of.get(self.fn)
-            if langs is None:
-                langs = langs_of[self.fn] = _language_modules(self.fn)
-            if langs and langs <= stack[-1]:
-                fn = self.rewrite()
-                try:
-                    return fn(*args, **kwargs)
-                except Exception as e:
-                    raise interp.InterpreterError(repr(e)) from e
-        return call(self, *args, **kwargs)
+        if not stack:
+            return call(self, *args, **kwargs)
+        langs = langs_of.get(self.fn)
+        if langs is None:
+            langs = langs_of[self.fn] = _language_modules(self.fn)
+        covered = stack[-1]
+        if langs and langs <= covered:
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise interp.InterpreterError(repr(e)) from e
+        out = call(self, *args, **kwargs)
+        # triton's helper call patched ``langs`` and never restores that patch: they stay
+        # patched until this launch ends (its restore touches only the launch's own changes)
+        covered |= langs
+        return out
 
     interp.GridExecutor.__call__ = launch_call
     interp.InterpretedFunction.__call__ = helper_call
