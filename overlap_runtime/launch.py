@@ -24,7 +24,8 @@ leaves orphans:
   (:func:`_forkserver_removes_dead_launchers_temp_dir`).
 
 Children start from a forkserver that has already imported torch, torch.distributed's DTensor,
-FSDP2 and DCP and this package's stack (never triton: :mod:`overlap_runtime.rank_start`), so a
+FSDP2, DCP, torch._dynamo and this package's stack (no Triton kernel module; a spawn whose ``env``
+sets ``TRITON_INTERPRET`` starts fresh interpreters instead: :mod:`overlap_runtime.rank_start`), so a
 rank costs a fork, not a fresh interpreter and its imports (the first spawn in a process pays them
 once). The forkserver is started with this process's import path, and every rank first checks
 that it runs the same ``overlap_runtime`` as this process (an ``ImportError`` naming both
@@ -534,7 +535,9 @@ def spawn(
         backend: process-group backend; defaults to the device kind's (cpu -> gloo).
         device: device kind for every rank; accelerators use ``<kind>:<rank>``.
         timeout_s: wall-clock limit for the whole job, also the process group's timeout.
-        env: extra environment variables for the children.
+        env: extra environment variables for the children; one that a forked rank cannot
+            honour (``rank_start.FRESH_INTERPRETER_ENV``: ``TRITON_INTERPRET``) makes the
+            ranks fresh interpreters.
         num_threads: torch intra-op threads per rank (0 leaves torch's default).
         store_host: address the rendezvous store listens on; default the environment variable
             ``OVERLAP_RUNTIME_STORE_HOST``, else ``127.0.0.1`` (loopback: no other machine can
@@ -560,7 +563,7 @@ def spawn(
     if not failure_grace_s >= 0:
         raise ValueError(f"failure_grace_s must be >= 0, got {failure_grace_s}")
     be = backend or backend_for(device)
-    ctx = rank_start.context()
+    ctx = rank_start.context_for(env)
     store, store_addr = _host_store(
         store_host or os.environ.get(STORE_HOST_ENV) or DEFAULT_STORE_HOST, timeout_s
     )

@@ -107,12 +107,21 @@ def _forkserver_environment() -> Iterator[None]:
 
 #: What the forkserver imports once, so that a rank forked from it does not: torch and the
 #: torch.distributed modules every parallel feature loads (DTensor with its sympy shape code,
-#: FSDP2, DCP: ~1 s of CPU each time a rank imported them itself). None of them imports triton.
+#: FSDP2, DCP: ~1 s of CPU each time a rank imported them itself), and ``torch._dynamo``, which
+#: ``fully_shard`` and every optimizer import on first use (about 1 s of CPU per rank). None of
+#: them starts a thread. ``torch._dynamo`` imports the ``triton`` package (not a kernel of ours):
+#: see :data:`FRESH_INTERPRETER_ENV`.
 FORKSERVER_PRELOAD_TORCH = ("torch", "torch.distributed", "torch.distributed.tensor",
-                            "torch.distributed.fsdp", "torch.distributed.checkpoint")
+                            "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                            "torch._dynamo")
+#: Variables of a spawn's ``env`` that a rank forked from the forkserver cannot honour, so such a
+#: spawn starts its ranks as fresh interpreters (multiprocessing's ``spawn``: about 3 s of
+#: imports each): triton decorates its own ``triton.language`` helpers when it is imported, as
+#: interpreted functions or not by ``TRITON_INTERPRET``, and the forkserver has imported it.
+FRESH_INTERPRETER_ENV = ("TRITON_INTERPRET",)
 #: Ours, where the forkserver can be made to import them from the parent's path (see the module
-#: doc): ``trainer.loop`` imports the whole stack below it, and no Triton kernel module (a rank
-#: may set ``TRITON_INTERPRET`` in its environment before its first triton import).
+#: doc): ``trainer.loop`` imports the whole stack below it, and no Triton kernel module (those of
+#: a rank that sets ``TRITON_INTERPRET`` must be decorated after it did).
 FORKSERVER_PRELOAD_OURS = ("overlap_runtime.launch", "overlap_runtime.trainer.loop")
 
 
@@ -135,8 +144,8 @@ def preload_in_forkserver(*modules: str) -> None:
     Rules: call it before this process starts its first rank (a running forkserver has imported
     what it will import: ``RuntimeError`` naming the modules); the modules are preloaded where
     :data:`FORKSERVER_PRELOAD_OURS` is (Python >= 3.11: the forkserver imports from this
-    process's path, see the module doc); none of them may import triton (a rank may set
-    ``TRITON_INTERPRET`` before its own first triton import). A module that fails to import in
+    process's path, see the module doc); none of them may import a Triton kernel module (the
+    kernels of a rank that sets ``TRITON_INTERPRET`` must be decorated after it did). A module that fails to import in
     the forkserver is left to each rank to import, as multiprocessing does.
     """
     if _forkserver_running():
@@ -169,6 +178,17 @@ def context() -> Any:
         if method == "forkserver":
             _CTX.set_forkserver_preload(_preload_list())
     return _CTX
+
+
+def context_for(env: dict[str, str] | None) -> Any:
+    """The context of one spawn whose ranks get ``env``: :func:`context`, except that an ``env``
+    setting a variable of :data:`FRESH_INTERPRETER_ENV` gets multiprocessing's ``spawn``
+    context when :func:`context` is the forkserver's."""
+    ctx = context()
+    if ctx.get_start_method() == "forkserver" and any(k in (env or {})
+                                                       for k in FRESH_INTERPRETER_ENV):
+        return mp.get_context("spawn")
+    return ctx
 
 
 def start_forkserver() -> int | None:

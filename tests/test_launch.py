@@ -6,6 +6,7 @@ together, two at a time (``Concurrently``, a module fixture); each test asserts 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -389,19 +390,52 @@ def _decoy_in_the_working_directory(tmp_path: Path) -> None:
     assert not marker.exists(), "the decoy package was imported (by the forkserver or a rank)"
 
 
-def _modules_at_start(rank: int, world: int) -> dict[str, bool]:
-    return {m: m in sys.modules for m in (*rank_start.FORKSERVER_PRELOAD_TORCH,
-                                          *rank_start.FORKSERVER_PRELOAD_OURS, "triton")}
+_KERNELS = "overlap_runtime.ops.gdn.triton"
+
+
+def _modules_at_start(rank: int, world: int) -> dict[str, Any]:
+    found: dict[str, Any] = {m: m in sys.modules for m in (*rank_start.FORKSERVER_PRELOAD_TORCH,
+                                                           *rank_start.FORKSERVER_PRELOAD_OURS)}
+    found["kernel modules"] = sorted(m for m in sys.modules if m.startswith(_KERNELS))
+    return found
+
+
+def _interpreted_kernel_runs(rank: int, world: int) -> dict[str, Any]:
+    """A Triton kernel of ours and one of triton's own helpers (``tl.sum``) under this rank's
+    ``TRITON_INTERPRET=1``: the l2norm forward on the CPU against torch."""
+    fresh = "torch._dynamo" not in sys.modules  # not forked from the forkserver
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from overlap_runtime.ops.gdn.triton.l2norm import l2norm_forward
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    y, _ = l2norm_forward(x)
+    want = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    return {"fresh": fresh,
+            "helpers interpreted": isinstance(tl.sum, InterpretedFunction),
+            "max error": float((y - want).abs().max())}
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10: no preload of overlap_runtime")
-def test_ranks_start_with_the_preloaded_modules_and_without_triton() -> None:
-    """The forkserver imported torch.distributed's DTensor, FSDP2, DCP and our stack once (a rank
-    no longer pays ~1 s of imports), but not triton: a rank's ``TRITON_INTERPRET`` must still be
-    read by its own first triton import."""
+def test_ranks_start_with_the_preloaded_modules_and_no_kernel_module() -> None:
+    """The forkserver imported torch.distributed's DTensor, FSDP2, DCP, torch._dynamo and our
+    stack once (a rank no longer pays ~2 s of imports), but no Triton kernel module."""
     for found in run_ranks(_modules_at_start, 2):
-        assert found.pop("triton") is False, "the forkserver imported triton"
+        assert found.pop("kernel modules") == [], "the forkserver imported a Triton kernel module"
         assert all(found.values()), f"not preloaded: {[m for m, ok in found.items() if not ok]}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_a_spawn_setting_triton_interpret_gets_interpreted_kernels() -> None:
+    """The forkserver imported the triton package (through torch._dynamo), whose own helpers were
+    then decorated for compilation: a spawn whose env sets ``TRITON_INTERPRET`` starts fresh
+    interpreters, where a kernel calling ``tl.sum`` runs interpreted and right."""
+    assert rank_start.context_for({"TRITON_INTERPRET": "1"}).get_start_method() == "spawn"
+    assert rank_start.context_for({"OMP_NUM_THREADS": "1"}) is rank_start.context()
+    for got in run_ranks(_interpreted_kernel_runs, 2, env={"TRITON_INTERPRET": "1"}):
+        assert got["fresh"] and got["helpers interpreted"], got
+        assert got["max error"] <= 1e-6, got  # fp32 rounding of a 16-term sum and one sqrt
 
 
 _PRELOAD_SCRIPT = """
