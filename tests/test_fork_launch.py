@@ -24,7 +24,7 @@ from tests.support.fork_launch import LAUNCHER_ERROR_EXIT, TIMEOUT_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE_TIMEOUT_S = 60
-HANG_TIMEOUT_S = 1.5
+HANG_TIMEOUT_S = 1.0
 
 ALL_REDUCE = """
     import atexit

@@ -59,7 +59,7 @@ from typing import Any, NoReturn, Sequence
 
 DEFAULT_TIMEOUT_S = 600.0
 FAILURE_GRACE_S = 1.0  # after the first failed rank: how long the others may take to end
-STACK_GRACE_S = 1.0  # at the timeout: between asking for stacks and SIGKILL
+STACK_GRACE_S = 0.5  # at the timeout: between asking for stacks and SIGKILL
 REAP_S = 10.0  # after SIGKILL: how long the kernel may take to end the ranks
 POLL_S = 0.02
 TIMEOUT_EXIT = 124
