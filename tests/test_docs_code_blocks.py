@@ -3,7 +3,7 @@
 The rule, per block:
 
 * **pointer**: a line ``# complete program: examples/<name>.py`` naming an existing example (which
-  tests/test_examples.py runs under torchrun); the block may keep a few lines of the example's
+  tests/test_examples.py runs on its ranks); the block may keep a few lines of the example's
   API for reading (at most ``POINTER_MAX_LINES``), it must parse, and every name it imports from
   ``overlap_runtime`` must occur in that example, so the pointer leads to the code it shows.
 * **complete program**: it compiles and a static check (``symtable``) finds no undefined name:

@@ -3,8 +3,8 @@
 Usage: ``python -m tests.support.fork_launch --nproc-per-node N [--timeout S] script.py [args]``
 
 torchrun starts a fresh interpreter per rank, and each imports torch again (~2 s of CPU each).
-This launcher imports torch, ``torch.distributed`` and the modules ``script.py`` imports at its
-top level (found with :mod:`ast`) once, then forks one child per rank; each child sets the
+This launcher imports torch, ``torch.distributed``, ``torch._dynamo`` and the modules
+``script.py`` imports at its top level (found with :mod:`ast`) once, then forks one child per rank; each child sets the
 environment torchrun gives a rank and runs the script with
 ``runpy.run_path(script, run_name="__main__")`` and ``sys.argv = [script, *args]``.
 
@@ -100,7 +100,8 @@ def top_level_imports(script: str) -> list[tuple[str, bool]]:
 
 
 def preload(script: str) -> list[str]:
-    """Import torch, torch.distributed, :mod:`overlap_runtime.rank_start` (the ranks use it) and
+    """Import torch, torch.distributed, torch._dynamo, :mod:`overlap_runtime.rank_start` (the
+    ranks use it) and
     ``script``'s top-level imports (:func:`top_level_imports`); return the modules imported.
 
     Raises:
@@ -109,7 +110,9 @@ def preload(script: str) -> list[str]:
             script's own import then says what is missing).
     """
     done = []
-    wanted = [("torch", False), ("torch.distributed", False),
+    # torch._dynamo: fully_shard and every optimizer import it on first use (~1 s of CPU a rank);
+    # it imports triton, whose TRITON_INTERPRET the ranks inherit from this process unchanged
+    wanted = [("torch", False), ("torch.distributed", False), ("torch._dynamo", False),
               ("overlap_runtime.rank_start", False), *top_level_imports(script)]
     for module, maybe in wanted:
         parent, _, attr = module.rpartition(".")

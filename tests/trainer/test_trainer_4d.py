@@ -17,7 +17,7 @@ Every layout also records its first step and checks it against the step graph
 (``train.check_conformance``, ``stepgraph.conformance``): a run that drifts from the graph fails.
 
 The eight-rank layout (pp2 interleaved x dp_shard 2 x cp2 x ep2) is examples/train_4d.py, run
-under torchrun by tests/test_examples.py with the same checks (5 steps against one device within
+on eight ranks with torchrun's environment by tests/test_examples.py with the same checks (5 steps against one device within
 1e-5, the first step's conformance, its layout line).
 """
 
