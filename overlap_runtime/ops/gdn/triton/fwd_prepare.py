@@ -63,19 +63,24 @@ def _unit_lower_inverse(a):
     """``(I + a)^-1`` of a strictly lower ``[16, 16]`` fp32 block, by forward substitution:
     row r of the inverse is ``e_r - sum_{c < r} a_rc inv_c``, rows taken in order."""
     o = tl.arange(0, 16)
-    inv = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    o_row = o[:, None]
+    inv = tl.where(o_row == o[None, :], 1.0, 0.0)
     for r in range(1, 16):
-        a_r = tl.sum(tl.where(o[:, None] == r, a, 0.0), axis=0)
+        at_r = o_row == r
+        a_r = tl.sum(tl.where(at_r, a, 0.0), axis=0)
         row = tl.where(o == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inv, axis=0)
-        inv = tl.where(o[:, None] == r, row[None, :], inv)
+        inv = tl.where(at_r, row[None, :], inv)
     return inv
 
 
 @triton.jit
-def _store_block(ainv, x, i_b, i_hv, row0, col0, T, eos, HV: tl.constexpr, BT: tl.constexpr):
+def _row_block(ainv, i_b, i_hv, row0, T, eos, HV: tl.constexpr, BT: tl.constexpr):
+    """Pointers ``[16, 16]`` to columns 0..15 of rows ``row0 .. row0 + 15`` of ``ainv`` and the
+    rows' mask ``[16, 1]`` (rows ``>= eos`` are not stored); the block at column ``c`` of the
+    same rows is ``pointers + c``."""
     o_t = row0 + tl.arange(0, 16)
-    tl.store(ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + col0 + tl.arange(0, 16)[None, :],
-             x, mask=(o_t < eos)[:, None])
+    return (ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + tl.arange(0, 16)[None, :],
+            (o_t < eos)[:, None])
 
 
 @triton.jit
@@ -132,22 +137,26 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl
     t30 = -mm_f32x3(t33, mm_f32x3(a30, t00) + mm_f32x3(a31, t10) + mm_f32x3(a32, t20))
 
     zero = tl.zeros([16, 16], dtype=tl.float32)
-    _store_block(ainv, t00, i_b, i_hv, t0, 0, T, eos, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0, 16, T, eos, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0, 32, T, eos, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0, 48, T, eos, HV, BT)
-    _store_block(ainv, t10, i_b, i_hv, t0 + 16, 0, T, eos, HV, BT)
-    _store_block(ainv, t11, i_b, i_hv, t0 + 16, 16, T, eos, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0 + 16, 32, T, eos, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0 + 16, 48, T, eos, HV, BT)
-    _store_block(ainv, t20, i_b, i_hv, t0 + 32, 0, T, eos, HV, BT)
-    _store_block(ainv, t21, i_b, i_hv, t0 + 32, 16, T, eos, HV, BT)
-    _store_block(ainv, t22, i_b, i_hv, t0 + 32, 32, T, eos, HV, BT)
-    _store_block(ainv, zero, i_b, i_hv, t0 + 32, 48, T, eos, HV, BT)
-    _store_block(ainv, t30, i_b, i_hv, t0 + 48, 0, T, eos, HV, BT)
-    _store_block(ainv, t31, i_b, i_hv, t0 + 48, 16, T, eos, HV, BT)
-    _store_block(ainv, t32, i_b, i_hv, t0 + 48, 32, T, eos, HV, BT)
-    _store_block(ainv, t33, i_b, i_hv, t0 + 48, 48, T, eos, HV, BT)
+    p0, m0 = _row_block(ainv, i_b, i_hv, t0, T, eos, HV, BT)
+    tl.store(p0, t00, mask=m0)
+    tl.store(p0 + 16, zero, mask=m0)
+    tl.store(p0 + 32, zero, mask=m0)
+    tl.store(p0 + 48, zero, mask=m0)
+    p1, m1 = _row_block(ainv, i_b, i_hv, t0 + 16, T, eos, HV, BT)
+    tl.store(p1, t10, mask=m1)
+    tl.store(p1 + 16, t11, mask=m1)
+    tl.store(p1 + 32, zero, mask=m1)
+    tl.store(p1 + 48, zero, mask=m1)
+    p2, m2 = _row_block(ainv, i_b, i_hv, t0 + 32, T, eos, HV, BT)
+    tl.store(p2, t20, mask=m2)
+    tl.store(p2 + 16, t21, mask=m2)
+    tl.store(p2 + 32, t22, mask=m2)
+    tl.store(p2 + 48, zero, mask=m2)
+    p3, m3 = _row_block(ainv, i_b, i_hv, t0 + 48, T, eos, HV, BT)
+    tl.store(p3, t30, mask=m3)
+    tl.store(p3 + 16, t31, mask=m3)
+    tl.store(p3 + 32, t32, mask=m3)
+    tl.store(p3 + 48, t33, mask=m3)
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "W_ONLY"])
