@@ -87,7 +87,7 @@ def test_triton_chain_and_scan_pass_the_options_to_the_op(
     import overlap_runtime.ops.gdn.triton.function as kernels
     from overlap_runtime.context_parallel.gdn.p2p import ChainLink
     from overlap_runtime.context_parallel.gdn.prefix_scan import ScanLink
-    from overlap_runtime.context_parallel.gdn.state_passing import (StatePassingGDN,
+    from overlap_runtime.context_parallel.gdn.state_passing import (apply_state_passing,
                                                                     local_backend)
     from overlap_runtime.context_parallel.gdn.varlen import ShardTable
 
@@ -109,8 +109,8 @@ def test_triton_chain_and_scan_pass_the_options_to_the_op(
     v = torch.randn(1, 64, 4, 16, requires_grad=True)
     g, beta = (torch.rand(1, 64, 4, requires_grad=True) for _ in range(2))
     link = ChainLink if mode == "p2p" else ScanLink
-    StatePassingGDN.apply(q, k, v, g, beta, local_backend(plan, 0.25, 64),
-                          ShardTable.dense(1, 64), plan, link).sum().backward()
+    apply_state_passing(q, k, v, g, beta, local_backend(plan, 0.25, 64),
+                        ShardTable.dense(1, 64), plan, link).sum().backward()
     assert calls == [{"args": (), **expected}], calls
 
 

@@ -67,7 +67,7 @@ from overlap_runtime.ops.gdn.state_link import StateLink
 
 from .common import ContextParallelGDNMixer, GDNCPPlan, post_recv, post_send
 from .halo import local_core_inputs
-from .state_passing import StatePassingGDN, local_backend, state_passing_gdn
+from .state_passing import apply_state_passing, local_backend, state_passing_gdn
 from .varlen import packed_shard_inputs
 
 
@@ -166,6 +166,6 @@ class P2PGDNMixer(ContextParallelGDNMixer):
         plan = self.plan
         table, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
         scale = q.shape[-1] ** -0.5
-        return StatePassingGDN.apply(q, k, v, g, beta,
-                                     local_backend(plan, scale, layer.chunk_size), table, plan,
-                                     ChainLink)
+        return apply_state_passing(q, k, v, g, beta,
+                                   local_backend(plan, scale, layer.chunk_size), table, plan,
+                                   ChainLink)

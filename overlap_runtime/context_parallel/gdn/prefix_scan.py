@@ -51,14 +51,17 @@ chain would hand the rank, and it enters only a first piece that continues a doc
       post the scan's receives                          before any local work
       (M', S') = packed_tail_maps(...)                  last piece per row (r < P - 1)
       H_in     = exclusive prefix of the (M', S')       ceil(log2 P) rounds, as unpacked
-      o        = packed_local_outputs(..., H_in)        one varlen call over all pieces
+      o        = packed_local_forward(..., H_in)        one varlen call over all pieces,
+                                                        its graph kept for the backward
     backward: post the reverse scan's receives; packed_local_output_grads -> input grads and
       L_r = dH_in_local (zeros where no row continues); dH_out by the reverse scan over
       (M'^T, L); add_packed_tail_grads with dM' = dH_out H_in^T, dS' = dH_out    (r < P - 1)
 
 Both backends: the pieces run as one varlen call of the plan's op (eager or Triton) and the
-tail maps are the eager ``state_summary``, handed to :class:`ScanLink` as one segment; the local
-output and the tail maps are recomputed in the backward, as the packed chain does.
+tail maps are the eager ``state_summary``, handed to :class:`ScanLink` as one segment; as in
+the packed chain, the backward differentiates the pieces' graph the forward kept (recomputed
+only where the forward kept none: ``state_passing.keeps_local_graph``) and recomputes the
+tail maps.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ from overlap_runtime.ops.gdn.state_link import StateLink
 from .common import ContextParallelGDNMixer, GDNCPPlan
 from .halo import local_core_inputs
 from .scan_rounds import AffinePrefixRounds
-from .state_passing import StatePassingGDN, local_backend, state_passing_gdn
+from .state_passing import apply_state_passing, local_backend, state_passing_gdn
 from .varlen import packed_shard_inputs
 
 _FWD = "gdn prefix_scan forward (M, S)"
@@ -179,6 +182,6 @@ class PrefixScanGDNMixer(ContextParallelGDNMixer):
         plan = self.plan
         table, (q, k, v, g, beta) = packed_shard_inputs(layer, plan, proj, mask, cu_seqlens)
         scale = q.shape[-1] ** -0.5
-        return StatePassingGDN.apply(q, k, v, g, beta,
-                                     local_backend(plan, scale, layer.chunk_size), table, plan,
-                                     ScanLink)
+        return apply_state_passing(q, k, v, g, beta,
+                                   local_backend(plan, scale, layer.chunk_size), table, plan,
+                                   ScanLink)

@@ -9,8 +9,10 @@ shard is a backend that calls the link's hooks where its algebra allows:
 * :class:`EagerLocal` (``backend="eager"``, or the Triton op on document pieces): the shard's
   affine map ``H_out = M H_in + S`` is formed in PyTorch (one segment:
   :meth:`StateLink.segment_maps` gets ``[B*HV, 1, ...]``), then ``entering_state``, the leaving
-  state, the outputs from ``H_in``. Its backward recomputes the local output alone
-  (``dH_in_local`` and the input gradients, no message needed), then ``leaving_state_grad``,
+  state, the outputs from ``H_in``. Its backward differentiates the local output alone
+  (``dH_in_local`` and the input gradients, no message needed: on document pieces through the
+  graph the forward kept, ``varlen.packed_local_forward``; on whole rows, or where the forward
+  kept none, recomputed), then ``leaving_state_grad``,
   ``dH_in = M^T dH_out + dH_in_local`` to ``entering_state_grad``, then the map's own backward
   with ``dM = dH_out H_in^T``, ``dS = dH_out``.
 * :class:`TritonLocal` (``backend="triton"``): on whole rows the Triton op itself calls the
@@ -51,8 +53,8 @@ from .common import GDNCPPlan, check_state_passing_call
 from .varlen import (
     ShardTable,
     add_packed_tail_grads,
+    packed_local_forward,
     packed_local_output_grads,
-    packed_local_outputs,
     packed_tail_maps,
 )
 
@@ -93,13 +95,16 @@ class EagerLocal:
         self.backend, self.options, self.scale, self.chunk_size = (backend, options, scale,
                                                                     chunk_size)
 
-    def forward(self, inputs: Inputs, table: ShardTable, link: StateLink
+    def forward(self, inputs: Inputs, table: ShardTable, link: StateLink, keep_graph: bool
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...], Any]:
         """``o [B, L, HV, V]`` (v's dtype), the tensors to save and the backward's metadata.
 
         Args:
             inputs: ``(q, k [B, L, H, K], v [B, L, HV, V], g [B, L, HV] fp32, beta [B, L, HV])``.
             table: the shard's layout; link: this call's forward link.
+            keep_graph: document pieces keep the local output's graph for the backward
+                (``varlen.packed_local_forward``; the metadata is that graph, else None);
+                whole rows ignore it (their backward recomputes the local output).
         """
         q, k, v, g, beta = inputs
         name = getattr(link, "profile_name", "gdn.cp")
@@ -110,15 +115,16 @@ class EagerLocal:
             def rank_map() -> tuple[torch.Tensor, torch.Tensor]:
                 return summarize(prep)
 
-            def outputs(h_in: torch.Tensor | None) -> torch.Tensor:
-                return chunk_output(prep, h_in)[0]
+            def outputs(h_in: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+                return chunk_output(prep, h_in)[0], None
         else:
             def rank_map() -> tuple[torch.Tensor, torch.Tensor]:
                 return packed_tail_maps(q, k, v, g, beta, table, self.chunk_size)
 
-            def outputs(h_in: torch.Tensor | None) -> torch.Tensor:
-                return packed_local_outputs(q, k, v, g, beta, h_in, table, self.scale,
-                                            self.chunk_size, self.backend, self.options)
+            def outputs(h_in: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+                return packed_local_forward(q, k, v, g, beta, h_in, table, self.scale,
+                                            self.chunk_size, self.backend, self.options,
+                                            keep_graph)
 
         m = s = None
         if link.leaves:  # the last rank's map is never read
@@ -132,9 +138,9 @@ class EagerLocal:
             with profile_range(f"{name} fwd chain H_out = M H_in + S"):
                 link.leaving_state((s if h_in is None else apply_summary(m, s, h_in)).contiguous())
         with profile_range(f"{name} fwd local output"):
-            o = outputs(h_in)
+            o, meta = outputs(h_in)
         # M serves the backward where a state entered and one leaves (0 < r < P - 1)
-        return o, (q, k, v, g, beta, h_in, m if h_in is not None else None), None
+        return o, (q, k, v, g, beta, h_in, m if h_in is not None else None), meta
 
     def backward(self, saved: tuple[torch.Tensor | None, ...], meta: Any, do: torch.Tensor,
                  needs: tuple[bool, ...], table: ShardTable, link: StateLink
@@ -152,7 +158,7 @@ class EagerLocal:
             else:
                 grads, dh_local, leaves = packed_local_output_grads(
                     inputs, h_in, do, table, self.scale, self.chunk_size, self.backend,
-                    self.options)
+                    self.options, kept=meta)
         if link.leaves and link.wants_segment_maps and dh_local is not None:
             link.segment_state_grads(None if m is None else _as_segment(m),
                                      _as_segment(dh_local))
@@ -184,10 +190,10 @@ class TritonLocal(EagerLocal):
         options = self.options if self.options is not None else GDNKernelOptions()
         return {"num_segments": options.num_segments, "recompute_w": bool(options.recompute_w)}
 
-    def forward(self, inputs: Inputs, table: ShardTable, link: StateLink
+    def forward(self, inputs: Inputs, table: ShardTable, link: StateLink, keep_graph: bool
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...], Any]:
         if not table.whole_rows:
-            return super().forward(inputs, table, link)
+            return super().forward(inputs, table, link, keep_graph)
         from overlap_runtime.ops.gdn.triton.function import gdn_forward
 
         q, k, v, g, beta = (x.contiguous() for x in inputs)
@@ -211,24 +217,52 @@ def local_backend(plan: GDNCPPlan, scale: float, chunk_size: int) -> EagerLocal:
     return kind(plan.backend, plan.options, scale, chunk_size)
 
 
+def keeps_local_graph(*inputs: torch.Tensor) -> bool:
+    """Whether a state-passing forward on ``inputs`` keeps its local graph for the backward:
+    grad mode is on, some input requires grad, and no saved-tensor hooks are active.
+
+    Under ``torch.no_grad()`` (reentrant checkpoint's first forward) no backward follows. Under
+    saved-tensor hooks (non-reentrant ``torch.utils.checkpoint``'s first forward and its
+    recompute, a memory meter, offloading) a graph built inside the Function would go through
+    the hooks; checkpoint's unpack is keyed by the graph task, and the nested
+    ``torch.autograd.grad`` of the backward is a new one, so it would replay the whole
+    checkpointed region again (its messages included) to refill it. Those backwards recompute
+    the local output instead, as the whole-row path does. The hooks are read from the private
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` (no public query exists)."""
+    return (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+
+
+def apply_state_passing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, local: EagerLocal, table: ShardTable,
+                        plan: GDNCPPlan, link_type: type[CPLink]) -> torch.Tensor:
+    """:class:`StatePassingGDN` with ``keep_graph`` decided here (:func:`keeps_local_graph`:
+    inside the Function's forward grad mode is always off)."""
+    return StatePassingGDN.apply(q, k, v, g, beta, local, table, plan, link_type,
+                                 keeps_local_graph(q, k, v, g, beta))
+
+
 class StatePassingGDN(torch.autograd.Function):
-    """``apply(q, k, v, g, beta, local, table, plan, link_type) -> o [B, L, HV, V]`` (v's
-    dtype): this rank's shard with its entering state brought by ``link_type`` (module
-    docstring).
+    """``apply(q, k, v, g, beta, local, table, plan, link_type, keep_graph) -> o [B, L, HV, V]``
+    (v's dtype): this rank's shard with its entering state brought by ``link_type`` (module
+    docstring). Call it through :func:`apply_state_passing`, which sets ``keep_graph``.
 
     q, k ``[B, L, H, K]``, v ``[B, L, HV, V]``, g ``[B, L, HV]`` fp32, beta ``[B, L, HV]``; q and
     k are l2-normalised inside. The states and maps that cross ranks are ``[B, HV, K, V]`` /
     ``[B, HV, K, K]`` in ``promote(q.dtype, fp32)`` (fp32, float64 for float64 inputs).
+    ``keep_graph``: document pieces keep their local output's graph in ``ctx.meta`` (per call;
+    released by the backward, ``varlen.PackedLocalGraph``) instead of recomputing it there.
     """
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, local: EagerLocal, table: ShardTable, plan: GDNCPPlan,
-                link_type: type[CPLink]) -> torch.Tensor:
+                link_type: type[CPLink], keep_graph: bool) -> torch.Tensor:
         shape = (v.shape[0], v.shape[2], k.shape[-1], v.shape[-1])
         dtype = torch.promote_types(q.dtype, torch.float32)
         link = link_type(plan, shape, dtype, q.device, reverse=False)
-        o, saved, meta = local.forward((q, k, v, g, beta), table, link)  # type: ignore[arg-type]
+        o, saved, meta = local.forward((q, k, v, g, beta), table, link,  # type: ignore[arg-type]
+                                       keep_graph)
         link.finish()  # late: the local output ran while the state travelled
         ctx.save_for_backward(*saved)
         ctx.meta, ctx.local, ctx.table, ctx.plan, ctx.link_type = meta, local, table, plan, link_type
@@ -243,7 +277,7 @@ class StatePassingGDN(torch.autograd.Function):
         grads = ctx.local.backward(ctx.saved_tensors, ctx.meta, do, ctx.needs_input_grad[:5],
                                    ctx.table, link)
         link.finish()
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def state_passing_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -267,8 +301,8 @@ def state_passing_gdn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if table is None:
         table = ShardTable.dense(q.shape[0], q.shape[1])
     scale = q.shape[-1] ** -0.5
-    return StatePassingGDN.apply(q, k, v, g, beta, local_backend(plan, scale, chunk_size),
-                                 table, plan, link_type)
+    return apply_state_passing(q, k, v, g, beta, local_backend(plan, scale, chunk_size), table,
+                               plan, link_type)
 
 
 def _local_output_grads(

@@ -19,9 +19,10 @@ the first piece, and only when it continues a document. The pieces are a :class:
 (a dense shard is the table of whole rows), and the one state-passing op
 (``state_passing.StatePassingGDN``: the p2p chain or the prefix scan, by its link) and the
 summary all-gather run on these maps exactly as on whole rows; a document spanning
-several ranks passes through the one-piece ranks' ``M'``. The pieces' backward
-(:func:`packed_local_output_grads`) and the tail maps' (:func:`add_packed_tail_grads`) serve
-both links.
+several ranks passes through the one-piece ranks' ``M'``. The pieces' forward
+(:func:`packed_local_forward`, which keeps the pieces' graph for the backward), their
+backward (:func:`packed_local_output_grads`) and the tail maps' (:func:`add_packed_tail_grads`)
+serve both links.
 
 **Conv halo.** The previous rank's last ``halo`` positions still travel (``halo.HaloConv``),
 and the depthwise conv is computed tap by tap with each tap kept only where the tap's token is
@@ -193,17 +194,82 @@ def packed_tail_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return torch.cat(ms, 0), torch.cat(ss, 0)
 
 
+class PackedLocalGraph:
+    """The autograd graph of one forward's :func:`packed_local_outputs`, kept for that call's
+    backward (:func:`packed_local_forward`) and handed out once (:meth:`take`).
+
+    Per call, never on a module: the autograd Function keeps it as its ``ctx`` metadata. It
+    holds ``(leaves, h_leaf, out)``: the five detached leaves the op ran on, the leaf of the
+    entering state (None on the first rank) and the op's output ``[B, L, HV, V]``, whose
+    ``grad_fn`` reaches the op's saved tensors. ``out`` is not the Function's output (that is
+    ``out.detach()``), so nothing in the graph points back at the Function's node: the graph
+    goes when :meth:`take`'s caller drops it.
+    """
+
+    __slots__ = ("_graph",)
+
+    def __init__(self, leaves: list[torch.Tensor], h_leaf: torch.Tensor | None,
+                 out: torch.Tensor) -> None:
+        self._graph: tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor] | None = (
+            leaves, h_leaf, out)
+
+    def take(self) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor] | None:
+        """``(leaves, h_leaf, out)`` the first time, then None (this object forgets it)."""
+        graph, self._graph = self._graph, None
+        return graph
+
+
+def packed_local_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    h_in: torch.Tensor | None, table: ShardTable, scale: float, chunk_size: int, backend: str,
+    options: GDNKernelOptions | None = None, keep_graph: bool = False,
+) -> tuple[torch.Tensor, PackedLocalGraph | None]:
+    """:func:`packed_local_outputs` for a state-passing forward: ``(o [B, L, HV, V], graph)``.
+
+    ``keep_graph`` False: the op runs as given (no graph is built here) and ``graph`` is None;
+    the backward then runs the op again (:func:`packed_local_output_grads`). True: the op
+    runs ONCE under ``torch.enable_grad()`` on detached leaves of the five inputs and of
+    ``h_in`` (the very tensor that entered the shard) and ``graph`` keeps that graph, which
+    the backward differentiates instead of recomputing the forward; ``o`` is its output
+    detached (the same values, bit for bit, as the op run without a graph).
+
+    What the kept graph holds until the backward: aliases of q, k ``[B, L, H, K]``, v
+    ``[B, L, HV, V]``, g, beta ``[B, L, HV]``, ``h_in [B, HV, K, V]`` and ``o`` (no copies;
+    the Function saves the inputs and ``h_in`` anyway) and the op's own saved tensors: eager,
+    the flattened inputs (aliases), ``initial_state [N, HV, K, V]`` (``N`` pieces; only when a
+    row continues a document) and one boundary state ``[HV, K, V]`` per ``block_chunks``
+    chunks of each piece, in the state dtype (fp32, float64 for float64 inputs); Triton, its
+    saved set (``ops/gdn/triton/function.py::gdn_forward``: contiguous inputs, the q/k norms,
+    gates, ``Ainv [1, B*L, HV, 64]``, w unless ``recompute_w``, one fp32 ``[K, V]`` state per
+    chunk and head, ``v_new [1, B*L, HV, V]``), plus the index tensors of the ``h_in``
+    scatter. That is one forward's activations of the local op, the memory a plain
+    (non-context-parallel) layer keeps too.
+    """
+    if not keep_graph:
+        return packed_local_outputs(q, k, v, g, beta, h_in, table, scale, chunk_size, backend,
+                                    options), None
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
+    h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
+    with torch.enable_grad():
+        out = packed_local_outputs(*leaves, h_leaf, table, scale, chunk_size, backend, options)
+    return out.detach(), PackedLocalGraph(leaves, h_leaf, out)
+
+
 def packed_local_output_grads(
     inputs: tuple[torch.Tensor, ...], h_in: torch.Tensor | None, do: torch.Tensor,
     table: ShardTable, scale: float, chunk_size: int, backend: str,
-    options: GDNKernelOptions | None = None,
+    options: GDNKernelOptions | None = None, kept: PackedLocalGraph | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]:
-    """Backward of a shard's pieces alone (:func:`packed_local_outputs`, recomputed).
+    """Backward of a shard's pieces alone (:func:`packed_local_outputs`).
 
     Args:
         inputs: ``(q, k, v, g, beta)`` as saved by the forward.
         h_in: ``[B, HV, K, V]`` the state that entered the shard (None on the first rank).
         do: ``[B, L, HV, V]`` gradient of the pieces' outputs.
+        kept: the forward's graph (:func:`packed_local_forward`): differentiated, then
+            released (``kept`` forgets it). None, or already taken (a second backward through
+            a retained graph): the op runs again on detached leaves of ``inputs`` and
+            ``h_in`` (a forward that ran without grad or under saved-tensor hooks keeps none).
 
     Returns:
         ``(grads, dH_in_local, leaves)``: the five input gradients (zeros where an input does
@@ -211,12 +277,20 @@ def packed_local_output_grads(
         document; None when ``h_in`` is None) and the detached leaves for
         :func:`add_packed_tail_grads`.
     """
-    leaves = [x.detach().requires_grad_(True) for x in inputs]
-    with torch.enable_grad():
+    graph = None if kept is None else kept.take()
+    if graph is None:
+        leaves = [x.detach().requires_grad_(True) for x in inputs]
         h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
-        o = packed_local_outputs(*leaves, h_leaf, table, scale, chunk_size, backend, options)
+        with torch.enable_grad():
+            o = packed_local_outputs(*leaves, h_leaf, table, scale, chunk_size, backend,
+                                     options)
+    else:
+        leaves, h_leaf, o = graph
+        del graph
+    with torch.enable_grad():
         wanted = leaves + ([h_leaf] if h_leaf is not None else [])
         local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
+    del o  # the graph's last reference: its saved tensors were freed by the grad call
     dh_local = local.pop() if h_leaf is not None else None
     if dh_local is None and h_leaf is not None:  # no row continues a document
         dh_local = torch.zeros_like(h_leaf)
