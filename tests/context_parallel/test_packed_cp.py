@@ -21,7 +21,15 @@ from hypothesis import strategies as st
 from overlap_runtime.context_parallel.packed import PackedLayout, causal_work_per_rank
 from overlap_runtime.testing import run_ranks
 
-from tests.support.packed_cp import Case, attention_worker, cu_of, gdn_worker
+from tests.support.gdn_cp import jobs_worker
+from tests.support.packed_cp import (
+    KEPT_GRAPH_CALLS,
+    Case,
+    attention_worker,
+    cu_of,
+    gdn_worker,
+    kept_graph_worker,
+)
 
 TOL = 1e-6
 
@@ -83,11 +91,47 @@ def draw_cases(world: int, n: int) -> list[Case]:
     return out
 
 
+#: both ranks cut into pieces, rank 1's first piece continues rank 0's last document
+KEPT_CASE: Case = (1, 8, [3, 10, 3])
+STATE_MODES = ["p2p", "prefix_scan"]
+
+
+@pytest.fixture(scope="module")
+def cp2_spawn() -> tuple[list[Case], list[dict]]:
+    """One CP2 spawn: the four modes on the mixes, then the kept-graph check."""
+    cases = fixed_cases(2) + draw_cases(2, 6)
+    jobs = [("modes", gdn_worker, (GDN_MODES, cases)),
+            ("kept_graph", kept_graph_worker, (STATE_MODES, KEPT_CASE))]
+    return cases, run_ranks(jobs_worker, 2, args=(jobs,), timeout_s=150)
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_gdn_packed_four_modes(world: int) -> None:
-    cases = fixed_cases(world) + draw_cases(world, 6)
-    worst = run_ranks(gdn_worker, world, args=(GDN_MODES, cases), timeout_s=150)[0]
+def test_gdn_packed_four_modes(world: int, request: pytest.FixtureRequest) -> None:
+    if world == 2:
+        cases, results = request.getfixturevalue("cp2_spawn")
+        worst = results[0]["modes"]
+    else:
+        cases = fixed_cases(world) + draw_cases(world, 6)
+        worst = run_ranks(gdn_worker, world, args=(GDN_MODES, cases), timeout_s=150)[0]
     _check(worst, f"GDN packed CP{world}, {len(cases)} mixes {cases}")
+
+
+def test_packed_backward_runs_on_the_forward_graph(cp2_spawn: tuple[list[Case], list[dict]]
+                                                   ) -> None:
+    """The packed p2p chain and prefix scan (eager, float64, CP2): the backward differentiates
+    the local graph the forward kept (the local op runs once per step, not again in the
+    backward) and releases it, with the very figures of the recompute path (a forward under
+    saved-tensor hooks keeps no graph) bit for bit; activation checkpointing, reentrant or
+    not, gives the same figures with the calls of :data:`KEPT_GRAPH_CALLS`."""
+    for rank, res in enumerate(r["kept_graph"] for r in cp2_spawn[1]):
+        for mode in STATE_MODES:
+            what = f"rank {rank} mode={mode} {KEPT_CASE}: {res}"
+            for way, calls in KEPT_GRAPH_CALLS.items():
+                assert res[f"{mode}:{way}:calls"] == calls, (way, what)
+                assert res[f"{mode}:{way}:same"], (way, what)
+                assert res[f"{mode}:{way}:holders_freed"], (way, what)
+            assert res[f"{mode}:kept:kept"] == 1, what
+            assert res[f"{mode}:kept:released_after_backward"], what
 
 
 def test_gdn_packed_p2p_cp8() -> None:

@@ -10,8 +10,10 @@ Workers return the worst rel-L2 per tensor over all cases, so one spawn checks m
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -173,6 +175,97 @@ def scan_chain_worker(rank: int, world: int, cases: list[tuple[int, Case]],
             _worst(worst, f"cp{cp_size}:scan_vs_chain:{k}", rel_l2(scan, runs["chain"][k]))
     _check_interpreted(rank, backend)
     return worst
+
+
+#: ``kept_graph_worker``'s ways to run the layer: calls of the local op in the forward and in
+#: the backward, then of the whole layer (checkpoint's replays) in each, per rank. "kept": a
+#: plain step, the backward runs on the graph the forward kept; "hooks": the forward under
+#: identity saved-tensor hooks keeps none, so the backward runs the op again (the recompute
+#: path); checkpoint reentrant: the first forward keeps nothing (no grad), the backward's
+#: replay keeps its graph and the backward uses it; non-reentrant: one replay, then the local
+#: recompute (hooks are active in both forwards; a graph kept under them would make the
+#: backward's nested ``autograd.grad`` replay the whole layer a second time).
+KEPT_GRAPH_CALLS = {"kept": (1, 0, 1, 0), "hooks": (1, 1, 1, 0),
+                    "checkpoint_reentrant": (1, 1, 1, 1), "checkpoint": (1, 2, 1, 1)}
+
+
+def kept_graph_worker(rank: int, world: int, modes: list[str], case: Case) -> dict[str, object]:
+    """The packed p2p chain / prefix scan (eager, float64) on one case, run each way of
+    :data:`KEPT_GRAPH_CALLS`: calls of the local op (``varlen.chunk_gated_delta_rule``,
+    wrapped inside this rank) and of the layer in the forward and in the backward, whether
+    the output, the input gradient and every parameter gradient of the shard equal the "kept"
+    run's bit for bit, whether the kept graph's output tensor is gone right after the
+    backward (the layer's output still alive) and whether every kept graph holder is gone
+    once the step's tensors are (garbage collection off: no reference cycle).
+    ``{"<mode>:<way>:<what>": value}``."""
+    from torch.utils.checkpoint import checkpoint
+
+    import overlap_runtime.context_parallel.gdn.varlen as varlen
+
+    batch, local_len, lengths = case
+    calls = [0, 0]  # the local op's, the layer's
+    holders: list[weakref.ref] = []
+    outs: list[weakref.ref] = []
+    op, base = varlen.chunk_gated_delta_rule, varlen.PackedLocalGraph
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return op(*args, **kwargs)
+
+    class Tracked(base):  # type: ignore[misc, valid-type]
+        def __init__(self, leaves, h_leaf, out) -> None:
+            super().__init__(leaves, h_leaf, out)
+            holders.append(weakref.ref(self))
+            outs.append(weakref.ref(out))
+
+    varlen.chunk_gated_delta_rule, varlen.PackedLocalGraph = counted, Tracked
+    mesh = init_device_mesh("cpu", (world,))
+    ref = make_module().double()
+    gen = torch.Generator().manual_seed(4000)
+    x = torch.randn(batch, world * local_len, HIDDEN, generator=gen, dtype=torch.float64)
+    w = torch.randn(batch, world * local_len, HIDDEN, generator=gen, dtype=torch.float64)
+    sl = slice(rank * local_len, (rank + 1) * local_len)
+    cu = cu_of(lengths)
+    out: dict[str, object] = {}
+    gc.disable()
+    try:
+        for mode in modes:
+            cp = LinearAttentionContextParallel(mode=mode, backend="eager").apply(
+                copy.deepcopy(ref), mesh)
+            cp.register_forward_pre_hook(lambda *_: calls.__setitem__(1, calls[1] + 1))
+            first = None
+            for way in KEPT_GRAPH_CALLS:
+                key = f"{mode}:{way}"
+                cp.zero_grad(set_to_none=True)
+                holders.clear()
+                outs.clear()
+                xl = x[:, sl].clone().requires_grad_(True)
+                calls[:] = [0, 0]
+                if way == "hooks":
+                    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                        y = cp(xl, cu_seqlens=cu)
+                elif way.startswith("checkpoint"):
+                    y = checkpoint(lambda t: cp(t, cu_seqlens=cu), xl,
+                                   use_reentrant=way == "checkpoint_reentrant")
+                else:
+                    y = cp(xl, cu_seqlens=cu)
+                fwd = list(calls)
+                (y * w[:, sl]).sum().backward()
+                out[f"{key}:calls"] = (fwd[0], calls[0] - fwd[0], fwd[1], calls[1] - fwd[1])
+                if way == "kept":
+                    out[f"{key}:kept"] = len(holders)
+                    out[f"{key}:released_after_backward"] = all(r() is None for r in outs)
+                got = [y.detach(), xl.grad, *(torch.zeros_like(p) if p.grad is None else p.grad
+                                              for p in cp.parameters())]
+                del y, xl
+                out[f"{key}:holders_freed"] = all(r() is None for r in holders)
+                if first is None:
+                    first = got
+                out[f"{key}:same"] = all(torch.equal(a, b) for a, b in zip(got, first))
+    finally:
+        gc.enable()
+        varlen.chunk_gated_delta_rule, varlen.PackedLocalGraph = op, base
+    return out
 
 
 def attention_worker(rank: int, world: int, modes: list[str], rules: list[str],
