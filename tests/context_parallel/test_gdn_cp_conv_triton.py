@@ -17,7 +17,7 @@ import pytest
 from tests.support.gdn_cp import assert_figures, compare_worker, jobs_worker
 
 from overlap_runtime.testing import run_ranks
-from tests.support.interpreter import INTERPRETER_ENV, Interpreted
+from tests.support.interpreter import INTERPRETED_RANK_ENV, Interpreted
 
 pytestmark = [
     pytest.mark.triton,
@@ -34,7 +34,7 @@ def results() -> list[dict]:
     """Per rank ``{mode: compare_worker's result}``, both modes in one spawn."""
     jobs = [(mode, compare_worker, (mode, 2, 64, 1, False, False, 4, "eager", 8, "triton"))
             for mode in MODES]
-    return run_ranks(Interpreted(jobs_worker), 2, timeout_s=300.0, env=INTERPRETER_ENV,
+    return run_ranks(Interpreted(jobs_worker), 2, timeout_s=300.0, env=INTERPRETED_RANK_ENV,
                      args=(jobs,))
 
 

@@ -27,7 +27,7 @@ from overlap_runtime.layers import GatedDeltaNet
 from overlap_runtime.layers.sequence_mixer import LocalGDNMixer
 from overlap_runtime.ops.gdn import GDNKernelOptions
 from overlap_runtime.testing import run_ranks
-from tests.support.interpreter import INTERPRETER_ENV, Interpreted
+from tests.support.interpreter import INTERPRETED_RANK_ENV, Interpreted
 
 
 @pytest.mark.parametrize("mode", ["p2p", "prefix_scan"])
@@ -133,7 +133,7 @@ def test_triton_chain_and_scan_run_the_options() -> None:
     ``gdn_forward``, which runs 2 segments per rank and leaves w unsaved, and the outputs and
     input gradients still equal the single-process eager layer (fp32, rel-L2 <= 1e-5)."""
     results = run_ranks(Interpreted(triton_options_worker), 2, timeout_s=300.0,
-                        env=INTERPRETER_ENV)
+                        env=INTERPRETED_RANK_ENV)
     for rank, res in enumerate(results):
         for mode, fig in res.items():
             what = f"rank {rank} mode={mode}: {fig}"

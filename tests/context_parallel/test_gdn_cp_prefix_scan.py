@@ -18,7 +18,7 @@ from tests.support.gdn_scan import NAMES, scan_worker
 
 from overlap_runtime.context_parallel.gdn.scan_rounds import scan_messages, scan_rounds
 from overlap_runtime.testing import run_ranks
-from tests.support.interpreter import INTERPRETER_ENV, Interpreted
+from tests.support.interpreter import INTERPRETED_RANK_ENV, Interpreted
 
 TOL = 1e-5
 SAME = 1e-6  # scan vs chain: only the order of the fp32 compositions differs
@@ -93,7 +93,7 @@ TRITON_CASES = [(2, 1, 64, 64), (3, 1, 128, 64)]  # one chunk (one segment); two
 def test_prefix_scan_triton_interpreted_against_float64_and_chain() -> None:
     """backend="triton" under TRITON_INTERPRET=1, head dim 16: the scan runs inside the op's
     state hooks on its own segment summaries (CP2 with one chunk per rank, CP3 with two)."""
-    results = run_ranks(Interpreted(scan_worker), 3, timeout_s=400.0, env=INTERPRETER_ENV,
+    results = run_ranks(Interpreted(scan_worker), 3, timeout_s=400.0, env=INTERPRETED_RANK_ENV,
                         args=(TRITON_CASES, "triton", 16))
     assert all(r["triton_interpreted"] for r in results), "the Triton kernels did not run"
     _check(results, TRITON_CASES, "triton")

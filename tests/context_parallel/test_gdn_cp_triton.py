@@ -38,7 +38,7 @@ from tests.support.gdn_cp import (assert_figures, checkpoint_worker, compare_wor
                                   jobs_worker)
 
 from overlap_runtime.testing import run_ranks
-from tests.support.interpreter import INTERPRETER_ENV, Interpreted
+from tests.support.interpreter import INTERPRETED_RANK_ENV, Interpreted
 
 pytestmark = [
     pytest.mark.triton,
@@ -63,7 +63,7 @@ def cp2_results() -> list[dict]:
             for mode, cp, local_len in COMPARE_CASES if cp == 2]
     jobs.append(("padding", compare_worker, _compare_args("p2p", 2, 64, True)))
     jobs.append(("checkpoint", checkpoint_worker, ("p2p", 1, 64, "triton", HEAD_DIM, True)))
-    return run_ranks(Interpreted(jobs_worker), 2, timeout_s=400.0, env=INTERPRETER_ENV,
+    return run_ranks(Interpreted(jobs_worker), 2, timeout_s=400.0, env=INTERPRETED_RANK_ENV,
                      args=(jobs,))
 
 
@@ -74,7 +74,7 @@ def test_triton_matches_single_process_eager(mode: str, cp: int, local_len: int,
         results = [r[f"{mode}-{local_len}"] for r in request.getfixturevalue("cp2_results")]
     else:
         results = run_ranks(Interpreted(compare_worker), cp, timeout_s=300.0,
-                            env=INTERPRETER_ENV, args=_compare_args(mode, 1, local_len, False))
+                            env=INTERPRETED_RANK_ENV, args=_compare_args(mode, 1, local_len, False))
     assert len(results) == cp
     for rank, res in enumerate(results):
         what = f"backend=triton mode={mode} cp={cp} local={local_len} rank={rank}"

@@ -25,7 +25,7 @@ import importlib.util
 import pytest
 
 from overlap_runtime.testing import run_ranks
-from tests.support.interpreter import INTERPRETER_ENV, Interpreted
+from tests.support.interpreter import INTERPRETED_RANK_ENV, Interpreted
 
 from tests.support.packed_cp import Case, gdn_worker
 
@@ -56,7 +56,7 @@ CASE_MODES = [MODES[:3], MODES, MODES[:3]]
 def cp2_figures() -> dict[str, float]:
     """The worst figure of every mode over its cases, one spawn (``{"<mode>:<tensor>": rel-L2,
     "scan_vs_chain:<tensor>": rel-L2}``)."""
-    return run_ranks(Interpreted(gdn_worker), 2, timeout_s=600.0, env=INTERPRETER_ENV,
+    return run_ranks(Interpreted(gdn_worker), 2, timeout_s=600.0, env=INTERPRETED_RANK_ENV,
                      args=(MODES, CASES_CP2, "triton", HEAD_DIM, CASE_MODES, True))[0]
 
 
@@ -88,6 +88,6 @@ def test_packed_prefix_scan_triton_interpreted_cp2(cp2_figures: dict[str, float]
 def test_triton_packed_p2p_cp4() -> None:
     """A document over all four shards with tiny ends: ranks 1 and 2 pass the state through."""
     cases: list[Case] = [(1, LOCAL, [1, 4 * LOCAL - 3, 2])]
-    worst = run_ranks(Interpreted(gdn_worker), 4, timeout_s=300.0, env=INTERPRETER_ENV,
+    worst = run_ranks(Interpreted(gdn_worker), 4, timeout_s=300.0, env=INTERPRETED_RANK_ENV,
                       args=(["p2p"], cases, "triton", HEAD_DIM))[0]
     _check(worst, "p2p:", f"GDN packed backend=triton mode=p2p CP4 {cases}")

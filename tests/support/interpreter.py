@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
 from typing import Any
 
-#: The environment of ranks that run the kernels under the interpreter (``run_ranks(...,
-#: env=INTERPRETER_ENV)``): one thread each (the interpreter is single-threaded numpy work).
-INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+#: The environment of ranks that run the kernels under the interpreter (``run_ranks(
+#: Interpreted(worker), n, env=INTERPRETED_RANK_ENV, ...)``): one thread each (the interpreter is
+#: single-threaded numpy work). ``TRITON_INTERPRET`` is not in it: a spawn whose env sets it
+#: starts fresh interpreters (``rank_start.FRESH_INTERPRETER_ENV``, ~3 s of imports a rank);
+#: :class:`Interpreted` sets it inside the forked rank and re-imports triton there
+#: (:func:`interpret_in_this_rank`).
+INTERPRETED_RANK_ENV = {"OMP_NUM_THREADS": "1"}
 
 _INSTALLED = False
 _local = threading.local()
@@ -132,14 +137,47 @@ def require_interpreter() -> None:
     install()
 
 
+#: Our modules that decorate Triton kernels when imported (the rank must import them after
+#: ``TRITON_INTERPRET`` is set)
+_KERNEL_PACKAGES = ("overlap_runtime.ops.gdn.triton", "overlap_runtime.ops.causal_conv.triton")
+
+
+def interpret_in_this_rank() -> None:
+    """Make this rank, forked from the forkserver, run Triton kernels under the interpreter.
+
+    The forkserver imported the ``triton`` package (``torch._dynamo`` does), which decorated its
+    own ``triton.language`` helpers (``tl.sum``, ``tl.zeros``, ...) for compilation; a kernel
+    interpreted here could not call them. This sets ``TRITON_INTERPRET=1`` and drops triton's
+    Python modules (not its C extension) from ``sys.modules``, so the next import decorates them
+    as interpreted functions (~0.1 s, against ~3 s for a fresh interpreter). Modules imported
+    before keep the old objects: raises if a kernel module of ours is among them, or if the
+    helpers still are not interpreted after the re-import."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    early = sorted(m for m in sys.modules if m.startswith(_KERNEL_PACKAGES))
+    if early:
+        raise RuntimeError(f"kernel modules {early} were imported before TRITON_INTERPRET=1 was "
+                           f"set in this rank: import them inside the rank function")
+    for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
+        if not name.startswith("triton._C"):
+            del sys.modules[name]
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):
+        raise RuntimeError(f"triton re-imported under TRITON_INTERPRET=1 but tl.sum is "
+                           f"{type(tl.sum).__name__}, not an interpreted function")
+
+
 class Interpreted:
-    """A rank function that installs the shortcut first: ``run_ranks(Interpreted(worker), n,
-    env=INTERPRETER_ENV, ...)`` (picklable: it holds a module-level function)."""
+    """A rank function that runs its kernels under the interpreter (:func:`interpret_in_this_rank`)
+    and installs the shortcut first: ``run_ranks(Interpreted(worker), n,
+    env=INTERPRETED_RANK_ENV, ...)`` (picklable: it holds a module-level function)."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
     def __call__(self, rank: int, world: int, *args: Any) -> Any:
+        interpret_in_this_rank()
         install()
         return self.fn(rank, world, *args)
 
