@@ -36,8 +36,10 @@ def test_train_compile_matches_eager_on_one_device() -> None:
     1e-5 relative."""
     from overlap_runtime.trainer import compare_runs, config_from_dict, train_single
 
+    # the shapes of tests/trainer/test_trainer_alignment.py's compiled single-device baseline
+    # (tests.support.trainer.tiny_config): whichever runs second finds the graphs compiled
     cfg = {"model": {"hidden_size": 32, "num_hidden_layers": 4, "intermediate_size": 64},
-           "data": {"seq_len": 64, "batch_size": 1},
+           "data": {"seq_len": 128, "batch_size": 1},
            "train": {"steps": 2, "accelerator": {"world_size": 1, "cp": 1}}}
     eager = train_single(config_from_dict(cfg))
     cfg["train"]["compile"] = True
