@@ -55,7 +55,7 @@ test: $(STAMP)
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 # The inner loop while editing: everything but the Triton-interpreter cases and the slow
-# end-to-end runs (examples under torchrun, the demo and train commands in fresh interpreters).
+# end-to-end runs (the examples on their ranks, the demo and train commands in fresh interpreters).
 # Not a substitute for `make test`, which CI runs.
 test-quick: $(STAMP)
 	@$(BIN)/python -m pytest -q $(XDIST) -m "not triton and not slow" $(PYTEST_ARGS); rc=$$?; \
