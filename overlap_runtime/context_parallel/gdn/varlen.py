@@ -278,15 +278,12 @@ def packed_local_output_grads(
         :func:`add_packed_tail_grads`.
     """
     graph = None if kept is None else kept.take()
-    if graph is None:
-        leaves = [x.detach().requires_grad_(True) for x in inputs]
-        h_leaf = None if h_in is None else h_in.detach().requires_grad_(True)
-        with torch.enable_grad():
-            o = packed_local_outputs(*leaves, h_leaf, table, scale, chunk_size, backend,
-                                     options)
-    else:
-        leaves, h_leaf, o = graph
-        del graph
+    if graph is None:  # nothing kept: run the op again, building the graph here
+        _, rebuilt = packed_local_forward(*inputs, h_in, table, scale, chunk_size, backend,
+                                          options, keep_graph=True)
+        graph = rebuilt.take()  # type: ignore[union-attr]
+    leaves, h_leaf, o = graph
+    del graph
     with torch.enable_grad():
         wanted = leaves + ([h_leaf] if h_leaf is not None else [])
         local = list(torch.autograd.grad(o, wanted, do, allow_unused=True))
