@@ -74,13 +74,18 @@ def _unit_lower_inverse(a):
 
 
 @triton.jit
-def _row_block(ainv, i_b, i_hv, row0, T, eos, HV: tl.constexpr, BT: tl.constexpr):
-    """Pointers ``[16, 16]`` to columns 0..15 of rows ``row0 .. row0 + 15`` of ``ainv`` and the
-    rows' mask ``[16, 1]`` (rows ``>= eos`` are not stored); the block at column ``c`` of the
-    same rows is ``pointers + c``."""
+def _store_row(ainv, b0, b1, b2, b3, i_b, i_hv, row0, T, eos, HV: tl.constexpr,
+               BT: tl.constexpr):
+    """Rows ``row0 .. row0 + 15`` of ``ainv``: the ``[16, 16]`` blocks ``b0 .. b3`` at columns
+    0, 16, 32, 48 (rows ``>= eos`` are not stored); the pointers and the mask are computed once
+    for the four stores."""
     o_t = row0 + tl.arange(0, 16)
-    return (ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + tl.arange(0, 16)[None, :],
-            (o_t < eos)[:, None])
+    p = ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + tl.arange(0, 16)[None, :]
+    m = (o_t < eos)[:, None]
+    tl.store(p, b0, mask=m)
+    tl.store(p + 16, b1, mask=m)
+    tl.store(p + 32, b2, mask=m)
+    tl.store(p + 48, b3, mask=m)
 
 
 @triton.jit
@@ -137,26 +142,10 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl
     t30 = -mm_f32x3(t33, mm_f32x3(a30, t00) + mm_f32x3(a31, t10) + mm_f32x3(a32, t20))
 
     zero = tl.zeros([16, 16], dtype=tl.float32)
-    p0, m0 = _row_block(ainv, i_b, i_hv, t0, T, eos, HV, BT)
-    tl.store(p0, t00, mask=m0)
-    tl.store(p0 + 16, zero, mask=m0)
-    tl.store(p0 + 32, zero, mask=m0)
-    tl.store(p0 + 48, zero, mask=m0)
-    p1, m1 = _row_block(ainv, i_b, i_hv, t0 + 16, T, eos, HV, BT)
-    tl.store(p1, t10, mask=m1)
-    tl.store(p1 + 16, t11, mask=m1)
-    tl.store(p1 + 32, zero, mask=m1)
-    tl.store(p1 + 48, zero, mask=m1)
-    p2, m2 = _row_block(ainv, i_b, i_hv, t0 + 32, T, eos, HV, BT)
-    tl.store(p2, t20, mask=m2)
-    tl.store(p2 + 16, t21, mask=m2)
-    tl.store(p2 + 32, t22, mask=m2)
-    tl.store(p2 + 48, zero, mask=m2)
-    p3, m3 = _row_block(ainv, i_b, i_hv, t0 + 48, T, eos, HV, BT)
-    tl.store(p3, t30, mask=m3)
-    tl.store(p3 + 16, t31, mask=m3)
-    tl.store(p3 + 32, t32, mask=m3)
-    tl.store(p3 + 48, t33, mask=m3)
+    _store_row(ainv, t00, zero, zero, zero, i_b, i_hv, t0, T, eos, HV, BT)
+    _store_row(ainv, t10, t11, zero, zero, i_b, i_hv, t0 + 16, T, eos, HV, BT)
+    _store_row(ainv, t20, t21, t22, zero, i_b, i_hv, t0 + 32, T, eos, HV, BT)
+    _store_row(ainv, t30, t31, t32, t33, i_b, i_hv, t0 + 48, T, eos, HV, BT)
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "W_ONLY"])
