@@ -9,6 +9,12 @@ PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS     ?= dev,triton,viz,data,tensorboard,hf
+# INSTALLER installs the packages into the venv: uv (the default; pip installs it into the venv
+# first) or pip. The same packages either way; uv downloads and unpacks them in parallel: 18 s
+# against 45 s on two cores from empty caches. uv reads no pip configuration: pip's find-links
+# and index-url (`pip config list`) are passed on; INSTALLER=pip uses pip with all of its own.
+INSTALLER  ?= uv
+UV_SPEC    ?= uv>=0.5
 PYTEST_ARGS ?=
 # Test files run in this many pytest-xdist worker processes (two: the CI machine's two cores;
 # every file stays in one worker, so its module fixtures are built once). 0 runs them in this
@@ -32,21 +38,28 @@ help:
 	@echo "make demo   run the main job on CPU ranks spawned here (gloo)"
 	@echo "make test   run the test suite (TEST_WORKERS=2 pytest-xdist workers; 0: one process)"
 	@echo "make test-quick  the inner loop: no Triton-interpreter cases, no slow end-to-end runs"
-	@echo "variables: TORCH_SPEC='$(TORCH_SPEC)' EXTRAS='$(EXTRAS)' PYTHON=$(PYTHON)"
+	@echo "variables: TORCH_SPEC='$(TORCH_SPEC)' EXTRAS='$(EXTRAS)' INSTALLER=$(INSTALLER) PYTHON=$(PYTHON)"
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), f"Python >= 3.10 needed, found {sys.version.split()[0]}"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@# one pip call where torch is missing (one resolution: ~8 s less than two calls)
-	@if $(BIN)/python -c 'import torch' 2>/dev/null; then \
-	  echo "$(BIN)/python -m pip install -q --no-compile -e \".[$(EXTRAS)]\""; \
-	  $(BIN)/python -m pip install -q --no-compile -e ".[$(EXTRAS)]"; \
+	@case "$(INSTALLER)" in uv|pip) ;; *) echo "INSTALLER=$(INSTALLER): uv or pip" >&2; exit 2;; esac
+	@# one install call where torch is missing (one resolution: ~8 s less than two calls)
+	@if $(BIN)/python -c 'import torch' 2>/dev/null; then torch=""; else torch='"$(TORCH_SPEC)"'; fi; \
+	if [ "$(INSTALLER)" = uv ]; then \
+	  $(BIN)/python -m pip install -q --no-compile "$(UV_SPEC)" || exit 1; \
+	  links=$$($(BIN)/python -m pip config list 2>/dev/null | \
+	           sed -n "s/^[^=]*\.find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u); \
+	  index=$$($(BIN)/python -m pip config list 2>/dev/null | \
+	           sed -n "s/^[^=]*\.index-url='\(.*\)'$$/\1/p" | head -1); \
+	  flags="$$(for l in $$links; do printf -- '--find-links %s ' "$$l"; done)$${index:+--index-url $$index}"; \
+	  cmd="$(BIN)/uv pip install -q --python $(BIN)/python --link-mode copy $$flags $$torch -e \".[$(EXTRAS)]\""; \
 	else \
-	  echo "$(BIN)/python -m pip install -q --no-compile \"$(TORCH_SPEC)\" -e \".[$(EXTRAS)]\""; \
-	  $(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)" -e ".[$(EXTRAS)]"; \
-	fi
+	  cmd="$(BIN)/python -m pip install -q --no-compile $$torch -e \".[$(EXTRAS)]\""; \
+	fi; \
+	echo "$$cmd"; eval "$$cmd"
 	@touch $(STAMP)
 
 # The trainer on PP=2 x EP=2 with OVERLAP_B_F vs its baseline (configs/demo_pp2_ep2.yaml, embedded);
