@@ -9,7 +9,7 @@ document), fp32 rel-L2 <= 1e-5 on the output, the input gradient and every param
   halo ``left`` reaching only a continuing first document), the layer with documents shorter
   than the halo, cut by a row start, crossing GDN chunks, with padding between them; the loop
   is gone (one conv and one GDN op call per layer forward, ``apply_per_segment`` never called);
-* under the Triton interpreter (a child process, ``tests.support.gdn_packed_cases``, about 15 s): the
+* under the Triton interpreter (a forked child, ``tests.support.gdn_packed_cases``, about 15 s): the
   Triton conv kernels with ``doc_positions`` and the layer on ``backend="triton"`` with
   ``conv_backend="triton"``.
 """
@@ -17,8 +17,6 @@ document), fp32 rel-L2 <= 1e-5 on the output, the input gradient and every param
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ from overlap_runtime.layers import GatedDeltaNet, document_positions, gated_delt
 from overlap_runtime.layers.elementwise import causal_conv_silu, causal_conv_silu_shifted
 from overlap_runtime.testing import rel_l2
 
-from tests.support.gdn import ROOT, interpreter_env, support_command
+from tests.support.gdn import run_interpreted
 TOL = 1e-5
 
 # B = 2 rows of T = 12: documents of 3, 1 (shorter than the halo 3), 6, 2 (cut by the row start
@@ -114,11 +112,7 @@ def test_packed_forward_is_one_conv_and_one_gdn_call(monkeypatch: pytest.MonkeyP
 @pytest.mark.triton
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_interpreter_triton_conv_and_gdn_packed_equal_each_document_alone() -> None:
-    proc = subprocess.run(support_command("gdn_packed_cases"), env=interpreter_env(),
-                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    assert proc.returncode == 0, f"cases failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT "):])
+    result = run_interpreted("gdn_packed_cases")
     assert set(result) == {"conv_k4_d1_left", "conv_k3_d2", "layer_triton_triton"}, result
     for case, errors in result.items():
         assert len(errors) >= 3, (case, errors)

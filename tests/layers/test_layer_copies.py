@@ -5,7 +5,6 @@ op), results bitwise unchanged, the forward bytes asserted (a copy added back fa
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.testing import rel_l2
 
 from benchmarks import layer_copies
-from tests.support.gdn import ROOT, interpreter_env, support_command
+from tests.support.forked_child import ForkedChild
 
 
 def _count(fn) -> list:
@@ -84,10 +83,7 @@ def test_interpreter_gdn_layer_copies() -> None:
     gated norm's and gates' casts (q, k, v reach the op contiguous), results bitwise equal to
     one conv + split; the eager F.conv1d path unchanged (tests/support/layer_copies_cases.py).
     One child per conv backend, side by side (each single-threaded, ~8 s)."""
-    children = {b: subprocess.Popen(support_command("layer_copies_cases", b),
-                                    env=interpreter_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
-                for b in ("triton", "torch")}
+    children = {b: ForkedChild("layer_copies_cases", b) for b in ("triton", "torch")}
     try:
         for backend, child in children.items():
             out, err = child.communicate(timeout=300)

@@ -1,6 +1,6 @@
-"""Interpreter children that each run a GROUP of a test module's cases: one import of torch and
-triton (about 2 s of CPU) per group instead of one per case, and each test still asserts its
-own case's result.
+"""Interpreter children that each run a GROUP of a test module's cases, each test still asserting
+its own case's result. A child is forked (:class:`tests.support.forked_child.ForkedChild`:
+torch and triton imported once per test process, not per child).
 
 A cases module (``python -m tests.support.<script> CASE [CASE ...]``) ends with
 ``run_cases(sys.argv[1:], run)``: every case runs in turn and prints one line
@@ -25,7 +25,8 @@ import time
 import traceback
 from typing import Callable
 
-from tests.support.gdn import ROOT, _default_workers, interpreter_env, support_command
+from tests.support.forked_child import ForkedChild
+from tests.support.gdn import _default_workers
 
 
 def run_cases(cases: list[str], run: Callable[[str], dict]) -> None:
@@ -50,14 +51,12 @@ def run_cases(cases: list[str], run: Callable[[str], dict]) -> None:
 
 
 class _Child:
-    """One ``python -m tests.support.<script> *cases`` process whose output is read as it
+    """One ``python -m tests.support.<script> *cases`` child (forked) whose output is read as it
     comes (two reader threads), so that each case's result is available once printed."""
 
     def __init__(self, script: str, cases: list[str], timeout_s: float) -> None:
         self.script, self.cases = script, cases
-        self.proc = subprocess.Popen(support_command(script, *cases), env=interpreter_env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     cwd=str(ROOT))
+        self.proc = ForkedChild(script, *cases)
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
         self.timed_out = False

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,19 +18,6 @@ from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule
 from overlap_runtime.testing import rel_l2  # noqa: F401  (re-exported for the GDN tests)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def interpreter_env() -> dict[str, str]:
-    """The environment of a Triton-interpreter child: ``TRITON_INTERPRET=1``, one thread, and
-    the repository root on ``PYTHONPATH`` (the child imports ``tests.support``)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def support_command(module: str, *args: str) -> list[str]:
-    """``python -m tests.support.<module> *args``: run it with ``cwd=ROOT``."""
-    return [sys.executable, "-m", f"tests.support.{module}", *args]
 
 
 def _default_workers() -> int:
@@ -48,12 +34,14 @@ def _result(script: str, args: tuple[str, ...], returncode: int, stdout: str, st
 
 
 def run_interpreted(script: str, *args: str, timeout_s: float = 300) -> dict:
-    """Run ``python -m tests.support.<script> *args`` in a child process with ``TRITON_INTERPRET=1`` (triton
-    reads it when the kernels are first imported, so it must be set before) and return the dict
-    of its last ``RESULT <json>`` line; a failing child fails the test with its output."""
-    proc = subprocess.run(support_command(script, *args), env=interpreter_env(),
-                          capture_output=True, text=True, timeout=timeout_s, cwd=str(ROOT))
-    return _result(script, args, proc.returncode, proc.stdout, proc.stderr)
+    """Run ``python -m tests.support.<script> *args`` under the Triton interpreter, forked
+    (:class:`tests.support.forked_child.ForkedChild`), and return the dict of its last
+    ``RESULT <json>`` line; a failing child fails the test with its output."""
+    from tests.support.forked_child import ForkedChild
+
+    child = ForkedChild(script, *args)
+    stdout, stderr = child.communicate(timeout=timeout_s)
+    return _result(script, args, child.returncode, stdout, stderr)
 
 
 def _selected_cases(request, case_of_test: dict[str, str]) -> list[str]:  # noqa: ANN001
