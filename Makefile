@@ -68,7 +68,7 @@ demo: $(STAMP)
 	$(BIN)/overlap-runtime demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collects no tests: that is not a failure of the suite.
-XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder,)
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 test: $(STAMP)
 	@$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
