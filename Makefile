@@ -11,8 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS     ?= dev,triton,viz,data,tensorboard,hf
 # INSTALLER installs the packages into the venv: uv (the default; pip installs it into the venv
 # first) or pip. The same packages either way; uv downloads and unpacks them in parallel: 18 s
-# against 45 s on two cores from empty caches. uv reads no pip configuration: pip's find-links
-# and index-url (`pip config list`) are passed on; INSTALLER=pip uses pip with all of its own.
+# against 45 s on two cores from empty caches. uv reads no pip configuration: pip's find-links,
+# index-url and cert (as SSL_CERT_FILE, unless set) are passed on (`pip config list`);
+# INSTALLER=pip uses pip with all of its own.
 INSTALLER  ?= uv
 UV_SPEC    ?= uv>=0.5
 PYTEST_ARGS ?=
@@ -54,8 +55,11 @@ $(STAMP): pyproject.toml Makefile
 	           sed -n "s/^[^=]*\.find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u); \
 	  index=$$($(BIN)/python -m pip config list 2>/dev/null | \
 	           sed -n "s/^[^=]*\.index-url='\(.*\)'$$/\1/p" | head -1); \
+	  cert=$$($(BIN)/python -m pip config list 2>/dev/null | \
+	          sed -n "s/^[^=]*\.cert='\(.*\)'$$/\1/p" | head -1); \
 	  flags="$$(for l in $$links; do printf -- '--find-links %s ' "$$l"; done)$${index:+--index-url $$index}"; \
-	  cmd="$(BIN)/uv pip install -q --python $(BIN)/python --link-mode copy $$flags $$torch -e \".[$(EXTRAS)]\""; \
+	  certenv="$${cert:+SSL_CERT_FILE=$${SSL_CERT_FILE:-$$cert} }"; \
+	  cmd="$${certenv}$(BIN)/uv pip install -q --python $(BIN)/python --link-mode copy $$flags $$torch -e \".[$(EXTRAS)]\""; \
 	else \
 	  cmd="$(BIN)/python -m pip install -q --no-compile $$torch -e \".[$(EXTRAS)]\""; \
 	fi; \
