@@ -260,7 +260,8 @@ def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None,
 VARIANTS = {
     "default": (FusedConfig(), None),
     "walk_w8": (FusedConfig(walk_warps=8, summary_warps=8), None),
-    "walk_s1": (FusedConfig(walk_stages=1, summary_stages=1), None),
+    "summary_s1": (FusedConfig(summary_stages=1), None),
+    "walk_s2": (FusedConfig(walk_stages=2), None),  # the default before 2026-12-07
     "bv32": (FusedConfig(block=32), None),
     "ns1": (FusedConfig(), 1),
     "ns1_bv32": (FusedConfig(block=32), 1),

@@ -192,7 +192,7 @@ def run_gdn_fused() -> None:
     g = -torch.rand(1, 128, 4, generator=gen)
     beta = torch.rand(1, 128, 4, generator=gen).bfloat16()
     for config in (FusedConfig(), FusedConfig(walk_warps=8, summary_warps=8),
-                   FusedConfig(walk_stages=1, summary_stages=1), FusedConfig(block=32),
+                   FusedConfig(walk_stages=2), FusedConfig(block=32),
                    FusedConfig(block=128)):
         gdn_forward(q, k, v, g, beta, None, 128 ** -0.5, True, 2, fused=True, save=False,
                     fused_config=config)
