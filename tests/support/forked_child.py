@@ -7,8 +7,8 @@ interpreter each: about 3 s of CPU importing torch and triton before its first c
 :func:`overlap_runtime.rank_start.context`'s forkserver, which has imported torch and
 ``torch._dynamo`` (and with it triton) once for the whole test process. The child first makes
 triton interpreted (:func:`tests.support.interpreter.interpret_in_this_rank`: it refuses if a
-kernel module of ours was imported before) and takes the environment of
-:func:`tests.support.gdn.interpreter_env` (one intra-op thread).
+kernel module of ours was imported before) and takes :data:`CHILD_ENV` (``TRITON_INTERPRET=1``,
+one intra-op thread).
 
 The parent side reads like a ``subprocess.Popen`` with text pipes: ``stdout``, ``stderr``,
 ``poll``, ``wait(timeout)`` (``subprocess.TimeoutExpired``), ``kill``, ``returncode`` and
