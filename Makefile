@@ -51,12 +51,10 @@ $(STAMP): pyproject.toml Makefile
 	@if $(BIN)/python -c 'import torch' 2>/dev/null; then torch=""; else torch='"$(TORCH_SPEC)"'; fi; \
 	if [ "$(INSTALLER)" = uv ]; then \
 	  $(BIN)/python -m pip install -q --no-compile "$(UV_SPEC)" || exit 1; \
-	  links=$$($(BIN)/python -m pip config list 2>/dev/null | \
-	           sed -n "s/^[^=]*\.find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u); \
-	  index=$$($(BIN)/python -m pip config list 2>/dev/null | \
-	           sed -n "s/^[^=]*\.index-url='\(.*\)'$$/\1/p" | head -1); \
-	  cert=$$($(BIN)/python -m pip config list 2>/dev/null | \
-	          sed -n "s/^[^=]*\.cert='\(.*\)'$$/\1/p" | head -1); \
+	  conf=$$($(BIN)/python -m pip config list 2>/dev/null); \
+	  links=$$(echo "$$conf" | sed -n "s/^[^=]*\.find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u); \
+	  index=$$(echo "$$conf" | sed -n "s/^[^=]*\.index-url='\(.*\)'$$/\1/p" | head -1); \
+	  cert=$$(echo "$$conf" | sed -n "s/^[^=]*\.cert='\(.*\)'$$/\1/p" | head -1); \
 	  flags="$$(for l in $$links; do printf -- '--find-links %s ' "$$l"; done)$${index:+--index-url $$index}"; \
 	  certenv="$${cert:+SSL_CERT_FILE=$${SSL_CERT_FILE:-$$cert} }"; \
 	  cmd="$${certenv}$(BIN)/uv pip install -q --python $(BIN)/python --link-mode copy $$flags $$torch -e \".[$(EXTRAS)]\""; \

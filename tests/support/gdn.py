@@ -6,8 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +15,7 @@ import torch.nn.functional as F
 from overlap_runtime.ops.gdn.reference import recurrent_gated_delta_rule
 from overlap_runtime.testing import rel_l2  # noqa: F401  (re-exported for the GDN tests)
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.forked_child import ForkedChild
 
 
 def _default_workers() -> int:
@@ -37,8 +35,6 @@ def run_interpreted(script: str, *args: str, timeout_s: float = 300) -> dict:
     """Run ``python -m tests.support.<script> *args`` under the Triton interpreter, forked
     (:class:`tests.support.forked_child.ForkedChild`), and return the dict of its last
     ``RESULT <json>`` line; a failing child fails the test with its output."""
-    from tests.support.forked_child import ForkedChild
-
     child = ForkedChild(script, *args)
     stdout, stderr = child.communicate(timeout=timeout_s)
     return _result(script, args, child.returncode, stdout, stderr)
