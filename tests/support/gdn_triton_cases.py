@@ -34,47 +34,60 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 class SharedPrepare:
-    """Within ``with SharedPrepare():``, the Triton backend's ``prepare`` (the forward's first
-    kernels: l2norm, kkt_solve, wy_fwd; about half of a run under the interpreter) runs once per
-    distinct set of arguments: a later call whose tensors equal an earlier call's bit for bit
-    (same dtype, shape, strides; ``torch.equal``) and whose flag is the same gets clones of
-    that call's outputs, which the kernels would give again (they are deterministic). Any other
-    call runs the kernels. ``runs`` / ``reused`` count both kinds."""
+    """Within ``with SharedPrepare():``, the Triton backend's ``prepare`` and ``prepare_fused``
+    (the forward's first kernels: l2norm, kkt_solve, wy_fwd; about half of a run under the
+    interpreter) run once per distinct set of arguments: a later call of the same function
+    whose tensors equal an earlier call's bit for bit (same dtype, shape, strides;
+    ``torch.equal``) and whose flags are the same gets clones of that call's outputs, which the
+    kernels would give again (they are deterministic). Any other call runs the kernels.
+    ``runs`` / ``reused`` count both kinds, of both functions."""
 
     def __init__(self) -> None:
         from overlap_runtime.ops.gdn.triton import function, summary as tri_summary
 
         self._modules = (function, tri_summary)
-        self._prepare = function.prepare
-        self._seen: list[tuple[tuple, bool, dict]] = []
+        self._originals = {"prepare": function.prepare, "prepare_fused": function.prepare_fused}
+        self._seen: list[tuple[str, tuple, tuple, dict]] = []
         self.runs = self.reused = 0
 
-    def __call__(self, q, k, v, g, beta, use_qk_l2norm, chunks=None):  # noqa: ANN001, ANN204
-        args = (q, k, v, g, beta, chunks)
-        for seen_args, flag, out in self._seen:
-            if flag == use_qk_l2norm and all(_same(a, b) for a, b in zip(args, seen_args)):
+    def _shared(self, name: str, args: tuple, flags: tuple, key: tuple) -> dict:
+        """``key``: what of ``flags`` decides the outputs."""
+        for seen_name, seen_args, seen_key, out in self._seen:
+            if (seen_name == name and seen_key == key
+                    and all(_same(a, b) for a, b in zip(args, seen_args))):
                 self.reused += 1
                 # an output that is an input (q, k without the norm) is this call's input
                 return {n: (args[i] if isinstance(i, int) else None if i is None else i.clone())
                         for n, i in out.items()}
-        out = self._prepare(q, k, v, g, beta, use_qk_l2norm, chunks)
+        out = self._originals[name](*args[:5], *flags[:1], args[5], *flags[1:])
         self.runs += 1
         kept = {}
         for n, t in out.items():
             alias = [i for i, a in enumerate(args) if t is not None and a is t]
             kept[n] = alias[0] if alias else (None if t is None else t.detach().clone())
-        self._seen.append((tuple(None if a is None else a.detach().clone() for a in args),
-                           use_qk_l2norm, kept))
+        self._seen.append((name, tuple(None if a is None else a.detach().clone() for a in args),
+                           key, kept))
         return out
+
+    def __call__(self, q, k, v, g, beta, use_qk_l2norm, chunks=None):  # noqa: ANN001, ANN204
+        flags = (use_qk_l2norm,)
+        return self._shared("prepare", (q, k, v, g, beta, chunks), flags, flags)
+
+    def fused(self, q, k, v, g, beta, use_qk_l2norm, chunks=None, save=False):  # noqa: ANN001, ANN201
+        # save changes only Ainv's dtype (fp32, else k's): the same outputs where k is fp32
+        return self._shared("prepare_fused", (q, k, v, g, beta, chunks), (use_qk_l2norm, save),
+                            (use_qk_l2norm, torch.float32 if save else k.dtype))
 
     def __enter__(self) -> "SharedPrepare":
         for module in self._modules:
             module.prepare = self
+        self._modules[0].prepare_fused = self.fused
         return self
 
     def __exit__(self, *exc: object) -> None:
         for module in self._modules:
-            module.prepare = self._prepare
+            module.prepare = self._originals["prepare"]
+        self._modules[0].prepare_fused = self._originals["prepare_fused"]
 
 
 # (T, H, HV, K, V, dtype, num_segments, initial_state, l2norm, tolerance)

@@ -132,7 +132,7 @@ class TritonBackend(GDNBackend):
     ``num_segments`` fixes how many segments the state scan splits each sequence into
     (None: chosen from the machine); ``recompute_w`` leaves the WY factor w out of the saved
     tensors and forms it again in the backward (less memory, one more launch);
-    ``fused_forward`` runs the fused walk (triton/fused_fwd.py) after the chain's prep kernels.
+    ``fused_forward`` runs the fused walk (triton/fused_fwd.py) after its own two prep kernels.
     """
 
     name = "triton"

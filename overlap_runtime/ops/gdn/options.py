@@ -40,8 +40,9 @@ class GDNKernelOptions:
             K = 128, bf16) and the backward forms it again from the saved inverse (one more
             w-only ``wy_fwd`` launch, about 2-3% of forward+backward at 8K; results bit for bit
             the same). Default False: w is saved (docs/gdn.md, "Triton backend"). A bool.
-        fused_forward: triton only. True: after the chain's prep kernels (l2norm, kkt_solve,
-            wy_fwd) the forward runs the fused walk (``ops/gdn/triton/fused_fwd.py``: the
+        fused_forward: triton only. True: after two prep kernels that fold the l2 norm in
+            (kkt_solve, wy_fwd with the chunks' scores; no normalised copy of q, k) the forward
+            runs the fused walk (``ops/gdn/triton/fused_fwd.py``: the
             state held on chip across chunks, o written, no per-chunk state or residual in
             memory) instead of the chain's scan and output kernels; it keeps the same saved
             set for the backward, and nothing but o and the final state when no gradient is

@@ -77,7 +77,7 @@ from .bwd_state import bwd_scan_kernel, dv_local_kernel
 from ..state_link import StateLink
 from .common import CHUNK, choose_segments
 from .fwd_output import output_kernel
-from .fwd_prepare import kkt_solve, wy_forward
+from .fwd_prepare import kkt_solve, wy_forward, wy_scores_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
 from . import fused_fwd
 from .fused_fwd import FusedConfig, fused_summaries, fused_walk
@@ -109,10 +109,26 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         kn, k_rstd = l2norm_forward(k)
     else:
         qn, kn, q_rstd, k_rstd = q, k, None, None
-    gamma, ainv = kkt_solve(kn, g, beta, v.shape[2], chunks)
+    gamma, ainv, _ = kkt_solve(kn, g, beta, v.shape[2], chunks)
     w, u = wy_forward(kn, v, beta, gamma, ainv, chunks)
     return {"qn": qn, "kn": kn, "q_rstd": q_rstd, "k_rstd": k_rstd, "gamma": gamma,
             "ainv": ainv, "w": w, "u": u}
+
+
+def prepare_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, use_qk_l2norm: bool, chunks: torch.Tensor | None = None,
+                  save: bool = False) -> dict[str, torch.Tensor | None]:
+    """The fused forward's prep: two launches, no normalised copy of q, k.
+
+    ``kkt_solve`` with the norm folded in (the keys' 1/norms, gamma, Ainv: fp32 with ``save``,
+    for the backward, else in k's dtype), then ``wy_fwd`` with the scores (w, u, the decayed
+    causal scores ``aqk`` and the queries' 1/norms), fwd_prepare.py. Without the norm q, k are
+    used as given and the 1/norms are None. Returns ``{"q", "k"`` (the raw inputs), ``"q_rstd",
+    "k_rstd", "gamma", "ainv", "w", "u", "aqk"}`` (shapes: fwd_prepare.py)."""
+    gamma, ainv, k_rstd = kkt_solve(k, g, beta, v.shape[2], chunks, norm=use_qk_l2norm,
+                                    ainv_dtype=torch.float32 if save else k.dtype)
+    out = wy_scores_forward(q, k, v, beta, gamma, ainv, k_rstd, chunks)
+    return {"q": q, "k": k, "k_rstd": k_rstd, "gamma": gamma, "ainv": ainv, **out}
 
 
 def _rows(bh: int, num_segments: int, layout: VarlenLayout | None) -> tuple[int, int]:
@@ -344,10 +360,11 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             h0 and the final state are then ``[N, HV, K, V]``.
         recompute_w: leave w out of ``saved``; :func:`gdn_backward` forms it again from the
             saved Ainv (one w-only ``wy_fwd`` launch, bitwise the same w).
-        fused: run the fused forward (fused_fwd.py: the chain's prep launches, then one
-            summary launch and one walk that keeps the state on chip and writes o, residuals
-            formed on chip) instead of the chain's scan and output kernels; the same ``saved``
-            set (states and v_new written by the walk). ``save=False`` (fused only): nothing
+        fused: run the fused forward (fused_fwd.py: two prep launches with the norm folded
+            in, then one summary launch and one walk that keeps the state on chip and writes
+            o, residuals formed on chip) instead of the chain's l2norm, scan and output
+            kernels; the same ``saved`` set (states and v_new written by the walk; Ainv and w
+            formed from the raw keys and their 1/norms, equal to the chain's up to rounding). ``save=False`` (fused only): nothing
             for a backward is written and ``saved`` is None (inference, no autograd).
         fused_config: the fused kernel's launch choices (None: fused_fwd.DEFAULT_CONFIG).
 
@@ -421,8 +438,8 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    config: FusedConfig | None
                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...] | None,
                               "ScanMeta"]:
-    """:func:`gdn_forward` by the fused walk: the chain's prep launches (:func:`prepare`),
-    segment summaries (when the sequence is split), the chain and the state hooks as the kernel
+    """:func:`gdn_forward` by the fused walk: two prep launches with the norm folded in
+    (:func:`prepare_fused`), segment summaries (when the sequence is split), the chain and the state hooks as the kernel
     chain runs them, then one walk that writes o (and, with ``save``, the per-chunk states and
     v_new of the chain's saved set; the rest of that set is the prep's)."""
     batch, seq_len, heads, key_dim = q.shape
@@ -438,7 +455,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
     rows = _rows(bh, ns, layout)
     config = fused_fwd.DEFAULT_CONFIG if config is None else config
-    prep = prepare(q, k, v, g, beta, use_qk_l2norm, tables[0])
+    prep = prepare_fused(q, k, v, g, beta, use_qk_l2norm, tables[0], save)
     prep["ainv"] = prep["ainv"] if save else None  # the backward's alone: freed before the walks
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps
@@ -645,8 +662,8 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             at every offset, initial_state and the final state are ``[N, HV, K, V]``.
         recompute_w: do not save w ``[B, T, HV, K]`` for the backward, form it again there
             (one more ``wy_fwd`` launch, w only; same results bit for bit).
-        fused_forward: the chain's prep kernels, then the fused walk (fused_fwd.py) instead of
-            the chain's scan and output; the same backward. With no gradient wanted (grad mode
+        fused_forward: two prep kernels with the norm folded in, then the fused walk
+            (fused_fwd.py) instead of the chain's norm, scan and output; the same backward. With no gradient wanted (grad mode
             off, or no input requires grad) nothing is kept for a backward: o, final state.
 
     Returns:

@@ -1,20 +1,23 @@
-"""Fused forward: the kernel chain's prep launches, then one walk per segment that keeps the
+"""Fused forward: two prep launches, then one walk per segment that keeps the
 state in registers across the segment's chunks and writes o; neither the per-chunk states nor
 v_new go to memory unless a backward needs them.
 
-1. The prep is the chain's own (function.py ``prepare``): ``l2norm_forward`` of q and k (with
-   the norm), ``kkt_solve`` (gamma fp32, Ainv fp32) and ``wy_forward`` (w, u), each parallel
-   over chunks; its dict ``prep`` (``"qn"``, ``"kn"``: the normalised q, k, or the raw ones
-   without the norm; ``"gamma"``, ``"w"``, ``"u"``) is what the walks below read. A one-launch
-   parallel prep (norm, cumsum, block solve, w and u per chunk) spilled registers and ran 3.5x
-   the chain's prep kernels on an H100 (docs/benchmarks.md, "Fused forward").
+1. The prep, two launches parallel over chunks (function.py ``prepare_fused``): ``kkt_solve``
+   with the l2 norm folded in (it reads the raw keys, forms their 1/norms and the normalised
+   keys' products in fp32: gamma, Ainv) and ``wy_fwd`` with the scores (w, u, the queries'
+   1/norms and the decayed causal scores ``aqk = (Qn Kn^T * Gamma)`` of each chunk, in k's
+   dtype). No normalised copy of q or k is written: the walk reads the raw q, k and scales by
+   the 1/norms (``NORM``), which saves the chain's two norm launches (read and write q, k).
+   A one-launch parallel prep (norm, cumsum, block solve, w and u per chunk) spilled registers
+   and ran 3.5x the chain's prep kernels on an H100 (docs/benchmarks.md, "Fused forward").
 2. ``fused_walk_kernel``, grid ``(column blocks, NS, B * HV)``: one program walks the chunks of
    one segment for ``BV`` columns of the state of one ``(sequence, value head)``; per chunk it
-   reads the normalised q, k and w, u, gamma and forms::
+   reads q, k (raw, with their 1/norms ``rq``, ``rk``; or as given without the norm), aqk,
+   w, u, gamma and forms::
 
        v_new   = u - w h
-       o       = scale (diag(e^gamma) Q h + (Q K^T * Gamma) v_new)       (output mode)
-       h      <- e^gamma_C h + Ktail^T diag(e^(gamma_C - gamma)) v_new
+       o       = scale (diag(e^gamma rq) Q h + aqk v_new)                (output mode)
+       h      <- e^gamma_C h + K^T diag(rk e^(gamma_C - gamma)) v_new
 
    Two modes, as ``fwd_scan_kernel`` (fwd_state.py):
 
@@ -30,7 +33,7 @@ The WY solve is not inside the walk: in a walk of one program per state block ev
 of the chunk loop is on the critical path, and the solve's small 16 x 16 products and
 substitution steps made a chunk step about 40x longer than the state update itself
 (docs/benchmarks.md, "Fused forward"). The walk's step is the chain scan's plus the output
-products.
+products, and the chunk's scores come from the prep.
 
 Small ``B * HV`` fills the machine by the segment split of function.py: summaries of all
 segments in parallel (summary mode), the fp32 ``chain_kernel`` across them, then every
@@ -84,11 +87,11 @@ DEFAULT_CONFIG = FusedConfig()
 
 
 @triton.jit
-def fused_walk_kernel(q, k, w, u, gamma, h_init, o, h_end, m_sum, s_sum, states, v_new, chunks,
-                      segs, scale, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      SUMMARY: tl.constexpr, HAS_INIT: tl.constexpr, SAVE: tl.constexpr,
-                      VARLEN: tl.constexpr):
+def fused_walk_kernel(q, k, q_rstd, k_rstd, aqk, w, u, gamma, h_init, o, h_end, m_sum, s_sum,
+                      states, v_new, chunks, segs, scale, T, NT, L, NS, H: tl.constexpr,
+                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BV: tl.constexpr, SUMMARY: tl.constexpr, HAS_INIT: tl.constexpr,
+                      SAVE: tl.constexpr, VARLEN: tl.constexpr, NORM: tl.constexpr):
     i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -126,12 +129,12 @@ def fused_walk_kernel(q, k, w, u, gamma, h_init, o, h_end, m_sum, s_sum, states,
         # the query side first (q is dead before w is loaded: fewer live registers)
         if not SUMMARY:
             b_q = tl.load(q + off_k, mask=m_t[:, None], other=0.0)
-            causal = o_i[:, None] >= o_i[None, :]
-            b_s = mm(b_q, tl.trans(b_k))
-            b_s = tl.where(causal,
-                           b_s * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0)),
-                           0.0).to(DT)
-            b_o = mm(b_q, b_hd) * tl.exp(b_gam)[:, None]
+            b_s = tl.load(aqk + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
+                          mask=m_t[:, None], other=0.0)
+            b_row = tl.exp(b_gam)
+            if NORM:
+                b_row = b_row * tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+            b_o = mm(b_q, b_hd) * b_row[:, None]
         b_w = tl.load(w + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + col_v[None, :]
@@ -143,7 +146,10 @@ def fused_walk_kernel(q, k, w, u, gamma, h_init, o, h_end, m_sum, s_sum, states,
         if not SUMMARY:
             b_o = (b_o + mm(b_s, b_vnd)) * scale
             tl.store(o + off_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None])
-        b_vs = b_vn * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
+        b_dec = tl.where(m_t, tl.exp(g_last - b_gam), 0.0)
+        if NORM:  # raw keys: K^T diag(1/norm) is the normalised keys' transpose
+            b_dec = b_dec * tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+        b_vs = b_vn * b_dec[:, None]
         b_h = mma(tl.trans(b_k), b_vs.to(DT), b_h * tl.exp(g_last))
     if SUMMARY:
         tl.store(m_sum + (row * K + o_k[:, None]) * K + col_m[None, :], b_h,
@@ -157,8 +163,8 @@ def fused_walk_kernel(q, k, w, u, gamma, h_init, o, h_end, m_sum, s_sum, states,
 def _launch(grid, prep: dict, outs: dict, tables, scale: float, num_chunks: int,
             per_segment: int, num_segments: int, block: int, summary: bool, save: bool,
             num_warps: int, num_stages: int):
-    qn, u = prep["qn"], prep["u"]
-    batch, seq_len, heads, key_dim = qn.shape
+    q, u = prep["q"], prep["u"]
+    batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     dummy = outs["dummy"]
 
@@ -166,14 +172,20 @@ def _launch(grid, prep: dict, outs: dict, tables, scale: float, num_chunks: int,
         x = outs.get(name)
         return dummy if x is None else x
 
+    def given(name: str) -> torch.Tensor:
+        x = prep.get(name)
+        return dummy if x is None else x
+
     chunks, segs = tables
     fused_walk_kernel[grid](
-        qn, prep["kn"], prep["w"], u, prep["gamma"], get("h_init"), get("o"), get("h_end"),
-        get("m"), get("s"), get("states"), get("v_new"), dummy if chunks is None else chunks,
+        q, prep["k"], given("q_rstd"), given("k_rstd"), given("aqk"), prep["w"], u,
+        prep["gamma"], get("h_init"), get("o"), get("h_end"), get("m"), get("s"),
+        get("states"), get("v_new"), dummy if chunks is None else chunks,
         dummy if segs is None else segs, scale, seq_len, num_chunks, per_segment, num_segments,
         H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=block,
         SUMMARY=summary, HAS_INIT=outs.get("h_init") is not None, SAVE=save,
-        VARLEN=chunks is not None, num_warps=num_warps, num_stages=num_stages,
+        VARLEN=chunks is not None, NORM=prep.get("k_rstd") is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -184,13 +196,15 @@ def fused_summaries(prep: dict[str, torch.Tensor | None], num_segments: int, per
     """Affine summary ``(M [*rows, K, K], S [*rows, K, V])`` fp32 of every segment from zero,
     all in parallel (summary mode of :func:`fused_walk_kernel`).
 
-    ``prep``: function.py ``prepare``'s dict (reads ``"qn"``, ``"kn"`` ``[B, T, H, K]``,
-    ``"w"`` ``[B, T, HV, K]``, ``"u"`` ``[B, T, HV, V]``, ``"gamma"`` ``[B, T, HV]`` fp32).
+    ``prep``: function.py ``prepare_fused``'s dict (reads ``"q"``, ``"k"`` ``[B, T, H, K]``
+    and their 1/norms ``"q_rstd"``, ``"k_rstd"`` ``[B, T, H]`` fp32 or None (no norm),
+    ``"aqk"`` ``[B, T, HV, 64]``, ``"w"`` ``[B, T, HV, K]``, ``"u"`` ``[B, T, HV, V]``,
+    ``"gamma"`` ``[B, T, HV]`` fp32).
     ``rows``: ``(B * HV, NS)`` dense, ``(NS, HV)`` with varlen ``tables`` (chunk table,
     segment table; ``(None, None)`` dense)."""
-    batch, seq_len, heads, key_dim = prep["kn"].shape
+    batch, seq_len, heads, key_dim = prep["k"].shape
     num_value_heads, value_dim = prep["u"].shape[2], prep["u"].shape[3]
-    dev = prep["kn"].device
+    dev = prep["k"].device
     m = torch.empty(*rows, key_dim, key_dim, device=dev, dtype=torch.float32)
     s = torch.empty(*rows, key_dim, value_dim, device=dev, dtype=torch.float32)
     block = config.columns(key_dim, value_dim)
@@ -215,7 +229,7 @@ def fused_walk(prep: dict[str, torch.Tensor | None], seg_init: torch.Tensor | No
         ``{"o" [B, T, HV, V] in u's dtype, "h_end" [*rows, K, V] fp32}`` and with ``save``
         ``"states" [B, NT, HV, K, V]`` in k's dtype, ``"v_new" [B, T, HV, V]`` in u's dtype.
     """
-    batch, seq_len, heads, key_dim = prep["kn"].shape
+    batch, seq_len, heads, key_dim = prep["k"].shape
     u = prep["u"]
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     dev = u.device
@@ -225,7 +239,7 @@ def fused_walk(prep: dict[str, torch.Tensor | None], seg_init: torch.Tensor | No
     }
     if save:
         out["states"] = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim,
-                                    device=dev, dtype=prep["kn"].dtype)
+                                    device=dev, dtype=prep["k"].dtype)
         out["v_new"] = torch.empty_like(u)
     block = config.columns(key_dim, value_dim)
     grid = (value_dim // block, num_segments, batch * num_value_heads)

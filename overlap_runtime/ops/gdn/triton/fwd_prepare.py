@@ -18,6 +18,13 @@ NVIDIA: ``ieee`` fp32 products run on the CUDA cores, not the tensor cores).
 ``wy_fwd_kernel`` (grid ``(NT, B * HV)``) forms u and w from Ainv with tensor-core products;
 with ``W_ONLY`` it forms w alone, the same operations in the same order (bitwise the forward's
 w): the backward's recomputation of w (``recompute_w``, function.py).
+
+The fused forward's prep (function.py ``prepare_fused``) runs both kernels on the raw q, k:
+with ``NORM`` ``kkt_solve_kernel`` forms the keys' 1/norms ``rk`` (l2norm.py's formula) and
+A from ``(k_i . k_j) rk_i rk_j`` in fp32, and ``wy_fwd_kernel`` folds ``rk`` into w's row
+scale; with ``QK`` the latter also forms the queries' 1/norms and each chunk's decayed causal
+scores ``aqk = (Qn Kn^T * Gamma)`` (lower triangle, diagonal included) for the walk's output,
+so that no normalised copy of q or k is written.
 With ``VARLEN`` chunk ``i_n`` is the chunk table's (common.chunk_span): it starts anywhere and
 its rows end at its sequence's end.
 """
@@ -28,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, autotune_configs, chunk_span, gate_floor, mm, mm_f32x3
+from .common import CHUNK, autotune_configs, chunk_span, gate_floor, mm, mm_f32x3, mma
+from .l2norm import L2NORM_EPS
 
 
 @triton.jit
@@ -46,9 +54,14 @@ def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, eos, H: tl.constexpr, HV: tl
 
 
 @triton.jit
-def _kkt_block(k_i, k_j, gam_i, gam_j, beta_i, DIAG: tl.constexpr):
-    """Block (i, j) of ``A``; on the diagonal only the strictly lower part (exponent masked)."""
+def _kkt_block(k_i, k_j, gam_i, gam_j, beta_i, r_i, r_j, DIAG: tl.constexpr,
+               NORM: tl.constexpr):
+    """Block (i, j) of ``A``; on the diagonal only the strictly lower part (exponent masked).
+    ``NORM``: the keys are raw, ``r_i``, ``r_j`` their 1/norms (the product of the normalised
+    keys is the raw product scaled in fp32)."""
     s = mm(k_i, tl.trans(k_j))
+    if NORM:
+        s = s * (r_i[:, None] * r_j[None, :])
     if DIAG:
         o = tl.arange(0, 16)
         low = o[:, None] > o[None, :]
@@ -56,6 +69,19 @@ def _kkt_block(k_i, k_j, gam_i, gam_j, beta_i, DIAG: tl.constexpr):
         return tl.where(low, s * tl.exp(gap) * beta_i[:, None], 0.0)
     else:
         return s * tl.exp(gam_i[:, None] - gam_j[None, :]) * beta_i[:, None]
+
+
+@triton.jit
+def _row_rstd(x, EPS: tl.constexpr):
+    """``1 / sqrt(sum x^2 + EPS)`` per row of ``x`` (fp32), the l2 norm's (l2norm.py)."""
+    xf = x.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) + EPS)
+
+
+@triton.jit
+def _store_rstd(k_rstd, r, i_b, i_h, row0, T, eos, H: tl.constexpr):
+    o_t = row0 + tl.arange(0, 16)
+    tl.store(k_rstd + (i_b * T + o_t) * H + i_h, r, mask=o_t < eos)
 
 
 @triton.jit
@@ -95,10 +121,11 @@ def _store_gamma(gamma, c, i_b, i_hv, row0, T, eos, HV: tl.constexpr):
 
 
 @triton.autotune(configs=autotune_configs(((4, 1), (1, 1), (2, 1), (2, 2))),
-                 key=["K", "VARLEN"])
+                 key=["K", "VARLEN", "NORM"])
 @triton.jit
-def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr):
+def kkt_solve_kernel(k, g, beta, gamma, ainv, k_rstd, chunks, T, H: tl.constexpr,
+                     HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr,
+                     NORM: tl.constexpr, EPS: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -107,6 +134,16 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl
     k1, g1, b1 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 16, T, eos, H, HV, K)
     k2, g2, b2 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 32, T, eos, H, HV, K)
     k3, g3, b3 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 48, T, eos, H, HV, K)
+    if NORM:  # raw keys: their 1/norms, stored once per key head (the first value head's)
+        r0, r1, r2, r3 = (_row_rstd(k0, EPS), _row_rstd(k1, EPS), _row_rstd(k2, EPS),
+                          _row_rstd(k3, EPS))
+        if i_hv % (HV // H) == 0:
+            _store_rstd(k_rstd, r0, i_b, i_h, t0, T, eos, H)
+            _store_rstd(k_rstd, r1, i_b, i_h, t0 + 16, T, eos, H)
+            _store_rstd(k_rstd, r2, i_b, i_h, t0 + 32, T, eos, H)
+            _store_rstd(k_rstd, r3, i_b, i_h, t0 + 48, T, eos, H)
+    else:
+        r0, r1, r2, r3 = b0, b1, b2, b3  # unread
     # chunk-local cumsum of the (floored) gate, block by block; the offsets of the earlier
     # blocks are summed as scalars and added once (one rounding per token, shared by a block)
     s0, s1, s2 = tl.sum(g0, axis=0), tl.sum(g1, axis=0), tl.sum(g2, axis=0)
@@ -119,16 +156,16 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl
     _store_gamma(gamma, c2, i_b, i_hv, t0 + 32, T, eos, HV)
     _store_gamma(gamma, c3, i_b, i_hv, t0 + 48, T, eos, HV)
 
-    a00 = _kkt_block(k0, k0, c0, c0, b0, True)
-    a11 = _kkt_block(k1, k1, c1, c1, b1, True)
-    a22 = _kkt_block(k2, k2, c2, c2, b2, True)
-    a33 = _kkt_block(k3, k3, c3, c3, b3, True)
-    a10 = _kkt_block(k1, k0, c1, c0, b1, False)
-    a20 = _kkt_block(k2, k0, c2, c0, b2, False)
-    a21 = _kkt_block(k2, k1, c2, c1, b2, False)
-    a30 = _kkt_block(k3, k0, c3, c0, b3, False)
-    a31 = _kkt_block(k3, k1, c3, c1, b3, False)
-    a32 = _kkt_block(k3, k2, c3, c2, b3, False)
+    a00 = _kkt_block(k0, k0, c0, c0, b0, r0, r0, True, NORM)
+    a11 = _kkt_block(k1, k1, c1, c1, b1, r1, r1, True, NORM)
+    a22 = _kkt_block(k2, k2, c2, c2, b2, r2, r2, True, NORM)
+    a33 = _kkt_block(k3, k3, c3, c3, b3, r3, r3, True, NORM)
+    a10 = _kkt_block(k1, k0, c1, c0, b1, r1, r0, False, NORM)
+    a20 = _kkt_block(k2, k0, c2, c0, b2, r2, r0, False, NORM)
+    a21 = _kkt_block(k2, k1, c2, c1, b2, r2, r1, False, NORM)
+    a30 = _kkt_block(k3, k0, c3, c0, b3, r3, r0, False, NORM)
+    a31 = _kkt_block(k3, k1, c3, c1, b3, r3, r1, False, NORM)
+    a32 = _kkt_block(k3, k2, c3, c2, b3, r3, r2, False, NORM)
 
     t00 = _unit_lower_inverse(a00)
     t11 = _unit_lower_inverse(a11)
@@ -148,16 +185,19 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, chunks, T, H: tl.constexpr, HV: tl
     _store_row(ainv, t30, t31, t32, t33, i_b, i_hv, t0 + 48, T, eos, HV, BT)
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "W_ONLY"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "W_ONLY", "NORM", "QK"])
 @triton.jit
-def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, chunks, T, H: tl.constexpr, HV: tl.constexpr,
-                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, VARLEN: tl.constexpr, W_ONLY: tl.constexpr):
+def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, q, k_rstd, q_rstd, aqk, chunks, T,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
+                  W_ONLY: tl.constexpr, NORM: tl.constexpr, QK: tl.constexpr,
+                  EPS: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
-    o_t = t0 + tl.arange(0, BT)
+    o_i = tl.arange(0, BT)
+    o_t = t0 + o_i
     m_t = o_t < eos
     b_a = tl.load(ainv + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + tl.arange(0, BT)[None, :],
                   mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
@@ -171,54 +211,127 @@ def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, chunks, T, H: tl.constexpr, HV:
             b_u = mm(b_a, (b_v * b_beta[:, None]).to(b_v.dtype))
             tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m_t[:, None])
     b_kscale = b_beta * tl.exp(b_gam)
+    if NORM:  # raw keys: the 1/norm folds into the row scale
+        b_rk = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+        b_kscale = b_kscale * b_rk
+    if QK:
+        b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_sq = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
-                      mask=m_t[:, None], other=0.0)
+        off_k = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        b_k = tl.load(k + off_k, mask=m_t[:, None], other=0.0)
         b_w = mm(b_a, (b_k * b_kscale[:, None]).to(b_k.dtype))
         tl.store(w + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                  b_w.to(w.dtype.element_ty), mask=m_t[:, None])
+        if QK:
+            b_q = tl.load(q + off_k, mask=m_t[:, None], other=0.0)
+            b_qk = mma(b_q, tl.trans(b_k), b_qk)
+            if NORM:
+                b_qf = b_q.to(tl.float32)
+                b_sq += tl.sum(b_qf * b_qf, axis=1)
+    if QK:
+        # the decayed causal scores of the normalised q, k: (Q K^T * Gamma), in k's dtype
+        causal = o_i[:, None] >= o_i[None, :]
+        b_qk = b_qk * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0))
+        if NORM:
+            b_rq = 1.0 / tl.sqrt(b_sq + EPS)
+            if i_hv % (HV // H) == 0:
+                tl.store(q_rstd + (i_b * T + o_t) * H + i_h, b_rq, mask=m_t)
+            b_qk = b_qk * (b_rq[:, None] * b_rk[None, :])
+        b_qk = tl.where(causal, b_qk, 0.0)
+        tl.store(aqk + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
+                 b_qk.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
 
 def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_heads: int,
-              chunks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              chunks: torch.Tensor | None = None, norm: bool = False,
+              ainv_dtype: torch.dtype = torch.float32
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gate cumsum and WY inverse.
 
     Args:
-        k: ``[B, T, H, K]`` keys (l2-normed if asked), bf16/fp16/fp32.
+        k: ``[B, T, H, K]`` keys, bf16/fp16/fp32: normalised already (or used as they are)
+            unless ``norm``.
         g: ``[B, T, HV]`` fp32 log decay (any value <= 0, -inf included); beta: ``[B, T, HV]``.
         chunks: the varlen chunk table ``[NT, 2]`` int32 (varlen.py; B = 1), or None (dense
             chunks of 64 from token 0).
+        norm: k is raw: the kernel forms the keys' 1/norms itself and uses the normalised
+            keys' products (``(k_i . k_j) r_i r_j`` in fp32), the normalised keys are not
+            written.
+        ainv_dtype: fp32, or the keys' dtype when only :func:`wy_forward` reads Ainv (it rounds
+            Ainv to that dtype for its products: w and u are the same bits).
 
     Returns:
-        ``(gamma [B, T, HV] fp32, ainv [B, T, HV, 64] fp32)``; gamma is the in-chunk cumsum of
-        the gates floored at ``-GATE_FLOOR`` (common.py).
+        ``(gamma [B, T, HV] fp32, ainv [B, T, HV, 64], k_rstd [B, T, H] fp32 or None)``; gamma
+        is the in-chunk cumsum of the gates floored at ``-GATE_FLOOR`` (common.py); k_rstd
+        with ``norm``.
     """
+    if ainv_dtype not in (torch.float32, k.dtype):
+        raise ValueError(f"kkt_solve: ainv_dtype={ainv_dtype} must be float32 or the keys' "
+                         f"dtype {k.dtype}")
     batch, seq_len, heads, key_dim = k.shape
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     gamma = torch.empty(batch, seq_len, num_value_heads, device=k.device, dtype=torch.float32)
     ainv = torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device,
-                       dtype=torch.float32)
+                       dtype=ainv_dtype)
+    k_rstd = (torch.empty(batch, seq_len, heads, device=k.device, dtype=torch.float32)
+              if norm else None)
     kkt_solve_kernel[(num_chunks, batch * num_value_heads)](
-        k, g, beta, gamma, ainv, chunks if chunks is not None else gamma, seq_len, H=heads,
-        HV=num_value_heads, K=key_dim, BT=CHUNK, VARLEN=chunks is not None,
+        k, g, beta, gamma, ainv, gamma if k_rstd is None else k_rstd,
+        chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads,
+        K=key_dim, BT=CHUNK, VARLEN=chunks is not None, NORM=norm, EPS=L2NORM_EPS,
     )
-    return gamma, ainv
+    return gamma, ainv, k_rstd
 
 
 def wy_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor,
                ainv: torch.Tensor, chunks: torch.Tensor | None = None, w_only: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """WY factors ``(w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's dtype)``; ``chunks``
-    as :func:`kkt_solve`; ``w_only``: u is not formed (None), w is bitwise the same."""
+    """WY factors ``(w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's dtype)`` of the
+    keys as given; ``chunks`` as :func:`kkt_solve`; ``w_only``: u is not formed (None), w is
+    bitwise the same."""
     batch, seq_len, heads, key_dim = k.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     w = torch.empty(batch, seq_len, num_value_heads, key_dim, device=k.device, dtype=k.dtype)
     u = None if w_only else torch.empty_like(v)
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     wy_fwd_kernel[(num_chunks, batch * num_value_heads)](
-        k, v, beta, gamma, ainv, w, w if u is None else u, chunks if chunks is not None else gamma,
-        seq_len, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
-        BK=min(64, key_dim), BV=min(64, value_dim), VARLEN=chunks is not None, W_ONLY=w_only,
+        k, v, beta, gamma, ainv, w, w if u is None else u, w, w, w, w,
+        chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads,
+        K=key_dim, V=value_dim, BT=CHUNK, BK=min(64, key_dim), BV=min(64, value_dim),
+        VARLEN=chunks is not None, W_ONLY=w_only, NORM=False, QK=False, EPS=L2NORM_EPS,
     )
     return w, u
+
+
+def wy_scores_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                      gamma: torch.Tensor, ainv: torch.Tensor, k_rstd: torch.Tensor | None,
+                      chunks: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+    """The WY factors and the chunks' decayed causal scores in one launch (the fused forward's).
+
+    Args:
+        q, k: ``[B, T, H, K]``, raw when ``k_rstd`` (from :func:`kkt_solve` with ``norm``) is
+            given (the kernel then forms q's 1/norms), else used as they are.
+        v, beta, gamma, ainv, chunks: as :func:`wy_forward`.
+
+    Returns:
+        ``{"w" [B, T, HV, K], "u" [B, T, HV, V], "aqk" [B, T, HV, 64] in k's dtype: row t of
+        its chunk holds (qn_t . kn_s) exp(gamma_t - gamma_s) for s <= t (zero above),
+        "q_rstd" [B, T, H] fp32 or None}``.
+    """
+    batch, seq_len, heads, key_dim = k.shape
+    num_value_heads, value_dim = v.shape[2], v.shape[3]
+    w = torch.empty(batch, seq_len, num_value_heads, key_dim, device=k.device, dtype=k.dtype)
+    u = torch.empty_like(v)
+    aqk = torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device, dtype=k.dtype)
+    norm = k_rstd is not None
+    q_rstd = torch.empty_like(k_rstd) if norm else None
+    num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
+    wy_fwd_kernel[(num_chunks, batch * num_value_heads)](
+        k, v, beta, gamma, ainv, w, u, q, k_rstd if norm else w, q_rstd if norm else w, aqk,
+        chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads,
+        K=key_dim, V=value_dim, BT=CHUNK, BK=min(64, key_dim), BV=min(64, value_dim),
+        VARLEN=chunks is not None, W_ONLY=False, NORM=norm, QK=True, EPS=L2NORM_EPS,
+    )
+    return {"w": w, "u": u, "aqk": aqk, "q_rstd": q_rstd}
