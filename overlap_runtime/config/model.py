@@ -40,6 +40,8 @@ class GDNKernelOptionsConfig(BaseModel):
         block_chunks: eager only, chunks per recompute block of the memory-lean backward.
         num_segments: triton only, segments of the state scan (1: the plain sequential walk).
         recompute_w: triton only, do not save the WY factor w, form it again in the backward.
+        fused_forward: triton only, the fused forward (two prep launches with the l2 norm
+            folded in, then one walk that keeps the state on chip and writes o).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -47,6 +49,7 @@ class GDNKernelOptionsConfig(BaseModel):
     block_chunks: int | None = None
     num_segments: int | None = None
     recompute_w: bool | None = None
+    fused_forward: bool | None = None
 
     @model_validator(mode="after")
     def _check_values(self) -> "GDNKernelOptionsConfig":

@@ -44,14 +44,16 @@ def test_yaml_options_reach_every_gdn_layer() -> None:
     tuned = apply_overrides(cfg, ["model.gdn_backend=triton",
                                   "model.gdn_kernel_options.block_chunks=null",
                                   "model.gdn_kernel_options.recompute_w=true",
-                                  "model.gdn_kernel_options.num_segments=4"])
-    assert tuned.model.gdn_kernel_options.to_options() == GDNKernelOptions(num_segments=4,
-                                                                           recompute_w=True)
+                                  "model.gdn_kernel_options.num_segments=4",
+                                  "model.gdn_kernel_options.fused_forward=true"])
+    assert tuned.model.gdn_kernel_options.to_options() == GDNKernelOptions(
+        num_segments=4, recompute_w=True, fused_forward=True)
 
 
 @pytest.mark.parametrize("backend, options, needle", [
     ("eager", {"recompute_w": True}, "recompute_w=True applies to backend='triton' only"),
     ("eager", {"num_segments": 2}, "num_segments=2 applies to backend='triton' only"),
+    ("eager", {"fused_forward": True}, "fused_forward=True applies to backend='triton' only"),
     ("triton", {"block_chunks": 2}, "block_chunks=2 applies to backend='eager' only"),
 ])
 def test_an_option_of_the_other_backend_names_field_and_backend(
@@ -71,6 +73,8 @@ def test_an_option_of_the_other_backend_names_field_and_backend(
     ({"block_chunks": 0}, "model.gdn_kernel_options: GDNKernelOptions.block_chunks=0 must be >= 1"),
     ({"num_segment": 2}, "gdn_kernel_options.num_segment: Extra inputs are not permitted"),
     ({"recompute_w": 1}, "gdn_kernel_options.recompute_w: Input should be a valid boolean"),
+    ({"fused_forward": "yes"},
+     "gdn_kernel_options.fused_forward: Input should be a valid boolean"),
     ({"block_chunks": "2"}, "gdn_kernel_options.block_chunks: Input should be a valid integer"),
 ])
 def test_invalid_values_name_the_field(options: dict[str, Any], needle: str) -> None:
