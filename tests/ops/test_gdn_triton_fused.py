@@ -52,9 +52,9 @@ def test_interpreter_fused_forward_matches_recurrence(case):
                                   "fp32_packed", "bf16_gqa"])
 def test_interpreter_fused_saved_set_matches_the_chain(case):
     """The fused forward with 2 segments saves what the chain saves: q, k, v, g, beta and the
-    prep's q_rstd, k_rstd, gamma bitwise in the same slots; Ainv and w (formed from the raw
-    keys and their 1/norms), the walk's states, v_new, segment maps and o, the final state
-    within the case's tolerance."""
+    prep's q_rstd, k_rstd, gamma, Ainv, w bitwise in the same slots (the fused prep normalises
+    q, k inside its kernels, with the norm kernel's operations); the walk's states, v_new,
+    segment maps and o, the final state within the case's tolerance."""
     result = _CASES.result(case)
     assert result["prep_unequal"] == [], f"not bitwise the chain's: {result['prep_unequal']}"
     tol, errors = result["tolerance"], result["vs_chain"]

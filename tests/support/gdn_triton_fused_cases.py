@@ -8,9 +8,9 @@ The fused forward (ops/gdn/triton/fused_fwd.py) against the float64 token recurr
 sequence for packed inputs): without gradients (nothing saved: o and the final state) with one
 and several scan segments (the summary mode and the chain); with gradients (the fused walk
 writes the per-chunk states and v_new, the unchanged backward reads the saved set); its saved
-set against the kernel chain's (the inputs, the 1/norms and gamma bit for bit; Ainv and w,
-which the fused prep forms from the raw keys and their 1/norms, the walk's states, v_new,
-segment maps, o and the final state within the case's tolerance of the chain's); the
+set against the kernel chain's (the prep's tensors bit for bit: the fused prep normalises q, k
+in its own kernels with the norm kernel's operations; the walk's states, v_new, segment maps,
+o and the final state within the case's tolerance of the chain's); the
 extreme gates of tests/support/gdn_triton_cases.py through the fused forward.
 """
 
@@ -91,21 +91,19 @@ def _reference(x: dict, offsets: list[int] | None, l2: bool, do: torch.Tensor,
 SAVED = ("q", "k", "v", "g", "beta", "q_rstd", "k_rstd", "gamma", "ainv", "w", "m_seg",
          "states", "v_new")
 WALK_SAVED = ("m_seg", "states", "v_new")
-FOLDED = ("ainv", "w")
 
 
 def saved_vs_chain(saved: tuple, o: torch.Tensor, final: torch.Tensor,
                    inputs: list[torch.Tensor], h0: torch.Tensor | None, scale: float, l2: bool,
                    cu: torch.Tensor | None) -> tuple[list[str], dict[str, float]]:
     """A fused forward's ``saved`` set, o and final state (2 segments, w saved) against the
-    kernel chain's on the same inputs: ``(names of the inputs, 1/norms and gamma not bitwise
-    equal or not both None, {"saved_<name>": rel-L2} of the rest: Ainv and w, which the fused
-    prep forms from the raw keys and their 1/norms, the walk's tensors, o and the final
+    kernel chain's on the same inputs: ``(names of the other saved tensors not bitwise equal
+    or not both None, {"saved_<name>": rel-L2} of the walk's tensors, o and the final
     state)``."""
     chain = gdn_forward(*inputs, h0, scale, l2, 2, cu_seqlens=cu)
     unequal, errors = [], {}
     for name, a, b in zip(SAVED, saved, chain[2], strict=True):
-        if name in WALK_SAVED + FOLDED and a is not None and b is not None:
+        if name in WALK_SAVED and a is not None and b is not None:
             errors[f"saved_{name}"] = rel_l2(a, b)
         elif not ((a is None and b is None)
                   or (a is not None and b is not None and torch.equal(a, b))):

@@ -21,10 +21,11 @@ w): the backward's recomputation of w (``recompute_w``, function.py).
 
 The fused forward's prep (function.py ``prepare_fused``) runs both kernels on the raw q, k:
 with ``NORM`` ``kkt_solve_kernel`` forms the keys' 1/norms ``rk`` (l2norm.py's formula) and
-A from ``(k_i . k_j) rk_i rk_j`` in fp32, and ``wy_fwd_kernel`` folds ``rk`` into w's row
-scale; with ``QK`` the latter also forms the queries' 1/norms and each chunk's decayed causal
-scores ``aqk = (Qn Kn^T * Gamma)`` (lower triangle, diagonal included) for the walk's output,
-so that no normalised copy of q or k is written.
+both kernels normalise the tiles they load (:func:`normalised`: the l2 norm kernel's own
+operations, so gamma, Ainv, w and u are the chain's bits); with ``QK`` ``wy_fwd_kernel`` also
+forms the queries' 1/norms and each chunk's decayed causal scores ``aqk = (Qn Kn^T * Gamma)``
+(lower triangle, diagonal included) for the walk's output. No normalised copy of q or k is
+written.
 With ``VARLEN`` chunk ``i_n`` is the chunk table's (common.chunk_span): it starts anywhere and
 its rows end at its sequence's end.
 """
@@ -54,14 +55,9 @@ def _load_rows(k, g, beta, i_b, i_hv, i_h, row0, T, eos, H: tl.constexpr, HV: tl
 
 
 @triton.jit
-def _kkt_block(k_i, k_j, gam_i, gam_j, beta_i, r_i, r_j, DIAG: tl.constexpr,
-               NORM: tl.constexpr):
-    """Block (i, j) of ``A``; on the diagonal only the strictly lower part (exponent masked).
-    ``NORM``: the keys are raw, ``r_i``, ``r_j`` their 1/norms (the product of the normalised
-    keys is the raw product scaled in fp32)."""
+def _kkt_block(k_i, k_j, gam_i, gam_j, beta_i, DIAG: tl.constexpr):
+    """Block (i, j) of ``A``; on the diagonal only the strictly lower part (exponent masked)."""
     s = mm(k_i, tl.trans(k_j))
-    if NORM:
-        s = s * (r_i[:, None] * r_j[None, :])
     if DIAG:
         o = tl.arange(0, 16)
         low = o[:, None] > o[None, :]
@@ -76,6 +72,14 @@ def _row_rstd(x, EPS: tl.constexpr):
     """``1 / sqrt(sum x^2 + EPS)`` per row of ``x`` (fp32), the l2 norm's (l2norm.py)."""
     xf = x.to(tl.float32)
     return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) + EPS)
+
+
+@triton.jit
+def normalised(x, r):
+    """``x * r`` per row, in x's dtype: the same operations as the l2 norm kernel's output
+    (l2norm.py, ``x`` fp32-widened times its 1/norm, one rounding), so the same bits as the
+    normalised copy it would have written."""
+    return (x.to(tl.float32) * r[:, None]).to(x.dtype)
 
 
 @triton.jit
@@ -134,7 +138,7 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, k_rstd, chunks, T, H: tl.constexpr
     k1, g1, b1 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 16, T, eos, H, HV, K)
     k2, g2, b2 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 32, T, eos, H, HV, K)
     k3, g3, b3 = _load_rows(k, g, beta, i_b, i_hv, i_h, t0 + 48, T, eos, H, HV, K)
-    if NORM:  # raw keys: their 1/norms, stored once per key head (the first value head's)
+    if NORM:  # raw keys: their 1/norms (stored once per key head), then the normalised keys
         r0, r1, r2, r3 = (_row_rstd(k0, EPS), _row_rstd(k1, EPS), _row_rstd(k2, EPS),
                           _row_rstd(k3, EPS))
         if i_hv % (HV // H) == 0:
@@ -142,8 +146,8 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, k_rstd, chunks, T, H: tl.constexpr
             _store_rstd(k_rstd, r1, i_b, i_h, t0 + 16, T, eos, H)
             _store_rstd(k_rstd, r2, i_b, i_h, t0 + 32, T, eos, H)
             _store_rstd(k_rstd, r3, i_b, i_h, t0 + 48, T, eos, H)
-    else:
-        r0, r1, r2, r3 = b0, b1, b2, b3  # unread
+        k0, k1, k2, k3 = (normalised(k0, r0), normalised(k1, r1), normalised(k2, r2),
+                          normalised(k3, r3))
     # chunk-local cumsum of the (floored) gate, block by block; the offsets of the earlier
     # blocks are summed as scalars and added once (one rounding per token, shared by a block)
     s0, s1, s2 = tl.sum(g0, axis=0), tl.sum(g1, axis=0), tl.sum(g2, axis=0)
@@ -156,16 +160,16 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, k_rstd, chunks, T, H: tl.constexpr
     _store_gamma(gamma, c2, i_b, i_hv, t0 + 32, T, eos, HV)
     _store_gamma(gamma, c3, i_b, i_hv, t0 + 48, T, eos, HV)
 
-    a00 = _kkt_block(k0, k0, c0, c0, b0, r0, r0, True, NORM)
-    a11 = _kkt_block(k1, k1, c1, c1, b1, r1, r1, True, NORM)
-    a22 = _kkt_block(k2, k2, c2, c2, b2, r2, r2, True, NORM)
-    a33 = _kkt_block(k3, k3, c3, c3, b3, r3, r3, True, NORM)
-    a10 = _kkt_block(k1, k0, c1, c0, b1, r1, r0, False, NORM)
-    a20 = _kkt_block(k2, k0, c2, c0, b2, r2, r0, False, NORM)
-    a21 = _kkt_block(k2, k1, c2, c1, b2, r2, r1, False, NORM)
-    a30 = _kkt_block(k3, k0, c3, c0, b3, r3, r0, False, NORM)
-    a31 = _kkt_block(k3, k1, c3, c1, b3, r3, r1, False, NORM)
-    a32 = _kkt_block(k3, k2, c3, c2, b3, r3, r2, False, NORM)
+    a00 = _kkt_block(k0, k0, c0, c0, b0, True)
+    a11 = _kkt_block(k1, k1, c1, c1, b1, True)
+    a22 = _kkt_block(k2, k2, c2, c2, b2, True)
+    a33 = _kkt_block(k3, k3, c3, c3, b3, True)
+    a10 = _kkt_block(k1, k0, c1, c0, b1, False)
+    a20 = _kkt_block(k2, k0, c2, c0, b2, False)
+    a21 = _kkt_block(k2, k1, c2, c1, b2, False)
+    a30 = _kkt_block(k3, k0, c3, c0, b3, False)
+    a31 = _kkt_block(k3, k1, c3, c1, b3, False)
+    a32 = _kkt_block(k3, k2, c3, c2, b3, False)
 
     t00 = _unit_lower_inverse(a00)
     t11 = _unit_lower_inverse(a11)
@@ -211,35 +215,40 @@ def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, q, k_rstd, q_rstd, aqk, chunks,
             b_u = mm(b_a, (b_v * b_beta[:, None]).to(b_v.dtype))
             tl.store(u + off, b_u.to(u.dtype.element_ty), mask=m_t[:, None])
     b_kscale = b_beta * tl.exp(b_gam)
-    if NORM:  # raw keys: the 1/norm folds into the row scale
+    if NORM:  # raw keys: normalised on load
         b_rk = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
-        b_kscale = b_kscale * b_rk
     if QK:
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
-        b_sq = tl.zeros([BT], dtype=tl.float32)
+        if NORM:  # the queries' 1/norms first (q's second read below is mostly from cache)
+            b_sq = tl.zeros([BT], dtype=tl.float32)
+            for i_k in range(K // BK):
+                o_k = i_k * BK + tl.arange(0, BK)
+                b_qf = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                               mask=m_t[:, None], other=0.0).to(tl.float32)
+                b_sq += tl.sum(b_qf * b_qf, axis=1)
+            b_rq = 1.0 / tl.sqrt(b_sq + EPS)
+            if i_hv % (HV // H) == 0:
+                tl.store(q_rstd + (i_b * T + o_t) * H + i_h, b_rq, mask=m_t)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         off_k = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
         b_k = tl.load(k + off_k, mask=m_t[:, None], other=0.0)
+        if NORM:
+            b_k = normalised(b_k, b_rk)
         b_w = mm(b_a, (b_k * b_kscale[:, None]).to(b_k.dtype))
         tl.store(w + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                  b_w.to(w.dtype.element_ty), mask=m_t[:, None])
         if QK:
             b_q = tl.load(q + off_k, mask=m_t[:, None], other=0.0)
-            b_qk = mma(b_q, tl.trans(b_k), b_qk)
             if NORM:
-                b_qf = b_q.to(tl.float32)
-                b_sq += tl.sum(b_qf * b_qf, axis=1)
+                b_q = normalised(b_q, b_rq)
+            b_qk = mma(b_q, tl.trans(b_k), b_qk)
     if QK:
         # the decayed causal scores of the normalised q, k: (Q K^T * Gamma), in k's dtype
         causal = o_i[:, None] >= o_i[None, :]
-        b_qk = b_qk * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0))
-        if NORM:
-            b_rq = 1.0 / tl.sqrt(b_sq + EPS)
-            if i_hv % (HV // H) == 0:
-                tl.store(q_rstd + (i_b * T + o_t) * H + i_h, b_rq, mask=m_t)
-            b_qk = b_qk * (b_rq[:, None] * b_rk[None, :])
-        b_qk = tl.where(causal, b_qk, 0.0)
+        b_qk = tl.where(causal,
+                        b_qk * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0)),
+                        0.0)
         tl.store(aqk + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
                  b_qk.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
@@ -256,9 +265,8 @@ def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_he
         g: ``[B, T, HV]`` fp32 log decay (any value <= 0, -inf included); beta: ``[B, T, HV]``.
         chunks: the varlen chunk table ``[NT, 2]`` int32 (varlen.py; B = 1), or None (dense
             chunks of 64 from token 0).
-        norm: k is raw: the kernel forms the keys' 1/norms itself and uses the normalised
-            keys' products (``(k_i . k_j) r_i r_j`` in fp32), the normalised keys are not
-            written.
+        norm: k is raw: the kernel forms the keys' 1/norms and normalises its tiles itself
+            (the same bits as ``l2norm_forward``'s copy), which is not written.
         ainv_dtype: fp32, or the keys' dtype when only :func:`wy_forward` reads Ainv (it rounds
             Ainv to that dtype for its products: w and u are the same bits).
 
