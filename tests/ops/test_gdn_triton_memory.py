@@ -1,7 +1,7 @@
-"""What the Triton GDN saves for backward (issue #22 item 3's memory goal).
+"""What the Triton GDN saves for backward.
 
-The forward keeps the raw q, k and their fp32 1/norm, not the normalised copies (the backward
-forms them again with the forward's norm kernel), never u (no backward kernel reads it), and w
+The forward keeps the raw q, k and their fp32 1/norm, not the normalised copies (the backward's
+kernels normalise the tiles they load, with the norm kernel's operations), never u (no backward kernel reads it), and w
 unless ``GDNKernelOptions(recompute_w=True)``. One child process under the Triton interpreter
 (``tests.support.gdn_triton_memory_cases``; why a child: test_gdn_triton.py) runs four fp32 configs (key
 heads shared by value heads, H == HV with dk's norm backward in the WY kernel, no norm,

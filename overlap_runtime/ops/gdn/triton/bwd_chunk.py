@@ -13,7 +13,9 @@ With ``h`` the state entering the chunk, ``dH`` the gradient of the state leavin
 ``(P * Gamma)^T`` is formed by a second product ``v_new dO^T`` rather than transposing the
 cast result of a product (Triton miscompiles that transpose on Hopper; docs/gdn.md).
 
-Both take a ``VARLEN`` constexpr: chunk ``i_n`` is then the chunk table's (common.chunk_span).
+Both take a ``VARLEN`` constexpr: chunk ``i_n`` is then the chunk table's (common.chunk_span),
+and a ``NORM`` one: q, k are then the raw inputs with their 1/norms, each loaded tile
+normalised in registers (common.normalised: the norm kernel's bits; no normalised copy).
 
 ``wy_kkt_bwd_kernel``, grid ``(NT, B * HV)``: everything left, in one pass per chunk. Through
 ``u = Ainv diag(beta) V`` and ``w = Ainv diag(beta exp(gamma)) K``: dv, the beta and gamma parts,
@@ -34,15 +36,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, chunk_span, gate_floored, mm, mma
+from .common import autotune_configs, chunk_span, gate_floored, mm, mma, normalised
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "NORM"])
 @triton.jit
-def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, chunks, scale,
-                 T, NT, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def dqkwg_kernel(q, k, q_rstd, k_rstd, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part,
+                 chunks, scale, T, NT, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 VARLEN: tl.constexpr):
+                 VARLEN: tl.constexpr, NORM: tl.constexpr):
     i_kb, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -79,6 +81,9 @@ def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, 
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
+    if NORM:
+        b_q = normalised(b_q, tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0))
+        b_k = normalised(b_k, tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0))
     # padded tokens (t >= eos) take the last token's gamma: every exponent below stays <= 0
     # (with gamma 0 there, 0 - gamma_j overflowed to inf once a partial chunk's gates summed
     # below -88, and inf * 0 = NaN reached dk)
@@ -108,14 +113,16 @@ def dqkwg_kernel(q, k, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part, 
 
 
 @triton.jit
-def _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta, b_bk,
-              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+def _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta, b_bk, b_knr,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
     """Columns ``o_k`` of the full key gradient of one chunk (fp32 ``[BT, len(o_k)]``): dqkwg's
     part, the WY part ``diag(beta e^gamma) Ainv^T dw`` and both A parts ``diag(beta) dM K``,
     ``dM^T diag(beta) K`` (``dM`` the decayed gradient of A)."""
     DT = k.dtype.element_ty
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
+    if NORM:
+        b_k = normalised(b_k, b_knr)
     off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
     b_dk = tl.load(dk + off_k, mask=m_t[:, None], other=0.0)
     b_dk += mm(b_atd, tl.load(dw + off_k, mask=m_t[:, None], other=0.0)) * b_bk[:, None]
@@ -124,14 +131,14 @@ def _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
     return b_dk
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "NORM_OUT", "VARLEN"],
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "NORM_OUT", "VARLEN", "NORM"],
                  restore_value=["dk"])
 @triton.jit
 def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbeta, dg, kraw,
                       k_rstd, dk_out, chunks, T, B, H: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, SLOTS: tl.constexpr, NORM_OUT: tl.constexpr,
-                      VARLEN: tl.constexpr):
+                      VARLEN: tl.constexpr, NORM: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -148,6 +155,10 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
     b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
     b_eg = tl.exp(b_gam)
     b_bk = b_beta * b_eg
+    if NORM:  # raw keys, normalised on load with their 1/norms
+        b_knr = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+    else:
+        b_knr = b_beta  # unread
     b_dai = tl.zeros([BT, BT], dtype=tl.float32)  # gradient of Ainv
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
@@ -169,6 +180,8 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
+        if NORM:
+            b_k = normalised(b_k, b_knr)
         b_dwb = tl.load(dw + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                         mask=m_t[:, None], other=0.0)
         b_dai = mma(b_dwb, tl.trans((b_k * b_bk[:, None]).to(DT)), b_dai)
@@ -194,7 +207,7 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
         # dk_raw = rstd (dk - y (y . dk)), y = k_raw rstd (H == HV: no sum over value heads)
         o_k = tl.arange(0, K)
         b_dk = _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
-                         b_bk, H, HV, K)
+                         b_bk, b_knr, H, HV, K, NORM)
         b_r = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
         off_raw = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
         b_y = tl.load(kraw + off_raw, mask=m_t[:, None], other=0.0).to(tl.float32) * b_r[:, None]
@@ -204,7 +217,7 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
         for i_k in range(K // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             b_dk = _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
-                             b_bk, H, HV, K)
+                             b_bk, b_knr, H, HV, K, NORM)
             tl.store(dk + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_dk,
                      mask=m_t[:, None])
     off = (i_b * T + o_t) * HV + i_hv

@@ -3,6 +3,9 @@
 ``dv_local_kernel``, grid ``(NT, B * HV)``: ``dv_local = scale (Q K^T * Gamma)^T dO`` per chunk
 (the part of dv_new's gradient that does not depend on the state gradient), in dO's dtype.
 
+Both read q, k as given, or with ``NORM`` the raw q, k and their 1/norms, normalising each
+loaded tile (common.normalised: the same bits as the norm kernel's copy, which is not written).
+
 ``bwd_scan_kernel``, grid ``(V / BV, NS segments, B * HV)``: walks the chunks of its segment
 (``VARLEN``: of the segment table, common.segment_span) backwards with ``dh`` the gradient of
 the state leaving chunk n::
@@ -21,14 +24,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, chunk_span, mm, mma, segment_span
+from .common import (autotune_configs, chunk_span, mm, mma, normalised, normalised_cols,
+                     segment_span)
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "NORM"])
 @triton.jit
-def dv_local_kernel(q, k, gamma, do, dv_local, chunks, scale, T, H: tl.constexpr,
-                    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    BV: tl.constexpr, VARLEN: tl.constexpr):
+def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BT: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
+                    NORM: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -42,6 +47,9 @@ def dv_local_kernel(q, k, gamma, do, dv_local, chunks, scale, T, H: tl.constexpr
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
+    if NORM:
+        b_q = normalised(b_q, tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0))
+        b_k = normalised(b_k, tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0))
     # padded tokens (t >= eos) take the last token's gamma, so no exponent is positive (gamma 0
     # there overflowed to inf once a partial chunk's gates summed below -88: inf * 0 = NaN)
     b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
@@ -58,12 +66,13 @@ def dv_local_kernel(q, k, gamma, do, dv_local, chunks, scale, T, H: tl.constexpr
                  mask=m_t[:, None])
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE", "VARLEN"])
+@triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE", "VARLEN", "NORM"])
 @triton.jit
-def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, chunks, segs,
-                    scale, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                    HAS_INIT: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr):
+def bwd_scan_kernel(q, k, q_rstd, k_rstd, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start,
+                    chunks, segs, scale, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                    HAS_INIT: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
+                    NORM: tl.constexpr):
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -87,6 +96,9 @@ def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, c
         g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
         b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
+        if NORM:
+            b_k = normalised(b_k, tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t,
+                                          other=0.0))
         off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
         b_dv = (mm(b_k, b_dh.to(DT)) * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
                 + tl.load(dv_local + off_v, mask=m_t[:, None], other=0.0))
@@ -94,6 +106,9 @@ def bwd_scan_kernel(q, k, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start, c
             tl.store(dv2 + off_v, b_dv.to(dv2.dtype.element_ty), mask=m_t[:, None])
         b_qt = tl.load(q + ((i_b * T + o_t[None, :]) * H + i_h) * K + o_k[:, None],
                        mask=m_t[None, :], other=0.0)
+        if NORM:
+            b_qt = normalised_cols(b_qt, tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t,
+                                                 other=0.0))
         b_qt = (b_qt * (tl.exp(b_gam) * scale)[None, :]).to(DT)
         b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
         b_wt = tl.load(w + ((i_b * T + o_t[None, :]) * HV + i_hv) * K + o_k[:, None],

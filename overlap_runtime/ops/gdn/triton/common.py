@@ -79,6 +79,21 @@ def mm_f32x3(a, b):
 
 
 @triton.jit
+def normalised(x, r):
+    """``x * r`` per row (``x [R, D]``, ``r [R]`` fp32 1/norms), in x's dtype: the l2 norm
+    kernel's own operations (l2norm.py: x widened to fp32 times its 1/norm, one rounding), so
+    the same bits as the normalised copy it would have written. The kernels that read raw q, k
+    with their 1/norms normalise each loaded tile with it (no normalised copy in memory)."""
+    return (x.to(tl.float32) * r[:, None]).to(x.dtype)
+
+
+@triton.jit
+def normalised_cols(x, r):
+    """:func:`normalised` of a tile loaded transposed (``x [D, R]``, ``r [R]``)."""
+    return (x.to(tl.float32) * r[None, :]).to(x.dtype)
+
+
+@triton.jit
 def gate_floor(g):
     """``g`` (fp32) with gates below ``-GATE_FLOOR`` raised to it; NaN stays NaN (a ``where``
     on ``g < floor``, not ``maximum``, which would return the floor for a NaN)."""

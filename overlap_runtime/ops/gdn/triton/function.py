@@ -1,6 +1,7 @@
 """Launchers and the autograd Function of the Triton backend.
 
-Forward (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS`` segments)::
+Forward by the kernel chain (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS``
+segments; the fused forward, fused_fwd.py, has its own prep and walk)::
 
     l2norm_fwd            q, k -> normalised q, k and 1/norm             (optional)
     kkt_solve             gamma (gate cumsum), Ainv = (I + A)^-1          grid (NT, B*HV)
@@ -23,8 +24,9 @@ Saved for backward (per layer at T = 32K, B = 1, H = 16, HV = 32, K = V = 128, b
     states, v_new         per-chunk states [B, NT, HV, K, V] and residuals
                           [B, T, HV, V] of the forward scan               537 + 268 MB
 
-Not saved: the normalised q, k (the backward forms them again from q, k and 1/norm with the
-forward's norm kernel, ``l2norm_apply``: two launches, bitwise the forward's copies; -268 MB),
+Not saved: the normalised q, k (the backward's kernels read the raw q, k and 1/norm and
+normalise each tile they load with the norm kernel's operations, common.normalised: the same
+bits, no copy written; -268 MB),
 u (no backward kernel reads it: the state gradients go through v_new; -268 MB), the states
 entering the segments (dead after the scan). w with ``recompute_w`` (``GDNKernelOptions``):
 one w-only ``wy_fwd`` launch in the backward (bitwise the forward's w; it reads Ainv and k and
@@ -35,8 +37,7 @@ off by default. The per-chunk states stay saved: they spare the backward a whole
 
 Backward::
 
-    recompute             normalised q, k from q, k and 1/norm (with the norm); w from Ainv
-                          (with recompute_w)                              rows / BR; (NT, B*HV)
+    recompute             w from Ainv and the raw keys (with recompute_w)  grid (NT, B*HV)
     dv_local              scale (Q K^T * Gamma)^T dO                      grid (NT, B*HV)
     reverse scan          NS > 1: segment-local state gradients c_s from zero, the chain
                           dH_(s) = M_s^T dH_(s+1) + c_s, then every segment's reverse walk
@@ -81,7 +82,7 @@ from .fwd_prepare import kkt_solve, wy_forward, wy_scores_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
 from . import fused_fwd
 from .fused_fwd import FusedConfig, fused_summaries, fused_walk
-from .l2norm import l2norm_apply, l2norm_forward, l2norm_group_backward
+from .l2norm import l2norm_forward, l2norm_group_backward
 from .varlen import VarlenLayout, varlen_layout
 
 
@@ -247,11 +248,14 @@ def state_scan(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.
 def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: torch.Tensor,
                     do: torch.Tensor, dv_local: torch.Tensor, seg_init: torch.Tensor | None,
                     scale: float, num_segments: int, per_segment: int, store: bool = True,
-                    layout: VarlenLayout | None = None
+                    layout: VarlenLayout | None = None,
+                    rstd: tuple[torch.Tensor, torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Reverse walk of every segment from the gradient of the state leaving it.
 
     Args:
+        qn, kn: the normalised q, k; or with ``rstd = (q_rstd, k_rstd)`` (fp32 ``[B, T, H]``)
+            the raw ones, normalised by the kernel as it loads them.
         seg_init: ``[B*HV, NS, K, V]`` fp32 gradient of the state leaving each segment, or None
             for zero (varlen ``layout``: ``[NS, HV, K, V]``).
         store: keep the per-chunk state gradients and dv_new (else only the segment starts).
@@ -275,28 +279,30 @@ def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: 
         dv2 = torch.empty(batch, seq_len, num_value_heads, value_dim, device=kn.device,
                           dtype=kn.dtype)
     bwd_scan_kernel[(value_dim // bv, num_segments, bh)](
-        qn, kn, w, gamma, do, dv_local, seg_init if seg_init is not None else dh_start,
-        dhs if store else dh_start, dv2 if store else dh_start, dh_start, chunks, segs, scale,
-        seq_len, num_chunks, per_segment, num_segments, H=heads, HV=num_value_heads, K=key_dim,
-        V=value_dim, BT=CHUNK, BV=bv, HAS_INIT=seg_init is not None, STORE=store,
-        VARLEN=layout is not None,
+        qn, kn, *(rstd or (w, w)), w, gamma, do, dv_local,
+        seg_init if seg_init is not None else dh_start, dhs if store else dh_start,
+        dv2 if store else dh_start, dh_start, chunks, segs, scale, seq_len, num_chunks,
+        per_segment, num_segments, H=heads, HV=num_value_heads, K=key_dim, V=value_dim,
+        BT=CHUNK, BV=bv, HAS_INIT=seg_init is not None, STORE=store,
+        VARLEN=layout is not None, NORM=rstd is not None,
     )
     return dhs, dv2, dh_start
 
 
 def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.Tensor,
-             scale: float, chunks: torch.Tensor | None = None) -> torch.Tensor:
+             scale: float, chunks: torch.Tensor | None = None,
+             rstd: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``scale (Q K^T * Gamma)^T dO`` per chunk: ``[B, T, HV, V]`` in dO's dtype (the reverse
     scan adds it to ``Ktail dh`` in fp32 and rounds the sum to that dtype anyway); ``chunks``:
-    the varlen chunk table or None."""
+    the varlen chunk table or None; ``rstd``: as :func:`state_grad_scan`."""
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = do.shape[2], do.shape[3]
     out = torch.empty_like(do)
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     dv_local_kernel[(num_chunks, batch * num_value_heads)](
-        qn, kn, gamma, do, out, chunks if chunks is not None else out, scale, seq_len, H=heads,
-        HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=_block(key_dim, value_dim),
-        VARLEN=chunks is not None,
+        qn, kn, *(rstd or (out, out)), gamma, do, out, chunks if chunks is not None else out,
+        scale, seq_len, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
+        BV=_block(key_dim, value_dim), VARLEN=chunks is not None, NORM=rstd is not None,
     )
     return out
 
@@ -491,18 +497,13 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     return res["o"], final, saved, meta
 
 
-def _recompute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-               q_rstd: torch.Tensor | None, k_rstd: torch.Tensor | None, gamma: torch.Tensor,
-               ainv: torch.Tensor, w: torch.Tensor | None, chunks: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the backward needs and the forward did not save: the normalised ``(qn, kn)``
-    (``x * rstd`` by the forward's norm kernel, bitwise its result; q, k themselves without the
-    norm) and w when it was not saved (the forward's WY kernel on the same inputs, bitwise)."""
-    qn = q if q_rstd is None else l2norm_apply(q, q_rstd)
-    kn = k if k_rstd is None else l2norm_apply(k, k_rstd)
-    if w is None:
-        w, _ = wy_forward(kn, v, beta, gamma, ainv, chunks, w_only=True)
-    return qn, kn, w
+def _recompute_w(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                 k_rstd: torch.Tensor | None, gamma: torch.Tensor, ainv: torch.Tensor,
+                 chunks: torch.Tensor | None) -> torch.Tensor:
+    """w when the forward did not save it: the forward's WY kernel on the raw keys, normalised
+    as it loads them (bitwise the forward's w, which was formed from the same bits)."""
+    w, _ = wy_forward(k, v, beta, gamma, ainv, chunks, w_only=True, k_rstd=k_rstd)
+    return w
 
 
 def _varlen(q: torch.Tensor, v: torch.Tensor, num_segments: int | None,
@@ -540,18 +541,21 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     if (w is None) != meta.recompute_w:
         raise RuntimeError(f"gdn_backward: saved w is {'missing' if w is None else 'present'} "
                            f"but the forward ran with recompute_w={meta.recompute_w}")
-    qn, kn, w = _recompute(q, k, v, beta, q_rstd, k_rstd, gamma, ainv, w, chunks)
+    if w is None:
+        w = _recompute_w(k, v, beta, k_rstd, gamma, ainv, chunks)
+    # the kernels read the raw q, k and normalise each tile they load (no normalised copies)
+    rstd = None if q_rstd is None else (q_rstd, k_rstd)
     do = do.contiguous()
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     bh = batch * num_value_heads
     num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
-    dvl = dv_local(qn, kn, gamma, do, scale, chunks)
+    dvl = dv_local(q, k, gamma, do, scale, chunks, rstd)
     local = None
     wants_maps = link is not None and link.wants_segment_maps
     if meta.chained or wants_maps:
-        _, _, local = state_grad_scan(qn, kn, w, gamma, do, dvl, None, scale, ns,
-                                      per_segment, store=False, layout=layout)
+        _, _, local = state_grad_scan(q, k, w, gamma, do, dvl, None, scale, ns,
+                                      per_segment, store=False, layout=layout, rstd=rstd)
     if link is not None:
         if wants_maps:
             assert m_seg is not None, "the forward ran without the link's segment maps"
@@ -567,8 +571,8 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     else:
         dh_seg = _entering(dht_flat, bh, layout)
     del local
-    dhs, dv2, dh_start = state_grad_scan(qn, kn, w, gamma, do, dvl, dh_seg, scale, ns,
-                                         per_segment, layout=layout)
+    dhs, dv2, dh_start = state_grad_scan(q, k, w, gamma, do, dvl, dh_seg, scale, ns,
+                                         per_segment, layout=layout, rstd=rstd)
     if link is not None and ns == 1:
         link.entering_state_grad(dh_start[:, 0].reshape(batch, num_value_heads, key_dim,
                                                         value_dim))
@@ -582,12 +586,12 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     dw = torch.empty_like(w)
     dg_part = torch.empty(slots, batch, seq_len, num_value_heads, **f32)
     dqkwg_kernel[(key_dim // bk, num_chunks, bh)](
-        qn, kn, gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part,
+        q, k, *(rstd or (dw, dw)), gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part,
         chunks if chunks is not None else dw, scale, seq_len, num_chunks, batch, H=heads,
         HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
-        VARLEN=chunks is not None,
+        VARLEN=chunks is not None, NORM=rstd is not None,
     )
-    del states, dhs, v_new, qn, w
+    del states, dhs, v_new, w
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg = torch.empty(batch, seq_len, num_value_heads, **f32)
@@ -595,10 +599,10 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     norm_out = k_rstd is not None and heads == num_value_heads
     dk = torch.empty_like(k) if norm_out else dk_v
     wy_kkt_bwd_kernel[(num_chunks, bh)](
-        kn, v, beta, g, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg, k,
-        k_rstd if norm_out else dbeta, dk, chunks if chunks is not None else dg, seq_len, batch,
-        H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
-        SLOTS=slots, NORM_OUT=norm_out, VARLEN=chunks is not None,
+        k, v, beta, g, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg, k,
+        dbeta if k_rstd is None else k_rstd, dk, chunks if chunks is not None else dg, seq_len,
+        batch, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
+        SLOTS=slots, NORM_OUT=norm_out, VARLEN=chunks is not None, NORM=rstd is not None,
     )
     dq = l2norm_group_backward(q, q_rstd, dq_v)
     if not norm_out:

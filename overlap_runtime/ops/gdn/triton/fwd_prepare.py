@@ -21,7 +21,7 @@ w): the backward's recomputation of w (``recompute_w``, function.py).
 
 The fused forward's prep (function.py ``prepare_fused``) runs both kernels on the raw q, k:
 with ``NORM`` ``kkt_solve_kernel`` forms the keys' 1/norms ``rk`` (l2norm.py's formula) and
-both kernels normalise the tiles they load (:func:`normalised`: the l2 norm kernel's own
+both kernels normalise the tiles they load (common.normalised: the l2 norm kernel's own
 operations, so gamma, Ainv, w and u are the chain's bits); with ``QK`` ``wy_fwd_kernel`` also
 forms the queries' 1/norms and each chunk's decayed causal scores ``aqk = (Qn Kn^T * Gamma)``
 (lower triangle, diagonal included) for the walk's output. No normalised copy of q or k is
@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import CHUNK, autotune_configs, chunk_span, gate_floor, mm, mm_f32x3, mma
+from .common import (CHUNK, autotune_configs, chunk_span, gate_floor, mm, mm_f32x3, mma,
+                     normalised)
 from .l2norm import L2NORM_EPS
 
 
@@ -72,14 +73,6 @@ def _row_rstd(x, EPS: tl.constexpr):
     """``1 / sqrt(sum x^2 + EPS)`` per row of ``x`` (fp32), the l2 norm's (l2norm.py)."""
     xf = x.to(tl.float32)
     return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) + EPS)
-
-
-@triton.jit
-def normalised(x, r):
-    """``x * r`` per row, in x's dtype: the same operations as the l2 norm kernel's output
-    (l2norm.py, ``x`` fp32-widened times its 1/norm, one rounding), so the same bits as the
-    normalised copy it would have written."""
-    return (x.to(tl.float32) * r[:, None]).to(x.dtype)
 
 
 @triton.jit
@@ -294,21 +287,23 @@ def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_he
 
 
 def wy_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor,
-               ainv: torch.Tensor, chunks: torch.Tensor | None = None, w_only: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               ainv: torch.Tensor, chunks: torch.Tensor | None = None, w_only: bool = False,
+               k_rstd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """WY factors ``(w [B, T, HV, K] in k's dtype, u [B, T, HV, V] in v's dtype)`` of the
-    keys as given; ``chunks`` as :func:`kkt_solve`; ``w_only``: u is not formed (None), w is
-    bitwise the same."""
+    keys as given, or of the raw keys normalised on load with their 1/norms ``k_rstd``
+    ``[B, T, H]`` fp32 (the same bits); ``chunks`` as :func:`kkt_solve`; ``w_only``: u is not
+    formed (None), w is bitwise the same."""
     batch, seq_len, heads, key_dim = k.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     w = torch.empty(batch, seq_len, num_value_heads, key_dim, device=k.device, dtype=k.dtype)
     u = None if w_only else torch.empty_like(v)
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     wy_fwd_kernel[(num_chunks, batch * num_value_heads)](
-        k, v, beta, gamma, ainv, w, w if u is None else u, w, w, w, w,
-        chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads,
+        k, v, beta, gamma, ainv, w, w if u is None else u, w, w if k_rstd is None else k_rstd,
+        w, w, chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads,
         K=key_dim, V=value_dim, BT=CHUNK, BK=min(64, key_dim), BV=min(64, value_dim),
-        VARLEN=chunks is not None, W_ONLY=w_only, NORM=False, QK=False, EPS=L2NORM_EPS,
+        VARLEN=chunks is not None, W_ONLY=w_only, NORM=k_rstd is not None, QK=False,
+        EPS=L2NORM_EPS,
     )
     return w, u
 

@@ -2,10 +2,9 @@
 value heads that share a key head.
 
 ``l2norm_fwd_kernel``, grid ``(cdiv(rows, BR),)``: ``y = x / sqrt(sum x^2 + 1e-6)`` (the
-reference's epsilon, inside the root), y in x's dtype, ``rstd`` fp32 per row. With ``HAS_RSTD``
-it reads a stored ``rstd`` instead of reducing and writes y only: the backward's recomputation of
-the normalised q, k (function.py saves the raw inputs and rstd, not y); the product
-``x * rstd`` and its cast are the same operations, so that y is bitwise the forward's.
+reference's epsilon, inside the root), y in x's dtype, ``rstd`` fp32 per row. The kernels that
+read the raw q, k with their 1/norms instead (the fused forward's prep, the backward) normalise
+their tiles with the same operations (common.normalised): ``x * rstd`` and its cast, y's bits.
 ``l2norm_bwd_kernel``, same grid: ``dy = sum over the G value heads of the key head``, then
 ``dx = rstd (dy - y (y . dy))`` with ``y = x rstd`` recomputed in fp32 (or ``dx = dy`` without
 the norm); dx in x's dtype.
@@ -21,21 +20,16 @@ L2NORM_EPS = 1e-6
 
 
 @triton.jit
-def l2norm_fwd_kernel(x, y, rstd, R, D: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr,
-                      HAS_RSTD: tl.constexpr):
+def l2norm_fwd_kernel(x, y, rstd, R, D: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < R
     o_d = tl.arange(0, D)
     b_x = tl.load(x + o_r[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
     b_x = b_x.to(tl.float32)
-    if HAS_RSTD:
-        b_r = tl.load(rstd + o_r, mask=m_r, other=0.0)
-    else:
-        b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + EPS)
+    b_r = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + EPS)
     tl.store(y + o_r[:, None] * D + o_d[None, :], (b_x * b_r[:, None]).to(y.dtype.element_ty),
              mask=m_r[:, None])
-    if not HAS_RSTD:
-        tl.store(rstd + o_r, b_r, mask=m_r)
+    tl.store(rstd + o_r, b_r, mask=m_r)
 
 
 @triton.jit
@@ -71,20 +65,8 @@ def l2norm_forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rstd = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     block = _rows(dim)
     l2norm_fwd_kernel[(triton.cdiv(rows, block),)](x, y, rstd, rows, D=dim, BR=block,
-                                                   EPS=L2NORM_EPS, HAS_RSTD=False)
+                                                   EPS=L2NORM_EPS)
     return y, rstd
-
-
-def l2norm_apply(x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """``x [B, T, H, D] * rstd [B, T, H]`` (fp32, from :func:`l2norm_forward` on the same x)
-    in x's dtype: bitwise the ``y`` that call returned, without the reduction (one launch)."""
-    dim = x.shape[-1]
-    rows = x.numel() // dim
-    y = torch.empty_like(x)
-    block = _rows(dim)
-    l2norm_fwd_kernel[(triton.cdiv(rows, block),)](x, y, rstd, rows, D=dim, BR=block,
-                                                   EPS=L2NORM_EPS, HAS_RSTD=True)
-    return y
 
 
 def l2norm_group_backward(x: torch.Tensor, rstd: torch.Tensor | None, dy_value_heads: torch.Tensor
