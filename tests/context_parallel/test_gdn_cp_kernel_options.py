@@ -3,13 +3,14 @@ them (before the layer changes), passed to every op call where it can.
 
 * build time: ``num_segments`` below the Triton p2p chain's / prefix scan's 2 segments per rank,
   and options of the other backend, raise naming the option, the mode and the rule;
-* Triton plumbing, in this process: the p2p chain and the prefix scan hand ``num_segments`` and
-  ``recompute_w`` to the op's ``gdn_forward`` (a recording stand-in for the kernels, on a
+* Triton plumbing, in this process: the p2p chain and the prefix scan hand ``num_segments``,
+  ``recompute_w`` and ``fused_forward`` to the op's ``gdn_forward`` (a recording stand-in for the kernels, on a
   one-rank plan: no process group, no interpreter);
 * eager, 2 gloo ranks: ``block_chunks`` reaches every op call of every mode, dense and packed,
   and the results equal the run without options (float64, rel-L2 <= 1e-12).
 * triton under the interpreter (marked ``triton``, ~15 s): the chain and the scan run the
-  kernels with ``num_segments=2, recompute_w=True`` and still equal the eager layer.
+  kernels with ``num_segments=2, recompute_w=True, fused_forward=True`` (the fused forward
+  under the state link) and still equal the eager layer.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ class _OneRankPlan(GDNCPPlan):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("mode", ["p2p", "prefix_scan"])
 @pytest.mark.parametrize("options, expected", [
-    (GDNKernelOptions(num_segments=3, recompute_w=True), {"num_segments": 3, "recompute_w": True}),
-    (None, {"num_segments": None, "recompute_w": False}),
+    (GDNKernelOptions(num_segments=3, recompute_w=True, fused_forward=True),
+     {"num_segments": 3, "recompute_w": True, "fused": True}),
+    (None, {"num_segments": None, "recompute_w": False, "fused": False}),
 ])
 def test_triton_chain_and_scan_pass_the_options_to_the_op(
         monkeypatch: pytest.MonkeyPatch, mode: str, options: GDNKernelOptions | None,
@@ -130,13 +132,14 @@ def test_block_chunks_reaches_every_op_call_of_every_mode() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_chain_and_scan_run_the_options() -> None:
     """The kernels under the interpreter (2 gloo ranks, ~12 s): the options reach
-    ``gdn_forward``, which runs 2 segments per rank and leaves w unsaved, and the outputs and
-    input gradients still equal the single-process eager layer (fp32, rel-L2 <= 1e-5)."""
+    ``gdn_forward``, which runs the fused forward with 2 segments per rank and leaves w
+    unsaved, and the outputs and input gradients still equal the single-process eager layer
+    (fp32, rel-L2 <= 1e-5)."""
     results = run_ranks(Interpreted(triton_options_worker), 2, timeout_s=300.0,
                         env=INTERPRETED_RANK_ENV)
     for rank, res in enumerate(results):
         for mode, fig in res.items():
             what = f"rank {rank} mode={mode}: {fig}"
-            assert fig["seen"] == [{"num_segments": 2, "recompute_w": True, "segments_run": 2,
-                                    "w_saved": False}], what
+            assert fig["seen"] == [{"num_segments": 2, "recompute_w": True, "fused": True,
+                                    "segments_run": 2, "w_saved": False}], what
             assert fig["out"] <= 1e-5 and fig["dx"] <= 1e-5, what

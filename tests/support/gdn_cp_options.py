@@ -101,7 +101,8 @@ def options_worker(rank: int, world: int) -> dict[str, Any]:
 
 def triton_options_worker(rank: int, world: int) -> dict[str, Any]:
     """Under ``TRITON_INTERPRET=1``: the Triton p2p chain and prefix scan of a layer with
-    ``num_segments=2, recompute_w=True`` (local 128 tokens: 2 chunks), against the single-process
+    ``num_segments=2, recompute_w=True, fused_forward=True`` (local 128 tokens: 2 chunks; the
+    fused forward's summaries, the link's hooks and its walks), against the single-process
     eager layer. ``gdn_forward`` is wrapped by a recorder of the options it got and of what it
     did with them (its segment count; whether w was saved)."""
     import overlap_runtime.ops.gdn.triton.function as kernels
@@ -114,7 +115,7 @@ def triton_options_worker(rank: int, world: int) -> dict[str, Any]:
     def recording(*args: Any, **kwargs: Any) -> Any:
         o, final, saved, meta = forward(*args, **kwargs)
         seen.append({"num_segments": kwargs.get("num_segments"),
-                     "recompute_w": kwargs.get("recompute_w"),
+                     "recompute_w": kwargs.get("recompute_w"), "fused": kwargs.get("fused"),
                      "segments_run": meta.num_segments, "w_saved": saved[9] is not None})
         return o, final, saved, meta
 
@@ -135,7 +136,8 @@ def triton_options_worker(rank: int, world: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for mode in ("p2p", "prefix_scan"):
             cp = GatedDeltaNet(HIDDEN, 2, 4, dim, dim, backend="triton",
-                               kernel_options=GDNKernelOptions(num_segments=2, recompute_w=True))
+                               kernel_options=GDNKernelOptions(num_segments=2, recompute_w=True,
+                                                               fused_forward=True))
             cp.load_state_dict(ref.state_dict())
             LinearAttentionContextParallel(mode=mode, backend="triton").apply(cp, mesh)
             seen.clear()

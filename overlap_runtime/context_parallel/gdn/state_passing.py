@@ -185,10 +185,12 @@ class TritonLocal(EagerLocal):
     :class:`EagerLocal`'s schedule with the Triton op for the pieces."""
 
     def op_kwargs(self) -> dict[str, Any]:
-        """``num_segments`` and ``recompute_w`` for ``gdn_forward``, from the options (unset:
-        the machine's segment choice, w saved)."""
+        """``num_segments``, ``recompute_w`` and ``fused`` (``fused_forward``) for
+        ``gdn_forward``, from the options (unset: the machine's segment choice, w saved, the
+        kernel chain's forward)."""
         options = self.options if self.options is not None else GDNKernelOptions()
-        return {"num_segments": options.num_segments, "recompute_w": bool(options.recompute_w)}
+        return {"num_segments": options.num_segments, "recompute_w": bool(options.recompute_w),
+                "fused": bool(options.fused_forward)}
 
     def forward(self, inputs: Inputs, table: ShardTable, link: StateLink, keep_graph: bool
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...], Any]:
