@@ -259,6 +259,7 @@ def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None,
 # name: (launch choices, segments per sequence or None for the default)
 VARIANTS = {
     "default": (FusedConfig(), None),
+    "prep_scores": (FusedConfig(prep_scores=True), None),  # the scores from wy_fwd
     "walk_w8": (FusedConfig(walk_warps=8, summary_warps=8), None),
     "summary_s1": (FusedConfig(summary_stages=1), None),
     "walk_s2": (FusedConfig(walk_stages=2), None),  # the default before 2026-12-07

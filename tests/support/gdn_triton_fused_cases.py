@@ -130,14 +130,16 @@ def run_case(case: str) -> dict:
     # (SharedPrepare), every later fused forward gets clones of that output (the chain's prep
     # runs once, for the saved set's comparison).
     with SharedPrepare() as shared:
-        # forward alone (nothing saved): one segment and three (summaries + chain)
-        for segments in (1, 3):
+        # forward alone (nothing saved): one segment and three (summaries + chain); with three
+        # also the scores formed by the prep (FusedConfig.prep_scores) instead of the walk
+        for segments, config in ((1, None), (3, None), (3, FusedConfig(prep_scores=True))):
             with torch.no_grad():
                 o, h, saved, _ = gdn_forward(*inputs, h0, key_dim ** -0.5, l2, segments,
-                                             cu_seqlens=cu, fused=True, save=False)
+                                             cu_seqlens=cu, fused=True, save=False,
+                                             fused_config=config)
             assert saved is None
-            errors[f"o_ns{segments}"], errors[f"final_ns{segments}"] = (rel_l2(o, o_ref),
-                                                                        rel_l2(h, h_ref))
+            tag = f"ns{segments}" + ("_prep_scores" if config else "")
+            errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
             finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
         # forward + backward through the autograd Function: the saved set (the walk's states and
         # v_new, the prep's tensors) read by the unchanged backward; with 2 segments and w saved,
@@ -159,9 +161,10 @@ def run_case(case: str) -> dict:
                 if t is not None:
                     errors[f"d{n}_{tag}"] = rel_l2(t.grad, g_ref["d" + n])
                     finite &= bool(torch.isfinite(t.grad).all())
-    # the fused prep once (twice in bf16: Ainv fp32 only when saved), the chain's once
-    runs = 3 if x["q"].dtype != torch.float32 else 2
-    assert (shared.runs, shared.reused) == (runs, 5 - runs), (shared.runs, shared.reused)
+    # the fused prep once, once more with the scores (and in bf16 once more: Ainv fp32 only
+    # when saved), the chain's once
+    runs = 4 if x["q"].dtype != torch.float32 else 3
+    assert (shared.runs, shared.reused) == (runs, 6 - runs), (shared.runs, shared.reused)
     return {"errors": errors, "tolerance": tol, "finite": finite, "prep_unequal": unequal,
             "vs_chain": chain_errors}
 

@@ -3,20 +3,22 @@ state in registers across the segment's chunks and writes o; neither the per-chu
 v_new go to memory unless a backward needs them.
 
 1. The prep, two launches parallel over chunks (function.py ``prepare_fused``): ``kkt_solve``
-   with the l2 norm folded in (it reads the raw keys, forms their 1/norms and the normalised
-   keys' products in fp32: gamma, Ainv) and ``wy_fwd`` with the scores (w, u, the queries'
-   1/norms and the decayed causal scores ``aqk = (Qn Kn^T * Gamma)`` of each chunk, in k's
-   dtype). No normalised copy of q or k is written: the walk reads the raw q, k and scales by
-   the 1/norms (``NORM``), which saves the chain's two norm launches (read and write q, k).
-   A one-launch parallel prep (norm, cumsum, block solve, w and u per chunk) spilled registers
-   and ran 3.5x the chain's prep kernels on an H100 (docs/benchmarks.md, "Fused forward").
+   with the l2 norm folded in (it reads the raw keys, forms their 1/norms and normalises its
+   tiles itself: gamma, Ainv) and ``wy_fwd`` (w, u from the raw keys normalised on load, the
+   queries' 1/norms; with ``FusedConfig.prep_scores`` also the decayed causal scores
+   ``aqk = (Qn Kn^T * Gamma)`` of each chunk, in k's dtype). No normalised copy of q or k is
+   written: the walk reads the raw q, k and scales by the 1/norms (``NORM``), which saves the
+   chain's two norm launches (read and write q, k). A one-launch parallel prep (norm, cumsum,
+   block solve, w and u per chunk) spilled registers and ran 3.5x the chain's prep kernels on
+   an H100 (docs/benchmarks.md, "Fused forward").
 2. ``fused_walk_kernel``, grid ``(column blocks, NS, B * HV)``: one program walks the chunks of
    one segment for ``BV`` columns of the state of one ``(sequence, value head)``; per chunk it
-   reads q, k (raw, with their 1/norms ``rq``, ``rk``; or as given without the norm), aqk,
-   w, u, gamma and forms::
+   reads q, k (raw, with their 1/norms ``rq``, ``rk``; or as given without the norm), w, u,
+   gamma (and ``aqk`` with ``PREP_SCORES``) and forms::
 
        v_new   = u - w h
-       o       = scale (diag(e^gamma rq) Q h + aqk v_new)                (output mode)
+       S       = (diag(rq) Q K^T diag(rk)) * Gamma   (or aqk)          (output mode)
+       o       = scale (diag(e^gamma rq) Q h + S v_new)                  (output mode)
        h      <- e^gamma_C h + K^T diag(rk e^(gamma_C - gamma)) v_new
 
    Two modes, as ``fwd_scan_kernel`` (fwd_state.py):
@@ -62,6 +64,8 @@ class FusedConfig:
         walk_warps, walk_stages / summary_warps, summary_stages: ``num_warps``,
             ``num_stages`` of the output walk / the summary launch.
         block: state columns per program (None: ``min(64, K, V)``).
+        prep_scores: the prep's ``wy_fwd`` forms each chunk's decayed causal scores ``aqk``
+            and the output walk reads them, instead of forming ``Q K^T`` itself.
 
     The defaults are the fastest measured on an H100 at B=1 T=32K H=32, K = V = 128
     (docs/benchmarks.md): one stage for the output walk (2.69 ms against 2.89 ms with two),
@@ -73,6 +77,7 @@ class FusedConfig:
     summary_warps: int = 4
     summary_stages: int = 2
     block: int | None = None
+    prep_scores: bool = False
 
     def columns(self, key_dim: int, value_dim: int) -> int:
         """State columns per program; raises naming the rule when they do not tile V."""
@@ -91,7 +96,8 @@ def fused_walk_kernel(q, k, q_rstd, k_rstd, aqk, w, u, gamma, h_init, o, h_end, 
                       states, v_new, chunks, segs, scale, T, NT, L, NS, H: tl.constexpr,
                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BV: tl.constexpr, SUMMARY: tl.constexpr, HAS_INIT: tl.constexpr,
-                      SAVE: tl.constexpr, VARLEN: tl.constexpr, NORM: tl.constexpr):
+                      SAVE: tl.constexpr, VARLEN: tl.constexpr, NORM: tl.constexpr,
+                      PREP_SCORES: tl.constexpr):
     i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -122,6 +128,8 @@ def fused_walk_kernel(q, k, q_rstd, k_rstd, aqk, w, u, gamma, h_init, o, h_end, 
         g_last = tl.load(gamma + (i_b * T + tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
         off_k = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
         b_k = tl.load(k + off_k, mask=m_t[:, None], other=0.0)
+        if NORM:
+            b_rk = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
         b_hd = b_h.to(DT)
         if SAVE:
             base = ((i_b * NT + n) * HV + i_hv).to(tl.int64) * (K * V)
@@ -129,11 +137,21 @@ def fused_walk_kernel(q, k, q_rstd, k_rstd, aqk, w, u, gamma, h_init, o, h_end, 
         # the query side first (q is dead before w is loaded: fewer live registers)
         if not SUMMARY:
             b_q = tl.load(q + off_k, mask=m_t[:, None], other=0.0)
-            b_s = tl.load(aqk + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
-                          mask=m_t[:, None], other=0.0)
             b_row = tl.exp(b_gam)
             if NORM:
-                b_row = b_row * tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+                b_rq = tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+                b_row = b_row * b_rq
+            if PREP_SCORES:
+                b_s = tl.load(aqk + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
+                              mask=m_t[:, None], other=0.0)
+            else:  # the decayed causal scores of the normalised q, k, from the raw ones
+                causal = o_i[:, None] >= o_i[None, :]
+                b_s = mm(b_q, tl.trans(b_k))
+                if NORM:
+                    b_s = b_s * (b_rq[:, None] * b_rk[None, :])
+                b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gam[:, None]
+                                                             - b_gam[None, :], 0.0)),
+                               0.0).to(DT)
             b_o = mm(b_q, b_hd) * b_row[:, None]
         b_w = tl.load(w + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
@@ -148,7 +166,7 @@ def fused_walk_kernel(q, k, q_rstd, k_rstd, aqk, w, u, gamma, h_init, o, h_end, 
             tl.store(o + off_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None])
         b_dec = tl.where(m_t, tl.exp(g_last - b_gam), 0.0)
         if NORM:  # raw keys: K^T diag(1/norm) is the normalised keys' transpose
-            b_dec = b_dec * tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+            b_dec = b_dec * b_rk
         b_vs = b_vn * b_dec[:, None]
         b_h = mma(tl.trans(b_k), b_vs.to(DT), b_h * tl.exp(g_last))
     if SUMMARY:
@@ -184,8 +202,8 @@ def _launch(grid, prep: dict, outs: dict, tables, scale: float, num_chunks: int,
         dummy if segs is None else segs, scale, seq_len, num_chunks, per_segment, num_segments,
         H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=block,
         SUMMARY=summary, HAS_INIT=outs.get("h_init") is not None, SAVE=save,
-        VARLEN=chunks is not None, NORM=prep.get("k_rstd") is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        VARLEN=chunks is not None, NORM=prep.get("k_rstd") is not None,
+        PREP_SCORES=prep.get("aqk") is not None, num_warps=num_warps, num_stages=num_stages,
     )
 
 
