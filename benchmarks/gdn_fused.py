@@ -298,7 +298,27 @@ def variants(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
     return rows
 
 
+TABLE_HEADER = ("| case | fla fwd | chain fwd | fused fwd | fused/fla fwd | fla f+b | chain f+b "
+                "| fused f+b | fused/fla f+b | peak MiB fla / chain / fused |\n"
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def table_line(r: dict[str, Any]) -> str:
+    """One markdown row of the table from one row's timings (nan where a part is missing)."""
+    def get(n: str, k: str) -> float:
+        return r.get(n, {}).get(k, float("nan"))
+    return (f"| {r['case']} | {get('fla', 'fwd_ms'):.2f} | {get('chain', 'fwd_ms'):.2f} | "
+            f"{get('fused', 'fwd_ms'):.2f} | {get('fused', 'fwd_ms') / get('fla', 'fwd_ms'):.2f} | "
+            f"{get('fla', 'fwd_bwd_ms'):.2f} | {get('chain', 'fwd_bwd_ms'):.2f} | "
+            f"{get('fused', 'fwd_bwd_ms'):.2f} | "
+            f"{get('fused', 'fwd_bwd_ms') / get('fla', 'fwd_bwd_ms'):.2f} | "
+            f"{get('fla', 'peak_mib'):.0f} / {get('chain', 'peak_mib'):.0f} / "
+            f"{get('fused', 'peak_mib'):.0f} |")
+
+
 def table(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """fla, the chain and the fused forward per row; each row's json and markdown line are
+    printed as soon as the row is done (a command cut short by its time limit keeps them)."""
     rows = []
     for case in args.rows:
         if over_budget(args):
@@ -313,6 +333,7 @@ def table(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]
                 traceback.print_exc()
                 row[name] = {"error": f"{type(error).__name__}: {error}"}
         print(json.dumps(row), flush=True)
+        print(table_line(row), flush=True)
         rows.append(row)
         del x
         torch.cuda.empty_cache()
@@ -395,20 +416,9 @@ def main() -> int:
                   f"{r.get('o_vs_chain', float('nan')):.1e} / "
                   f"{r.get('final_vs_chain', float('nan')):.1e} |")
     if "table" in results:
-        print("\n| case | fla fwd | chain fwd | fused fwd | fused/fla fwd | fla f+b | chain f+b "
-              "| fused f+b | fused/fla f+b | peak MiB fla / chain / fused |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("\n" + TABLE_HEADER)
         for r in results["table"]:
-            def get(n: str, k: str) -> float:
-                return r.get(n, {}).get(k, float("nan"))
-            print(f"| {r['case']} | {get('fla', 'fwd_ms'):.2f} | {get('chain', 'fwd_ms'):.2f} | "
-                  f"{get('fused', 'fwd_ms'):.2f} | "
-                  f"{get('fused', 'fwd_ms') / get('fla', 'fwd_ms'):.2f} | "
-                  f"{get('fla', 'fwd_bwd_ms'):.2f} | {get('chain', 'fwd_bwd_ms'):.2f} | "
-                  f"{get('fused', 'fwd_bwd_ms'):.2f} | "
-                  f"{get('fused', 'fwd_bwd_ms') / get('fla', 'fwd_bwd_ms'):.2f} | "
-                  f"{get('fla', 'peak_mib'):.0f} / {get('chain', 'peak_mib'):.0f} / "
-                  f"{get('fused', 'peak_mib'):.0f} |")
+            print(table_line(r))
     return 0
 
 
