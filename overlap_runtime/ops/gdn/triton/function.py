@@ -370,9 +370,9 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         fused: run the fused forward (fused_fwd.py: two prep launches with the norm folded
             in, then one summary launch and one walk that keeps the state on chip and writes
             o, residuals formed on chip) instead of the chain's l2norm, scan and output
-            kernels; the same ``saved`` set (states and v_new written by the walk; Ainv and w
-            formed from the raw keys and their 1/norms, equal to the chain's up to rounding). ``save=False`` (fused only): nothing
-            for a backward is written and ``saved`` is None (inference, no autograd).
+            kernels; the same ``saved`` set (states and v_new written by the walk; the prep's
+            1/norms, gamma, Ainv and w bitwise the chain's). ``save=False`` (fused only):
+            nothing for a backward is written and ``saved`` is None (inference, no autograd).
         fused_config: the fused kernel's launch choices (None: fused_fwd.DEFAULT_CONFIG).
 
     Returns:
@@ -446,8 +446,8 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...] | None,
                               "ScanMeta"]:
     """:func:`gdn_forward` by the fused walk: two prep launches with the norm folded in
-    (:func:`prepare_fused`), segment summaries (when the sequence is split), the chain and the state hooks as the kernel
-    chain runs them, then one walk that writes o (and, with ``save``, the per-chunk states and
+    (:func:`prepare_fused`), segment summaries (when the sequence is split), the chain and the
+    state hooks as the kernel chain runs them, then one walk that writes o (and, with ``save``, the per-chunk states and
     v_new of the chain's saved set; the rest of that set is the prep's)."""
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
@@ -669,8 +669,9 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         recompute_w: do not save w ``[B, T, HV, K]`` for the backward, form it again there
             (one more ``wy_fwd`` launch, w only; same results bit for bit).
         fused_forward: two prep kernels with the norm folded in, then the fused walk
-            (fused_fwd.py) instead of the chain's norm, scan and output; the same backward. With no gradient wanted (grad mode
-            off, or no input requires grad) nothing is kept for a backward: o, final state.
+            (fused_fwd.py) instead of the chain's norm, scan and output; the same backward.
+            With no gradient wanted (grad mode off, or no input requires grad) nothing is kept
+            for a backward: o, final state.
 
     Returns:
         ``(o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] fp32)``, differentiable
