@@ -7,6 +7,8 @@ Triton kernels (``conv_backend="triton"``, ``ops.causal_conv``) against cuDNN's 
     python -m benchmarks.causal_conv --tokens 8192 16384 32768 --channels 8192
     python -m benchmarks.causal_conv --tokens 32768 --channels 2048 --impls triton \
         --bwd-tiles 32x64x4 32x128x8 16x128x4      # the backward's tile sweep (rows x channels x warps)
+    python -m benchmarks.causal_conv --tokens 32768 --channels 2048 8192 --impls triton \
+        --bwd-kernels scratch gather --bwd-tiles 32x64x4 64x64x4   # the backward kernels side by side
 
 For each size: median ms of the forward and of forward + backward (``triton.testing.do_bench``),
 the memory floor (x read and y written once forward; x, dy read and dx written once more
@@ -58,7 +60,7 @@ def measure(name: str, fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--channels", type=int, default=8192)
+    parser.add_argument("--channels", type=int, nargs="+", default=[8192])
     parser.add_argument("--kernel", type=int, default=4)
     parser.add_argument("--dilation", type=int, default=1)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -68,6 +70,9 @@ def main() -> None:
     parser.add_argument("--bwd-tiles", nargs="+", default=[],
                         help="Triton backward tiles to sweep, ROWSxCHANNELSxWARPS (e.g. 32x64x4); "
                              "default: the module's")
+    parser.add_argument("--bwd-kernels", nargs="+", default=[function.BACKWARD_KERNEL],
+                        choices=list(function.BACKWARD_KERNELS),
+                        help="Triton backward kernels to time (function.BACKWARD_KERNEL)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/causal_conv.py needs a CUDA device")
@@ -75,12 +80,12 @@ def main() -> None:
     compiled_shifted = torch.compile(causal_conv_silu_shifted) if "compiled" in args.impls else None
     print(f"| tokens | C | impl | fwd ms | fwd+bwd ms | floor fwd / fwd+bwd ms | rel-L2 y | dx | dw |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for tokens in args.tokens:
+    for tokens, channels in [(t, c) for t in args.tokens for c in args.channels]:
         gen = torch.Generator(device=dev).manual_seed(tokens)
-        x = torch.randn(1, tokens, args.channels, device=dev, dtype=dtype, generator=gen)
+        x = torch.randn(1, tokens, channels, device=dev, dtype=dtype, generator=gen)
         # the weight in the activations' dtype, as FSDP2's bf16 parameter copy hands it over
-        w = (torch.randn(args.channels, args.kernel, device=dev, generator=gen) * 0.5).to(dtype)
-        dy = torch.randn(1, tokens, args.channels, device=dev, dtype=dtype, generator=gen)
+        w = (torch.randn(channels, args.kernel, device=dev, generator=gen) * 0.5).to(dtype)
+        dy = torch.randn(1, tokens, channels, device=dev, dtype=dtype, generator=gen)
         xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
         yd = causal_conv_silu(xd, wd, None, args.dilation)
         ref = (yd.detach(), *torch.autograd.grad(yd, (xd, wd), dy.double()))
@@ -92,19 +97,20 @@ def main() -> None:
         if "triton" in args.impls:
             default = (function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
                        function.BACKWARD_WARPS)
-            for tile in args.bwd_tiles or ["x".join(map(str, default))]:
-                runs.append((f"triton bwd {tile}", causal_conv_silu_triton,
-                             tuple(int(v) for v in tile.split("x"))))
+            for kernel in args.bwd_kernels:
+                for tile in args.bwd_tiles or ["x".join(map(str, default))]:
+                    runs.append((f"triton bwd {kernel} {tile}", causal_conv_silu_triton,
+                                 (kernel, *(int(v) for v in tile.split("x")))))
         if "cudnn" in args.impls:
             runs.append(("F.conv1d (cuDNN)", causal_conv_silu, None))
         if "compiled" in args.impls:
             runs.append(("compiled shifted", compiled_shifted, None))
         for name, fn, tile in runs:
             if tile is not None:
-                (function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
+                (function.BACKWARD_KERNEL, function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
                  function.BACKWARD_WARPS) = tile
             r = measure(name, fn, x, w, dy, ref, args.dilation)
-            print(f"| {tokens} | {args.channels} | {name} | {r['fwd']:.3f} | {r['fwd_bwd']:.3f} | "
+            print(f"| {tokens} | {channels} | {name} | {r['fwd']:.3f} | {r['fwd_bwd']:.3f} | "
                   f"{floor_fwd:.3f} / {floor_all:.3f} | {r['y']:.2e} | {r['dx']:.2e} | "
                   f"{r['dw']:.2e} |", flush=True)
         del ref

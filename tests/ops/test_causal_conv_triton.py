@@ -5,7 +5,9 @@
   inputs, rel-L2 <= 1e-5 in fp32; with and without ``left``, dilation 1 and 2, K 2..4, T not a
   multiple of the tile (and below the halo), B = 2, several partial sums of dweight; bf16 / fp16
   within their rounding; x a channel slice of a wider tensor (read in place); a whole GatedDeltaNet layer with ``conv_backend="triton"`` against
-  ``"torch"``. About 20 s on two shared cores.
+  ``"torch"``; both backward kernels (``function.BACKWARD_KERNEL``: ``"scratch"`` and
+  ``"gather"``), and packed documents (``doc_positions``) with each. About 20 s on two shared
+  cores.
 * In this process (no kernel runs): the named errors, and the wiring (model config ->
   GatedDeltaNet.conv_fn, kept by ``compile_elementwise``).
 * On a CUDA device only: 32K tokens x 8192 channels, fp32 against float64 and bf16 against the
@@ -32,7 +34,9 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed")
 CASE_NAMES = ("k4_d1_left", "k4_d1_left_rows64", "k4_d1", "k4_d1_left_channel_slice", "k2_d2_left", "k3_d2", "k3_d1_left",
               "k4_d2_left_t_below_halo", "bf16_k4_left_fp32_weight", "fp16_k4_left",
-              "gated_deltanet_layer")
+              "gated_deltanet_layer", "gather_k4_d1_left_rows64", "gather_k3_d2",
+              "gather_k4_d2_left_t_below_halo", "gather_bf16_k4_left_fp32_weight",
+              "docs_k4_d1_left_rows64", "gather_docs_k4_d1_left_rows64", "gather_docs_k3_d2")
 
 
 @pytest.fixture(scope="module")

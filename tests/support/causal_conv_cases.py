@@ -43,8 +43,22 @@ CASES = {
 }
 
 
+# name: (case of CASES, backward kernel, packed documents): the other backward kernel, and
+# doc_positions (documents of 37, 50 and the rest of T; taps never cross a document start)
+VARIANTS = {
+    "gather_k4_d1_left_rows64": ("k4_d1_left_rows64", "gather", False),
+    "gather_k3_d2": ("k3_d2", "gather", False),
+    "gather_k4_d2_left_t_below_halo": ("k4_d2_left_t_below_halo", "gather", False),
+    "gather_bf16_k4_left_fp32_weight": ("bf16_k4_left_fp32_weight", "gather", False),
+    "docs_k4_d1_left_rows64": ("k4_d1_left_rows64", "scratch", True),
+    "gather_docs_k4_d1_left_rows64": ("k4_d1_left_rows64", "gather", True),
+    "gather_docs_k3_d2": ("k3_d2", "gather", True),
+}
+
+
 def run_case(name: str) -> dict:
-    batch, seq_len, channels, kernel, dil, with_left, dtype, wdtype, rows, tol = CASES[name]
+    base, backward, docs = VARIANTS.get(name, (name, function.BACKWARD_KERNEL, False))
+    batch, seq_len, channels, kernel, dil, with_left, dtype, wdtype, rows, tol = CASES[base]
     gen = torch.Generator().manual_seed(len(name))
     if name.endswith("channel_slice"):
         wide = torch.randn(batch, seq_len, channels + 32, generator=gen).to(dtype)
@@ -59,15 +73,20 @@ def run_case(name: str) -> dict:
         left.requires_grad_()
     dy = torch.randn(batch, seq_len, channels, generator=gen, dtype=torch.float64)
     leaves = [t for t in (x, w, left) if t is not None]
-    function.BACKWARD_ROWS = rows
+    pos = None
+    if docs:
+        pos = torch.cat([torch.arange(37), torch.arange(50), torch.arange(seq_len - 87)])
+        pos = pos.repeat(batch, 1)
+    default = function.BACKWARD_KERNEL
+    function.BACKWARD_ROWS, function.BACKWARD_KERNEL = rows, backward
     try:
-        y = causal_conv_silu_triton(x, w, left, dil)
+        y = causal_conv_silu_triton(x, w, left, dil, doc_positions=pos)
         grads = torch.autograd.grad(y, leaves, dy.to(dtype))
     finally:
-        function.BACKWARD_ROWS = 256
+        function.BACKWARD_ROWS, function.BACKWARD_KERNEL = 256, default
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref_left = ref_leaves[2] if with_left else None
-    y_ref = causal_conv_silu(ref_leaves[0], ref_leaves[1], ref_left, dil)
+    y_ref = causal_conv_silu(ref_leaves[0], ref_leaves[1], ref_left, dil, doc_positions=pos)
     ref_grads = torch.autograd.grad(y_ref, ref_leaves, dy)
     errors = {"y": rel_l2(y.double(), y_ref)}
     for label, g, r in zip(("dx", "dweight", "d_left"), grads, ref_grads):
@@ -92,6 +111,6 @@ def run_layer() -> dict:
 
 
 if __name__ == "__main__":
-    results = {name: run_case(name) for name in CASES}
+    results = {name: run_case(name) for name in (*CASES, *VARIANTS)}
     results["gated_deltanet_layer"] = run_layer()
     print("RESULT " + json.dumps(results))

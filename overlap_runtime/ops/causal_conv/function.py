@@ -29,6 +29,11 @@ BACKWARD_ROWS = 256
 BACKWARD_BLOCK_T = 32
 BACKWARD_BLOCK_C = 64
 BACKWARD_WARPS = 4
+# "scratch": ds of each tile and its halo rows through a per-program fp32 scratch in memory
+# (a block barrier per tile); "gather": overlapping tiles of BACKWARD_BLOCK_T rows, dx from ds
+# shifted on chip with tl.gather (the halo rows' ds computed twice).
+BACKWARD_KERNELS = ("scratch", "gather")
+BACKWARD_KERNEL = "scratch"
 
 
 def _next_pow2(n: int) -> int:
@@ -88,7 +93,7 @@ def causal_conv_silu_backward(
         [B, (K-1)*dilation, C] in left's dtype)``, each None when not asked for (d_left also
         when left is None).
     """
-    from .triton.kernels import causal_conv_silu_bwd_kernel, causal_conv_silu_bwd_left_kernel
+    from .triton.kernels import causal_conv_silu_bwd_left_kernel
 
     check_causal_conv_inputs(x, weight, left, dilation, doc_positions)
     pos = _positions(doc_positions)
@@ -101,36 +106,18 @@ def causal_conv_silu_backward(
     weight = weight.contiguous()
     dy = grad_y.to(x.dtype).contiguous()
     need_left = need_left and left is not None and halo > 0
-    bt = BACKWARD_BLOCK_T
-    bc = min(BACKWARD_BLOCK_C, max(16, _next_pow2(channels)))
-    rows = min(BACKWARD_ROWS, bt * -(-seq_len // bt))
-    programs_t = -(-seq_len // rows)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
-    partial = None
-    if need_weight:
-        partial = torch.empty(batch * programs_t, kernel, channels, dtype=torch.float32,
-                              device=x.device)
     dweight = d_left = None
+    partial = None
     if need_x or need_weight:
-        grid = (programs_t, -(-channels // bc), batch)
-        halo_rows = _next_pow2(max(halo, 1))
-        scratch = None  # each program's ds of one tile and the halo rows after it, fp32
-        if need_x:
-            scratch = torch.empty(grid[0] * grid[1] * grid[2] * (bt + halo_rows) * bc,
-                                  dtype=torch.float32, device=x.device)
-        causal_conv_silu_bwd_kernel[grid](
-            x, x if left is None else left, weight, x if pos is None else pos, dy,
-            x if dx is None else dx, x if partial is None else partial,
-            x if scratch is None else scratch, seq_len, channels,
-            x.stride(0), x.stride(1), halo, dilation, rows,
-            K=kernel, KP=_next_pow2(kernel), HAS_LEFT=left is not None,
-            HAS_POS=pos is not None, NEED_DX=need_x,
-            NEED_DW=need_weight, BT=bt, BC=bc, HB=halo_rows, num_warps=BACKWARD_WARPS)
+        partial = _backward_main(x, weight, left, pos, dy, dx, halo, dilation, need_x,
+                                 need_weight)
     if partial is not None:
         dweight = partial.sum(0).t().to(weight.dtype)  # [C, K], one fp32 reduction
     if need_left:
         assert left is not None
         d_left = torch.empty_like(left)
+        bc = min(BACKWARD_BLOCK_C, max(16, _next_pow2(channels)))
         causal_conv_silu_bwd_left_kernel[(-(-channels // bc), batch)](
             x, left, weight, x if pos is None else pos, dy, d_left, seq_len, channels,
             x.stride(0), x.stride(1), halo, dilation,
@@ -138,6 +125,58 @@ def causal_conv_silu_backward(
     elif left is not None and halo == 0 and left.requires_grad:
         d_left = torch.zeros_like(left)
     return dx, dweight, d_left
+
+
+def _backward_main(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
+                   pos: torch.Tensor | None, dy: torch.Tensor, dx: torch.Tensor | None,
+                   halo: int, dilation: int, need_x: bool, need_weight: bool
+                   ) -> torch.Tensor | None:
+    """Launch the backward kernel ``BACKWARD_KERNEL`` (writes dx when given); returns the fp32
+    partial weight gradients ``[B * programs, K, C]`` when ``need_weight``, else None."""
+    from .triton.kernels import causal_conv_silu_bwd_gather_kernel, causal_conv_silu_bwd_kernel
+
+    if BACKWARD_KERNEL not in BACKWARD_KERNELS:
+        raise ValueError(f"causal_conv BACKWARD_KERNEL={BACKWARD_KERNEL!r}: one of "
+                         f"{BACKWARD_KERNELS}")
+    batch, seq_len, channels = x.shape
+    kernel = weight.shape[1]
+    bt = BACKWARD_BLOCK_T
+    bc = min(BACKWARD_BLOCK_C, max(16, _next_pow2(channels)))
+    common = dict(K=kernel, KP=_next_pow2(kernel), HAS_LEFT=left is not None,
+                  HAS_POS=pos is not None, NEED_DX=need_x, NEED_DW=need_weight,
+                  num_warps=BACKWARD_WARPS)
+    if BACKWARD_KERNEL == "gather":
+        # a tile's own rows are BT - halo (at least half of it); a wide halo widens the tile
+        # in rows and narrows it in channels (same elements per tile)
+        bt = max(bt, _next_pow2(2 * halo))
+        bc = max(16, min(bc, BACKWARD_BLOCK_T * BACKWARD_BLOCK_C // bt))
+        own = bt - halo
+        tiles = max(1, min(BACKWARD_ROWS // own, -(-seq_len // own)))
+        programs_t = -(-seq_len // (own * tiles))
+    else:
+        rows = min(BACKWARD_ROWS, bt * -(-seq_len // bt))
+        programs_t = -(-seq_len // rows)
+    partial = None
+    if need_weight:
+        partial = torch.empty(batch * programs_t, kernel, channels, dtype=torch.float32,
+                              device=x.device)
+    grid = (programs_t, -(-channels // bc), batch)
+    args = (x, x if left is None else left, weight, x if pos is None else pos, dy,
+            x if dx is None else dx, x if partial is None else partial)
+    if BACKWARD_KERNEL == "gather":
+        causal_conv_silu_bwd_gather_kernel[grid](
+            *args, seq_len, channels, x.stride(0), x.stride(1), halo, dilation, own, tiles,
+            BT=bt, BC=bc, **common)
+        return partial
+    halo_rows = _next_pow2(max(halo, 1))
+    scratch = None  # each program's ds of one tile and the halo rows after it, fp32
+    if need_x:
+        scratch = torch.empty(grid[0] * grid[1] * grid[2] * (bt + halo_rows) * bc,
+                              dtype=torch.float32, device=x.device)
+    causal_conv_silu_bwd_kernel[grid](
+        *args, x if scratch is None else scratch, seq_len, channels, x.stride(0), x.stride(1),
+        halo, dilation, rows, BT=bt, BC=bc, HB=halo_rows, **common)
+    return partial
 
 
 class CausalConvSiluFunction(torch.autograd.Function):

@@ -179,6 +179,62 @@ def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr,
 
 
 @triton.jit
+def causal_conv_silu_bwd_gather_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr,
+                                       partial_ptr, T, C, SXB, SXT, HALO, DIL, OWN, TILES,
+                                       K: tl.constexpr, KP: tl.constexpr,
+                                       HAS_LEFT: tl.constexpr, HAS_POS: tl.constexpr,
+                                       NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
+                                       BT: tl.constexpr, BC: tl.constexpr):
+    """Grid ``(NTP, cdiv(C, BC), B)``, each program ``TILES`` tiles of ``OWN = BT - HALO``
+    rows: ``dx`` of its rows and its fp32 partial weight gradient
+    ``partial[b * NTP + pid_t, :, c]`` (as :func:`causal_conv_silu_bwd_kernel`).
+
+    Each tile computes ``ds`` for ``BT`` rows, its ``OWN`` rows and the ``HALO`` rows after
+    them (which the next tile computes again: ``HALO / OWN`` more loads, from the cache), and
+    forms ``dx`` of its own rows from ``ds`` shifted by ``m * DIL`` rows with ``tl.gather``
+    (on chip; no scratch in memory, no block barrier in the kernel)."""
+    pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    cols = pid_c * BC + tl.arange(0, BC)
+    col_ok = cols < C
+    taps = tl.arange(0, KP)
+    j = tl.arange(0, BT)
+    own = j < OWN
+    dw = tl.zeros((KP, BC), dtype=tl.float32)
+    for tile in range(TILES):
+        rows = (pid_t * TILES + tile) * OWN + j
+        ds = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C, SXB, SXT,
+                 HALO, DIL, K, HAS_LEFT, HAS_POS)
+        if HAS_POS:
+            dp = _doc_pos(pos_ptr, b, rows, T)
+        if NEED_DW:
+            ds_own = tl.where(own[:, None], ds, 0.0)
+            for i in tl.static_range(K):
+                xv = _load_xf(x_ptr, left_ptr, b, rows + (i * DIL - HALO), cols, col_ok, T, C,
+                              SXB, SXT, HALO, HAS_LEFT)
+                if HAS_POS:
+                    xv = tl.where((dp >= HALO - i * DIL)[:, None], xv, 0.0)
+                dw += tl.where(taps[:, None] == i, tl.sum(ds_own * xv, axis=0)[None, :], 0.0)
+        if NEED_DX:
+            dx = tl.zeros((BT, BC), dtype=tl.float32)
+            for m in tl.static_range(K):
+                # own rows reach at most OWN - 1 + HALO = BT - 1: the clamp touches other rows
+                idx = tl.minimum(j + m * DIL, BT - 1)
+                v = tl.gather(ds, tl.broadcast_to(idx[:, None], (BT, BC)), 0)
+                if HAS_POS:  # tap K-1-m of output rows + m*D reaches back m*D
+                    v = tl.where((tl.gather(dp, idx, 0) >= m * DIL)[:, None], v, 0.0)
+                w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok,
+                              other=0.0).to(tl.float32)
+                dx += w_j[None, :] * v
+            offs = (b * T + rows.to(tl.int64))[:, None] * C + cols[None, :]
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty),
+                     mask=(own & (rows < T))[:, None] & col_ok[None, :])
+    if NEED_DW:
+        block = b * tl.num_programs(0) + pid_t
+        offs = (block * K + taps)[:, None] * C + cols[None, :]
+        tl.store(partial_ptr + offs, dw, mask=(taps < K)[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def causal_conv_silu_bwd_left_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dleft_ptr,
                                      T, C, SXB, SXT, HALO, DIL, K: tl.constexpr,
                                      HAS_POS: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr):
