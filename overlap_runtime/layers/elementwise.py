@@ -113,9 +113,11 @@ def causal_conv_silu_parts(x: torch.Tensor, weight: torch.Tensor, sizes: tuple[i
     per-channel arithmetic). Why: the GDN op needs q, k, v contiguous; slicing them out of one
     ``[B, T, C]`` conv output gives strided views that the op copies (``B*T*C`` elements), and
     ``split``'s backward concatenates their gradients (another ``B*T*C``). Here each group's conv
-    writes its own contiguous output (the Triton conv reads its channel slice of x in place; the
-    compiled shifted sum, :func:`causal_conv_silu_shifted_parts`, fuses the slicing and, in
-    backward, the concatenation of the groups' dx into its kernels). Measured by
+    writes its own contiguous output (the compiled shifted sum,
+    :func:`causal_conv_silu_shifted_parts`, fuses the slicing and, in backward, the
+    concatenation of the groups' dx into its kernels; the Triton conv has its own autograd
+    Function for the groups, ``ops.causal_conv.causal_conv_silu_triton_parts``, whose kernels
+    read each slice of x in place and write each group's dx into one gradient). Measured by
     ``benchmarks/layer_copies.py``.
 
     Args:

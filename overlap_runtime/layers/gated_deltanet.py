@@ -44,18 +44,17 @@ zeros in the padded slots.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
-from overlap_runtime.layers.elementwise import (causal_conv_silu, causal_conv_silu_parts,
-                                                gdn_gates)
+from overlap_runtime.layers.elementwise import causal_conv_silu, gdn_gates
 from overlap_runtime.layers.norm import RMSNormGated
 from overlap_runtime.layers.sequence_mixer import GDNProjections, GDNSequenceMixer, LocalGDNMixer
 from overlap_runtime.ops.causal_conv.capability import MAX_KERNEL_SIZE
-from overlap_runtime.ops.causal_conv.function import causal_conv_silu_triton
+from overlap_runtime.ops.causal_conv.function import (causal_conv_silu_triton,
+                                                      causal_conv_silu_triton_parts)
 from overlap_runtime.ops.gdn import GDNKernelOptions, chunk_gated_delta_rule
 
 #: The causal conv's implementations (``GatedDeltaNet(conv_backend=...)``, ``model.conv_backend``).
@@ -168,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         # anyway: the op's copy of the views is that transpose)
         self.conv_parts_fn: Callable[..., tuple[torch.Tensor, ...]] | None = (
             None if conv_backend == "torch"
-            else partial(causal_conv_silu_parts, conv=causal_conv_silu_triton))
+            else causal_conv_silu_triton_parts)
 
     # -- geometry --------------------------------------------------------------------------
     @property
@@ -251,7 +250,9 @@ class GatedDeltaNet(nn.Module):
             ``q [B, T, h, K], k [B, T, h, K], v [B, T, hv, V]`` in mixed_qkv's dtype; with
             ``conv_parts_fn`` (the Triton conv, the compiled shifted sum) each one contiguous,
             so the GDN op copies nothing and no gradient concatenation runs outside the conv
-            (``layers.elementwise.causal_conv_silu_parts``); the eager ``F.conv1d`` gives views
+            (``layers.elementwise.causal_conv_silu_parts``' contract;
+            ``ops.causal_conv.causal_conv_silu_triton_parts`` writes each group's dx into one
+            gradient); the eager ``F.conv1d`` gives views
             of its one output. The same values either way (a depthwise conv per channel).
         """
         if self.conv_parts_fn is None:

@@ -6,8 +6,9 @@
   multiple of the tile (and below the halo), B = 2, several partial sums of dweight; bf16 / fp16
   within their rounding; x a channel slice of a wider tensor (read in place); a whole GatedDeltaNet layer with ``conv_backend="triton"`` against
   ``"torch"``; both backward kernels (``function.BACKWARD_KERNEL``: ``"scratch"`` and
-  ``"gather"``), and packed documents (``doc_positions``) with each. About 20 s on two shared
-  cores.
+  ``"gather"``), and packed documents (``doc_positions``) with each; the conv on channel
+  groups (``causal_conv_silu_triton_parts``: q, k, v contiguous, each group's dx written into
+  one gradient, an unused group's output gradient None). About 20 s on two shared cores.
 * In this process (no kernel runs): the named errors, and the wiring (model config ->
   GatedDeltaNet.conv_fn, kept by ``compile_elementwise``).
 * On a CUDA device only: 32K tokens x 8192 channels, fp32 against float64 and bf16 against the
@@ -36,7 +37,8 @@ CASE_NAMES = ("k4_d1_left", "k4_d1_left_rows64", "k4_d1", "k4_d1_left_channel_sl
               "k4_d2_left_t_below_halo", "bf16_k4_left_fp32_weight", "fp16_k4_left",
               "gated_deltanet_layer", "gather_k4_d1_left_rows64", "gather_k3_d2",
               "gather_k4_d2_left_t_below_halo", "gather_bf16_k4_left_fp32_weight",
-              "docs_k4_d1_left_rows64", "gather_docs_k4_d1_left_rows64", "gather_docs_k3_d2")
+              "docs_k4_d1_left_rows64", "gather_docs_k4_d1_left_rows64", "gather_docs_k3_d2",
+              "parts", "gather_parts")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ torch.set_num_threads(1)
 
 from overlap_runtime.layers import GatedDeltaNet  # noqa: E402
 from overlap_runtime.layers.elementwise import causal_conv_silu  # noqa: E402
-from overlap_runtime.ops.causal_conv import causal_conv_silu_triton, function  # noqa: E402
+from overlap_runtime.ops.causal_conv import (causal_conv_silu_triton,  # noqa: E402
+                                             causal_conv_silu_triton_parts, function)
 from overlap_runtime.testing import rel_l2  # noqa: E402
 
 # name: (B, T, C, K, dilation, with left, x dtype, weight dtype, backward rows, tolerance)
@@ -44,7 +45,8 @@ CASES = {
 
 
 # name: (case of CASES, backward kernel, packed documents): the other backward kernel, and
-# doc_positions (documents of 37, 50 and the rest of T; taps never cross a document start)
+# doc_positions (documents of 37, 50 and the rest of T, the first one continuing from before x;
+# taps never cross a document start)
 VARIANTS = {
     "gather_k4_d1_left_rows64": ("k4_d1_left_rows64", "gather", False),
     "gather_k3_d2": ("k3_d2", "gather", False),
@@ -74,8 +76,8 @@ def run_case(name: str) -> dict:
     dy = torch.randn(batch, seq_len, channels, generator=gen, dtype=torch.float64)
     leaves = [t for t in (x, w, left) if t is not None]
     pos = None
-    if docs:
-        pos = torch.cat([torch.arange(37), torch.arange(50), torch.arange(seq_len - 87)])
+    if docs:  # the first document began 10 tokens before x (left reaches it)
+        pos = torch.cat([torch.arange(10, 47), torch.arange(50), torch.arange(seq_len - 87)])
         pos = pos.repeat(batch, 1)
     default = function.BACKWARD_KERNEL
     function.BACKWARD_ROWS, function.BACKWARD_KERNEL = rows, backward
@@ -93,6 +95,40 @@ def run_case(name: str) -> dict:
         errors[label] = rel_l2(g.double(), r)
     dtypes_ok = y.dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == wdtype
     return {"errors": errors, "tolerance": tol, "dtypes_ok": dtypes_ok}
+
+
+def run_parts(name: str) -> dict:
+    """``causal_conv_silu_triton_parts`` on groups of 16, 16 and 32 channels (x a slice of a
+    wider tensor, with left and packed documents) against the float64 conv of the whole x; the
+    loss uses the first and last groups only (the middle one's output gradient is None)."""
+    backward = "gather" if name.startswith("gather") else "scratch"
+    gen = torch.Generator().manual_seed(5)
+    batch, seq_len, sizes, kernel = 2, 130, (16, 16, 32), 4
+    wide = torch.randn(batch, seq_len, 80, generator=gen)
+    x = wide[:, :, 8:72].requires_grad_()
+    w = (torch.randn(64, kernel, generator=gen) * 0.7).requires_grad_()
+    left = torch.randn(batch, kernel - 1, 64, generator=gen).requires_grad_()
+    # the first document began 10 tokens before x (left reaches it), two more start inside
+    pos = torch.cat([torch.arange(10, 47), torch.arange(50), torch.arange(seq_len - 87)])
+    pos = pos.repeat(batch, 1)
+    dys = [torch.randn(batch, seq_len, n, generator=gen, dtype=torch.float64) for n in sizes]
+    default = function.BACKWARD_KERNEL
+    function.BACKWARD_KERNEL = backward
+    try:
+        ys = causal_conv_silu_triton_parts(x, w, sizes, left, 1, pos)
+        grads = torch.autograd.grad([ys[0], ys[2]], [x, w, left], [dys[0].float(),
+                                                                   dys[2].float()])
+    finally:
+        function.BACKWARD_KERNEL = default
+    ref_in = [t.detach().double().requires_grad_() for t in (x, w, left)]
+    y_ref = causal_conv_silu(ref_in[0], ref_in[1], ref_in[2], 1, doc_positions=pos)
+    dy_ref = torch.cat([dys[0], torch.zeros_like(dys[1]), dys[2]], -1)
+    ref_grads = torch.autograd.grad(y_ref, ref_in, dy_ref)
+    errors = {"y": rel_l2(torch.cat(ys, -1).double(), y_ref)}
+    for label, g, r in zip(("dx", "dweight", "d_left"), grads, ref_grads):
+        errors[label] = rel_l2(g.double(), r)
+    dtypes_ok = all(y.is_contiguous() and y.dtype == x.dtype for y in ys)
+    return {"errors": errors, "tolerance": 1e-5, "dtypes_ok": dtypes_ok}
 
 
 def run_layer() -> dict:
@@ -113,4 +149,6 @@ def run_layer() -> dict:
 if __name__ == "__main__":
     results = {name: run_case(name) for name in (*CASES, *VARIANTS)}
     results["gated_deltanet_layer"] = run_layer()
+    for name in ("parts", "gather_parts"):
+        results[name] = run_parts(name)
     print("RESULT " + json.dumps(results))

@@ -78,7 +78,7 @@ def causal_conv_silu_forward(x: torch.Tensor, weight: torch.Tensor, left: torch.
 def causal_conv_silu_backward(
     grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
     dilation: int, need_x: bool = True, need_weight: bool = True, need_left: bool = True,
-    doc_positions: torch.Tensor | None = None,
+    doc_positions: torch.Tensor | None = None, dx_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of :func:`causal_conv_silu_forward` without autograd.
 
@@ -87,6 +87,8 @@ def causal_conv_silu_backward(
         x, weight, left, dilation: the forward's inputs.
         need_x, need_weight, need_left: which gradients to compute.
         doc_positions: the forward's ``[B, T]`` positions in the documents, or None.
+        dx_out: ``[B, T, C]`` in x's dtype with channels contiguous (a channel slice of a
+            wider tensor) that receives dx in place, or None (a new contiguous tensor).
 
     Returns:
         ``(dx [B, T, C] in x's dtype, dweight [C, K] in weight's dtype, d_left
@@ -106,7 +108,14 @@ def causal_conv_silu_backward(
     weight = weight.contiguous()
     dy = grad_y.to(x.dtype).contiguous()
     need_left = need_left and left is not None and halo > 0
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+    dx = None
+    if need_x:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx_out is None else dx_out
+        if (dx.shape, dx.dtype, dx.device) != (x.shape, x.dtype, x.device) or dx.stride(2) != 1:
+            raise ValueError(f"causal_conv_silu backward: dx_out must be {tuple(x.shape)} "
+                             f"{x.dtype} on {x.device} with channels contiguous, got "
+                             f"{tuple(dx.shape)} {dx.dtype} on {dx.device} strides "
+                             f"{dx.stride()}")
     dweight = d_left = None
     partial = None
     if need_x or need_weight:
@@ -163,9 +172,11 @@ def _backward_main(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | N
     grid = (programs_t, -(-channels // bc), batch)
     args = (x, x if left is None else left, weight, x if pos is None else pos, dy,
             x if dx is None else dx, x if partial is None else partial)
+    dx_strides = (0, 0) if dx is None else (dx.stride(0), dx.stride(1))
     if BACKWARD_KERNEL == "gather":
         causal_conv_silu_bwd_gather_kernel[grid](
-            *args, seq_len, channels, x.stride(0), x.stride(1), halo, dilation, own, tiles,
+            *args, seq_len, channels, x.stride(0), x.stride(1), *dx_strides, halo, dilation,
+            own, tiles,
             BT=bt, BC=bc, **common)
         return partial
     halo_rows = _next_pow2(max(halo, 1))
@@ -175,7 +186,7 @@ def _backward_main(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | N
                               dtype=torch.float32, device=x.device)
     causal_conv_silu_bwd_kernel[grid](
         *args, x if scratch is None else scratch, seq_len, channels, x.stride(0), x.stride(1),
-        halo, dilation, rows, BT=bt, BC=bc, HB=halo_rows, **common)
+        *dx_strides, halo, dilation, rows, BT=bt, BC=bc, HB=halo_rows, **common)
     return partial
 
 
@@ -199,6 +210,78 @@ class CausalConvSiluFunction(torch.autograd.Function):
             grad_y, x, weight, left, ctx.dilation, need_x=need[0], need_weight=need[1],
             need_left=need[2], doc_positions=doc_positions)
         return dx, dweight, d_left, None, None
+
+
+class CausalConvSiluPartsFunction(torch.autograd.Function):
+    """Autograd of the conv on each channel group of x (:func:`causal_conv_silu_triton_parts`):
+    one contiguous output per group; in backward each group's kernel writes its dx into its
+    channel slice of one ``[B, T, C]`` gradient (no concatenation of the groups' dx)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
+                dilation: int, doc_positions: torch.Tensor | None, sizes: tuple[int, ...]
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(x, weight, left, doc_positions)
+        ctx.dilation, ctx.sizes = dilation, sizes
+        return tuple(causal_conv_silu_forward(xi, wi, li, dilation, doc_positions)
+                     for xi, wi, li in _groups(x, weight, left, sizes))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        x, weight, left, doc_positions = ctx.saved_tensors
+        need_x, need_w, need_left = ctx.needs_input_grad[:3]
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
+        dxs = (None,) * len(ctx.sizes) if dx is None else dx.split(ctx.sizes, -1)
+        dws, dlefts = [], []
+        for (xi, wi, li), dy, dxi in zip(_groups(x, weight, left, ctx.sizes), grads, dxs):
+            if dy is None:  # an output unused by the loss: its gradient is zero
+                dy = torch.zeros(xi.shape, dtype=xi.dtype, device=xi.device)
+            _, dwi, dli = causal_conv_silu_backward(
+                dy, xi, wi, li, ctx.dilation, need_x=need_x, need_weight=need_w,
+                need_left=need_left, doc_positions=doc_positions, dx_out=dxi)
+            dws.append(dwi)
+            if li is not None:  # no halo rows (K = 1): a zero gradient
+                dlefts.append(torch.zeros_like(li) if dli is None else dli)
+        dweight = torch.cat(dws, 0) if need_w else None  # [C, K]: small
+        d_left = torch.cat(dlefts, -1) if need_left and left is not None else None
+        return dx, dweight, d_left, None, None, None
+
+
+def _groups(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
+            sizes: tuple[int, ...]
+            ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``(x, weight, left)`` of each channel group: views of x and weight, left's rows copied
+    contiguous (the kernels read it so; ``(K-1) * dilation`` rows) or None repeated."""
+    lefts = ((None,) * len(sizes) if left is None
+             else tuple(part.contiguous() for part in left.split(sizes, -1)))
+    return list(zip(x.split(sizes, -1), weight.split(sizes, 0), lefts))
+
+
+def causal_conv_silu_triton_parts(x: torch.Tensor, weight: torch.Tensor,
+                                  sizes: tuple[int, ...], left: torch.Tensor | None = None,
+                                  dilation: int = 1, doc_positions: torch.Tensor | None = None
+                                  ) -> tuple[torch.Tensor, ...]:
+    """:func:`causal_conv_silu_triton` on each channel group of x: the GDN layer's q, k, v as
+    separate contiguous ``[B, T, size]`` tensors in x's dtype
+    (``layers.elementwise.causal_conv_silu_parts``' contract, for ``conv_backend="triton"``).
+
+    Each group's kernels read their channel slice of x in place; in backward each writes its
+    dx into its slice of one ``[B, T, C]`` gradient, so neither the forward nor the backward
+    copies a group (a split then a concatenation of the groups' dx would write ``B*T*C``
+    elements more).
+
+    Args:
+        x: ``[B, T, C]``, ``C = sum(sizes)``, channels contiguous; weight ``[C, K]``; left
+            ``[B, (K-1)*dilation, C]`` or None; dilation, doc_positions: as
+            :func:`causal_conv_silu_triton`.
+        sizes: channels of each group (positive, summing to C).
+    """
+    if sum(sizes) != x.shape[-1] or any(s <= 0 for s in sizes):
+        raise ValueError(f"causal_conv_silu_triton_parts: sizes {tuple(sizes)} must be "
+                         f"positive and sum to x's {x.shape[-1]} channels")
+    check_causal_conv_inputs(x, weight, left, dilation, doc_positions)
+    return CausalConvSiluPartsFunction.apply(x, weight, left, dilation, doc_positions,
+                                             tuple(sizes))
 
 
 def causal_conv_silu_triton(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,

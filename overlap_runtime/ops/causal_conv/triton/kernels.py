@@ -116,12 +116,14 @@ def causal_conv_silu_fwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, y_ptr, T, C, SX
 
 @triton.jit
 def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, partial_ptr,
-                                scratch_ptr, T, C, SXB, SXT, HALO, DIL, ROWS_PER_PROG,
+                                scratch_ptr, T, C, SXB, SXT, SDB, SDT, HALO, DIL,
+                                ROWS_PER_PROG,
                                 K: tl.constexpr, KP: tl.constexpr, HAS_LEFT: tl.constexpr,
                                 HAS_POS: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
                                 BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr):
     """Grid ``(NTP, cdiv(C, BC), B)``, each program ``ROWS_PER_PROG`` rows (a multiple of BT):
-    ``dx`` of its rows, and its fp32 partial weight gradient ``partial[b * NTP + pid_t, :, c]``
+    ``dx`` of its rows (batch / time strides ``SDB, SDT``, channels contiguous: a channel slice
+    of a wider tensor is written in place), and its fp32 partial weight gradient ``partial[b * NTP + pid_t, :, c]``
     (``[K, BC]``, KP = next power of two of K).
 
     ``ds`` is computed once per row: for each ``BT``-row tile, ``ds`` of its rows and of the
@@ -168,7 +170,7 @@ def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr,
                 w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok,
                               other=0.0).to(tl.float32)
                 dx += w_j[None, :] * v
-            offs = (b * T + rows.to(tl.int64))[:, None] * C + cols[None, :]
+            offs = (b * SDB + rows.to(tl.int64) * SDT)[:, None] + cols[None, :]
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty),
                      mask=(rows < T)[:, None] & col_ok[None, :])
             tl.debug_barrier()  # every read of this tile's scratch before the next overwrites it
@@ -180,7 +182,8 @@ def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr,
 
 @triton.jit
 def causal_conv_silu_bwd_gather_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr,
-                                       partial_ptr, T, C, SXB, SXT, HALO, DIL, OWN, TILES,
+                                       partial_ptr, T, C, SXB, SXT, SDB, SDT, HALO, DIL, OWN,
+                                       TILES,
                                        K: tl.constexpr, KP: tl.constexpr,
                                        HAS_LEFT: tl.constexpr, HAS_POS: tl.constexpr,
                                        NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
@@ -225,7 +228,7 @@ def causal_conv_silu_bwd_gather_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, 
                 w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok,
                               other=0.0).to(tl.float32)
                 dx += w_j[None, :] * v
-            offs = (b * T + rows.to(tl.int64))[:, None] * C + cols[None, :]
+            offs = (b * SDB + rows.to(tl.int64) * SDT)[:, None] + cols[None, :]
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty),
                      mask=(own & (rows < T))[:, None] & col_ok[None, :])
     if NEED_DW:
