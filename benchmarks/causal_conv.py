@@ -68,8 +68,9 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=["triton", "cudnn", "compiled"],
                         choices=["triton", "cudnn", "compiled"])
     parser.add_argument("--bwd-tiles", nargs="+", default=[],
-                        help="Triton backward tiles to sweep, ROWSxCHANNELSxWARPS (e.g. 32x64x4); "
-                             "default: the module's")
+                        help="Triton backward tiles to sweep, ROWSxCHANNELSxWARPS[xPROGRAM_ROWS] "
+                             "(e.g. 32x64x4, 32x64x4x128: rows per program, "
+                             "function.BACKWARD_ROWS); default: the module's")
     parser.add_argument("--bwd-kernels", nargs="+", default=[function.BACKWARD_KERNEL],
                         choices=list(function.BACKWARD_KERNELS),
                         help="Triton backward kernels to time (function.BACKWARD_KERNEL)")
@@ -99,8 +100,10 @@ def main() -> None:
                        function.BACKWARD_WARPS)
             for kernel in args.bwd_kernels:
                 for tile in args.bwd_tiles or ["x".join(map(str, default))]:
+                    fields = [int(v) for v in tile.split("x")]
+                    fields += [function.BACKWARD_ROWS] * (4 - len(fields))
                     runs.append((f"triton bwd {kernel} {tile}", causal_conv_silu_triton,
-                                 (kernel, *(int(v) for v in tile.split("x")))))
+                                 (kernel, *fields)))
         if "cudnn" in args.impls:
             runs.append(("F.conv1d (cuDNN)", causal_conv_silu, None))
         if "compiled" in args.impls:
@@ -108,7 +111,7 @@ def main() -> None:
         for name, fn, tile in runs:
             if tile is not None:
                 (function.BACKWARD_KERNEL, function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
-                 function.BACKWARD_WARPS) = tile
+                 function.BACKWARD_WARPS, function.BACKWARD_ROWS) = tile
             r = measure(name, fn, x, w, dy, ref, args.dilation)
             print(f"| {tokens} | {channels} | {name} | {r['fwd']:.3f} | {r['fwd_bwd']:.3f} | "
                   f"{floor_fwd:.3f} / {floor_all:.3f} | {r['y']:.2e} | {r['dx']:.2e} | "
