@@ -13,6 +13,8 @@ be handed the position ids of the tokens it holds, split by the same rule as the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -57,11 +59,50 @@ def apply_partial_rotary(
     if pos.dim() == 1:
         pos = pos.unsqueeze(0)
     angle = (pos.unsqueeze(-1) * inv_freq).unsqueeze(2)            # [B|1, S, 1, rot/2]
-    cos, sin = angle.cos(), angle.sin()
-    xc = x.to(compute)
-    x1, x2, rest = xc[..., :half], xc[..., half:rotary_dim], xc[..., rotary_dim:]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
-    return out.to(x.dtype)
+    return PartialRotaryFunction.apply(x, angle.cos(), angle.sin())
+
+
+class PartialRotaryFunction(torch.autograd.Function):
+    """``apply(x [B, S, H, D], cos, sin [B|1, S, 1, R/2])``: the first ``R`` channels of x
+    rotated (rotate-half form), the others passed through; x's dtype.
+
+    The rotated channels are computed in cos's dtype (fp32, or float64) and rounded once; the
+    pass-through channels are copied as they are. Only the rotated quarter is ever widened, and
+    no concatenation or slice gradient runs over the whole head: one output, and in backward
+    one gradient, each written once (with plain ops autograd widened all of x, concatenated in
+    fp32, and summed a zero-filled full-size gradient per slice). Results equal those plain ops
+    bit for bit: the same products and sums, rounded once. Saves cos and sin only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> torch.Tensor:
+        rot = 2 * cos.shape[-1]
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, rot, inverse=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        # the rotation's transpose: the rotation by minus the angle
+        return _rotate(grad, cos, sin, 2 * cos.shape[-1], inverse=True), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, inverse: bool
+            ) -> torch.Tensor:
+    """x with its first ``rot`` channels rotated by the angle (``inverse``: by minus it),
+    computed in cos's dtype and rounded once; the rest copied."""
+    half = rot // 2
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out[..., rot:] = x[..., rot:]
+    xr = x[..., :rot].to(cos.dtype)
+    x1, x2 = xr[..., :half], xr[..., half:]
+    if inverse:
+        out[..., :half] = x1 * cos + x2 * sin
+        out[..., half:rot] = x2 * cos - x1 * sin
+    else:
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:rot] = x2 * cos + x1 * sin
+    return out
 
 
 def apply_rotary(x: torch.Tensor, position_ids: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
