@@ -38,7 +38,7 @@ CASE_NAMES = ("k4_d1_left", "k4_d1_left_rows64", "k4_d1", "k4_d1_left_channel_sl
               "gated_deltanet_layer", "gather_k4_d1_left_rows64", "gather_k3_d2",
               "gather_k4_d2_left_t_below_halo", "gather_bf16_k4_left_fp32_weight",
               "docs_k4_d1_left_rows64", "gather_docs_k4_d1_left_rows64", "gather_docs_k3_d2",
-              "parts", "gather_parts")
+              "parts")
 
 
 @pytest.fixture(scope="module")
