@@ -97,6 +97,21 @@ def _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, pos, cols, col_ok, T, C, SXB
 
 
 @triton.jit
+def _add_dw(dw, ds, x_ptr, left_ptr, dp, b, rows, cols, col_ok, taps, T, C, SXB, SXT, HALO, DIL,
+            K: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_POS: tl.constexpr):
+    """``dw [KP, BC]`` plus this tile's weight gradient ``sum_rows ds * xf[rows - H + i*D]``
+    per tap ``i`` (``dp``: the rows' positions in their documents with ``HAS_POS``, unread
+    otherwise)."""
+    for i in tl.static_range(K):
+        xv = _load_xf(x_ptr, left_ptr, b, rows + (i * DIL - HALO), cols, col_ok, T, C, SXB, SXT,
+                      HALO, HAS_LEFT)
+        if HAS_POS:
+            xv = tl.where((dp >= HALO - i * DIL)[:, None], xv, 0.0)
+        dw += tl.where(taps[:, None] == i, tl.sum(ds * xv, axis=0)[None, :], 0.0)
+    return dw
+
+
+@triton.jit
 def causal_conv_silu_fwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, y_ptr, T, C, SXB, SXT, HALO,
                                 DIL, K: tl.constexpr, HAS_LEFT: tl.constexpr,
                                 HAS_POS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -147,14 +162,9 @@ def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr,
         ds = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C, SXB, SXT,
                  HALO, DIL, K, HAS_LEFT, HAS_POS)
         if NEED_DW:
-            if HAS_POS:
-                dp = _doc_pos(pos_ptr, b, rows, T)
-            for i in tl.static_range(K):
-                xv = _load_xf(x_ptr, left_ptr, b, rows + (i * DIL - HALO), cols, col_ok, T, C,
-                              SXB, SXT, HALO, HAS_LEFT)
-                if HAS_POS:
-                    xv = tl.where((dp >= HALO - i * DIL)[:, None], xv, 0.0)
-                dw += tl.where(taps[:, None] == i, tl.sum(ds * xv, axis=0)[None, :], 0.0)
+            dp = _doc_pos(pos_ptr, b, rows, T) if HAS_POS else rows
+            dw = _add_dw(dw, ds, x_ptr, left_ptr, dp, b, rows, cols, col_ok, taps, T, C, SXB,
+                         SXT, HALO, DIL, K, HAS_LEFT, HAS_POS)
         if NEED_DX:
             dsh = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, start + sub + BT + hrows, cols,
                       col_ok, T, C, SXB, SXT, HALO, DIL, K, HAS_LEFT, HAS_POS)
@@ -207,16 +217,10 @@ def causal_conv_silu_bwd_gather_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, 
         rows = (pid_t * TILES + tile) * OWN + j
         ds = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C, SXB, SXT,
                  HALO, DIL, K, HAS_LEFT, HAS_POS)
-        if HAS_POS:
-            dp = _doc_pos(pos_ptr, b, rows, T)
+        dp = _doc_pos(pos_ptr, b, rows, T) if HAS_POS else rows
         if NEED_DW:
-            ds_own = tl.where(own[:, None], ds, 0.0)
-            for i in tl.static_range(K):
-                xv = _load_xf(x_ptr, left_ptr, b, rows + (i * DIL - HALO), cols, col_ok, T, C,
-                              SXB, SXT, HALO, HAS_LEFT)
-                if HAS_POS:
-                    xv = tl.where((dp >= HALO - i * DIL)[:, None], xv, 0.0)
-                dw += tl.where(taps[:, None] == i, tl.sum(ds_own * xv, axis=0)[None, :], 0.0)
+            dw = _add_dw(dw, tl.where(own[:, None], ds, 0.0), x_ptr, left_ptr, dp, b, rows, cols,
+                         col_ok, taps, T, C, SXB, SXT, HALO, DIL, K, HAS_LEFT, HAS_POS)
         if NEED_DX:
             dx = tl.zeros((BT, BC), dtype=tl.float32)
             for m in tl.static_range(K):
