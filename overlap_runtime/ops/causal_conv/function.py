@@ -176,8 +176,7 @@ def _backward_main(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | N
     if BACKWARD_KERNEL == "gather":
         causal_conv_silu_bwd_gather_kernel[grid](
             *args, seq_len, channels, x.stride(0), x.stride(1), *dx_strides, halo, dilation,
-            own, tiles,
-            BT=bt, BC=bc, **common)
+            own, tiles, BT=bt, BC=bc, **common)
         return partial
     halo_rows = _next_pow2(max(halo, 1))
     scratch = None  # each program's ds of one tile and the halo rows after it, fp32
