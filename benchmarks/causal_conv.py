@@ -8,7 +8,7 @@ Triton kernels (``conv_backend="triton"``, ``ops.causal_conv``) against cuDNN's 
     python -m benchmarks.causal_conv --tokens 32768 --channels 2048 --impls triton \
         --bwd-tiles 32x64x4 32x128x8 16x128x4      # the backward's tile sweep (rows x channels x warps)
     python -m benchmarks.causal_conv --tokens 32768 --channels 2048 8192 --impls triton \
-        --bwd-kernels scratch gather --bwd-tiles 32x64x4 64x64x4   # the backward kernels side by side
+        --bwd-kernels scratch gather --bwd-tiles 32x64x4 64x64x4   # both backward kernels
 
 For each size: median ms of the forward and of forward + backward (``triton.testing.do_bench``),
 the memory floor (x read and y written once forward; x, dy read and dx written once more

@@ -220,6 +220,7 @@ class CausalConvSiluPartsFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
                 dilation: int, doc_positions: torch.Tensor | None, sizes: tuple[int, ...]
                 ) -> tuple[torch.Tensor, ...]:
+        doc_positions = _positions(doc_positions)  # once for every group, both passes
         ctx.save_for_backward(x, weight, left, doc_positions)
         ctx.dilation, ctx.sizes = dilation, sizes
         return tuple(causal_conv_silu_forward(xi, wi, li, dilation, doc_positions)
