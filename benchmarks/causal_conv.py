@@ -5,10 +5,8 @@ Triton kernels (``conv_backend="triton"``, ``ops.causal_conv``) against cuDNN's 
 ``conv_backend="torch"``).
 
     python -m benchmarks.causal_conv --tokens 8192 16384 32768 --channels 8192
-    python -m benchmarks.causal_conv --tokens 32768 --channels 2048 --impls triton \
-        --bwd-tiles 32x64x4 32x128x8 16x128x4      # the backward's tile sweep (rows x channels x warps)
     python -m benchmarks.causal_conv --tokens 32768 --channels 2048 8192 --impls triton \
-        --bwd-kernels scratch gather --bwd-tiles 32x64x4 64x64x4   # both backward kernels
+        --bwd-tiles 256x16x4 128x32x4 64x64x4   # the backward's tile sweep (rows x channels x warps)
 
 For each size: median ms of the forward and of forward + backward (``triton.testing.do_bench``),
 the memory floor (x read and y written once forward; x, dy read and dx written once more
@@ -71,9 +69,6 @@ def main() -> None:
                         help="Triton backward tiles to sweep, ROWSxCHANNELSxWARPS[xPROGRAM_ROWS] "
                              "(e.g. 32x64x4, 32x64x4x128: rows per program, "
                              "function.BACKWARD_ROWS); default: the module's")
-    parser.add_argument("--bwd-kernels", nargs="+", default=[function.BACKWARD_KERNEL],
-                        choices=list(function.BACKWARD_KERNELS),
-                        help="Triton backward kernels to time (function.BACKWARD_KERNEL)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/causal_conv.py needs a CUDA device")
@@ -98,19 +93,17 @@ def main() -> None:
         if "triton" in args.impls:
             default = (function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
                        function.BACKWARD_WARPS)
-            for kernel in args.bwd_kernels:
-                for tile in args.bwd_tiles or ["x".join(map(str, default))]:
-                    fields = [int(v) for v in tile.split("x")]
-                    fields += [function.BACKWARD_ROWS] * (4 - len(fields))
-                    runs.append((f"triton bwd {kernel} {tile}", causal_conv_silu_triton,
-                                 (kernel, *fields)))
+            for tile in args.bwd_tiles or ["x".join(map(str, default))]:
+                fields = [int(v) for v in tile.split("x")]
+                fields += [function.BACKWARD_ROWS] * (4 - len(fields))
+                runs.append((f"triton bwd {tile}", causal_conv_silu_triton, tuple(fields)))
         if "cudnn" in args.impls:
             runs.append(("F.conv1d (cuDNN)", causal_conv_silu, None))
         if "compiled" in args.impls:
             runs.append(("compiled shifted", compiled_shifted, None))
         for name, fn, tile in runs:
             if tile is not None:
-                (function.BACKWARD_KERNEL, function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
+                (function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
                  function.BACKWARD_WARPS, function.BACKWARD_ROWS) = tile
             r = measure(name, fn, x, w, dy, ref, args.dilation)
             print(f"| {tokens} | {channels} | {name} | {r['fwd']:.3f} | {r['fwd_bwd']:.3f} | "

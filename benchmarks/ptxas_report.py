@@ -200,17 +200,15 @@ def run_gdn_fused() -> None:
 
 def run_conv() -> None:
     """Causal conv + SiLU forward + backward, bf16, B = 1, T = 128, C = 256, K = 4, with and
-    without doc_positions and left (every combination), with each backward kernel."""
+    without doc_positions and left (every combination)."""
     import torch
 
-    from overlap_runtime.ops.causal_conv import causal_conv_silu_triton, function
+    from overlap_runtime.ops.causal_conv import causal_conv_silu_triton
 
     gen = torch.Generator().manual_seed(0)
     t, c, width = 128, 256, 4
     pos = torch.cat([torch.arange(50), torch.arange(t - 50)])[None]  # two documents
-    default = function.BACKWARD_KERNEL
-    for kernel, positions in [(kn, p) for kn in function.BACKWARD_KERNELS for p in (None, pos)]:
-        function.BACKWARD_KERNEL = kernel
+    for positions in (None, pos):
         for with_left in (False, True):
             x = torch.randn(1, t, c, generator=gen).to(torch.bfloat16).requires_grad_()
             w = torch.randn(c, width, generator=gen).to(torch.bfloat16).requires_grad_()
@@ -218,7 +216,6 @@ def run_conv() -> None:
                     .requires_grad_() if with_left else None)
             y = causal_conv_silu_triton(x, w, left, 1, positions)
             y.backward(torch.randn_like(y))
-    function.BACKWARD_KERNEL = default
 
 
 def run_walks() -> None:

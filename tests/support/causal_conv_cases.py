@@ -24,43 +24,45 @@ from overlap_runtime.ops.causal_conv import (causal_conv_silu_triton,  # noqa: E
                                              causal_conv_silu_triton_parts, function)
 from overlap_runtime.testing import rel_l2  # noqa: E402
 
-# name: (B, T, C, K, dilation, with left, x dtype, weight dtype, backward rows, tolerance)
-# T = 130 / 77 / 45 are not multiples of the 32-row tile; C = 48 / 24 are not multiples of the
-# channel block; backward rows 64 at T = 130 gives 3 programs of 2 tiles per batch (3 * 2 = 6
-# fp32 partial sums of dweight reduced); bf16/fp16 add one rounding of y / dx (the interpreter
-# truncates casts, hence the bound).
+# name: (B, T, C, K, dilation, with left, x dtype, weight dtype, backward tile rows (None:
+# the module's), backward rows per program, tolerance).
+# T = 130 / 77 / 45 are not multiples of any tile; C = 48 / 24 are not multiples of the channel
+# block. Tile rows 32 at K = 4 own 29 rows each, so rows per program 64 at T = 130 give 3
+# programs of 2 tiles per batch (3 * 2 = 6 fp32 partial sums of dweight reduced), and each
+# tile's dx reads ds of rows the next tile owns; T = 300 with the module's 256-row tiles is
+# two programs; bf16/fp16 add one rounding of y / dx (the interpreter truncates casts, hence
+# the bound).
 CASES = {
-    "k4_d1_left": (2, 130, 48, 4, 1, True, torch.float32, torch.float32, 256, 1e-5),
-    "k4_d1_left_rows64": (2, 130, 48, 4, 1, True, torch.float32, torch.float32, 64, 1e-5),
-    "k4_d1": (2, 77, 64, 4, 1, False, torch.float32, torch.float32, 256, 1e-5),
+    "k4_d1_left": (2, 130, 48, 4, 1, True, torch.float32, torch.float32, None, 256, 1e-5),
+    "k4_d1_left_t300": (1, 300, 16, 4, 1, True, torch.float32, torch.float32, None, 256, 1e-5),
+    "k4_d1_left_rows64": (2, 130, 48, 4, 1, True, torch.float32, torch.float32, 32, 64, 1e-5),
+    "k4_d1": (2, 77, 64, 4, 1, False, torch.float32, torch.float32, None, 256, 1e-5),
     # x a channel slice of a wider [B, T, 80] tensor (strides (80 T, 80, 1), read in place)
-    "k4_d1_left_channel_slice": (2, 77, 48, 4, 1, True, torch.float32, torch.float32, 64, 1e-5),
-    "k2_d2_left": (2, 45, 24, 2, 2, True, torch.float32, torch.float32, 256, 1e-5),
-    "k3_d2": (2, 100, 24, 3, 2, False, torch.float32, torch.float32, 256, 1e-5),
-    "k3_d1_left": (2, 64, 16, 3, 1, True, torch.float32, torch.float32, 256, 1e-5),
-    "k4_d2_left_t_below_halo": (2, 3, 16, 4, 2, True, torch.float32, torch.float32, 256, 1e-5),
-    "bf16_k4_left_fp32_weight": (2, 70, 32, 4, 1, True, torch.bfloat16, torch.float32, 256, 1e-2),
-    "fp16_k4_left": (2, 70, 32, 4, 1, True, torch.float16, torch.float16, 256, 2e-3),
+    "k4_d1_left_channel_slice": (2, 77, 48, 4, 1, True, torch.float32, torch.float32, 32, 64,
+                                 1e-5),
+    "k2_d2_left": (2, 45, 24, 2, 2, True, torch.float32, torch.float32, None, 256, 1e-5),
+    "k3_d2": (2, 100, 24, 3, 2, False, torch.float32, torch.float32, 32, 256, 1e-5),
+    "k3_d1_left": (2, 64, 16, 3, 1, True, torch.float32, torch.float32, None, 256, 1e-5),
+    "k4_d2_left_t_below_halo": (2, 3, 16, 4, 2, True, torch.float32, torch.float32, 32, 256,
+                                1e-5),
+    "bf16_k4_left_fp32_weight": (2, 70, 32, 4, 1, True, torch.bfloat16, torch.float32, 32, 256,
+                                 1e-2),
+    "fp16_k4_left": (2, 70, 32, 4, 1, True, torch.float16, torch.float16, None, 256, 2e-3),
 }
 
-
-# name: (case of CASES, backward kernel, packed documents): the other backward kernel, and
-# doc_positions (documents of 37, 50 and the rest of T, the first one continuing from before x;
-# taps never cross a document start)
-VARIANTS = {
-    "gather_k4_d1_left_rows64": ("k4_d1_left_rows64", "gather", False),
-    "gather_k3_d2": ("k3_d2", "gather", False),
-    "gather_k4_d2_left_t_below_halo": ("k4_d2_left_t_below_halo", "gather", False),
-    "gather_bf16_k4_left_fp32_weight": ("bf16_k4_left_fp32_weight", "gather", False),
-    "docs_k4_d1_left_rows64": ("k4_d1_left_rows64", "scratch", True),
-    "gather_docs_k4_d1_left_rows64": ("k4_d1_left_rows64", "gather", True),
-    "gather_docs_k3_d2": ("k3_d2", "gather", True),
+# name: case of CASES run with doc_positions (documents of 37, 50 and the rest of T, the first
+# one continuing from before x; taps never cross a document start)
+DOCUMENT_CASES = {
+    "docs_k4_d1_left_rows64": "k4_d1_left_rows64",
+    "docs_k3_d2": "k3_d2",
+    "docs_k4_d1_left": "k4_d1_left",
 }
 
 
 def run_case(name: str) -> dict:
-    base, backward, docs = VARIANTS.get(name, (name, function.BACKWARD_KERNEL, False))
-    batch, seq_len, channels, kernel, dil, with_left, dtype, wdtype, rows, tol = CASES[base]
+    base = DOCUMENT_CASES.get(name, name)
+    docs = name in DOCUMENT_CASES
+    batch, seq_len, channels, kernel, dil, with_left, dtype, wdtype, tile, rows, tol = CASES[base]
     gen = torch.Generator().manual_seed(len(name))
     if name.endswith("channel_slice"):
         wide = torch.randn(batch, seq_len, channels + 32, generator=gen).to(dtype)
@@ -79,13 +81,14 @@ def run_case(name: str) -> dict:
     if docs:  # the first document began 10 tokens before x (left reaches it)
         pos = torch.cat([torch.arange(10, 47), torch.arange(50), torch.arange(seq_len - 87)])
         pos = pos.repeat(batch, 1)
-    default = function.BACKWARD_KERNEL
-    function.BACKWARD_ROWS, function.BACKWARD_KERNEL = rows, backward
+    default = function.BACKWARD_ROWS, function.BACKWARD_BLOCK_T
+    function.BACKWARD_ROWS = rows
+    function.BACKWARD_BLOCK_T = default[1] if tile is None else tile
     try:
         y = causal_conv_silu_triton(x, w, left, dil, doc_positions=pos)
         grads = torch.autograd.grad(y, leaves, dy.to(dtype))
     finally:
-        function.BACKWARD_ROWS, function.BACKWARD_KERNEL = 256, default
+        function.BACKWARD_ROWS, function.BACKWARD_BLOCK_T = default
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     ref_left = ref_leaves[2] if with_left else None
     y_ref = causal_conv_silu(ref_leaves[0], ref_leaves[1], ref_left, dil, doc_positions=pos)
@@ -140,7 +143,7 @@ def run_layer() -> dict:
 
 
 if __name__ == "__main__":
-    results = {name: run_case(name) for name in (*CASES, *VARIANTS)}
+    results = {name: run_case(name) for name in (*CASES, *DOCUMENT_CASES)}
     results["gated_deltanet_layer"] = run_layer()
     results["parts"] = run_parts()
     print("RESULT " + json.dumps(results))

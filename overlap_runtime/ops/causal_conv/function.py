@@ -5,8 +5,8 @@ same result to fp32 rounding) for ``conv_backend="triton"``. Forward: one pass o
 dtype. Backward: dx (the SiLU derivative recomputed from x, nothing but the inputs saved),
 dweight (fp32 per-program partial sums over ``B * T``, one deterministic reduction, cast to the
 weight's dtype) and d_left (the halo's gradient, in left's dtype). Every sum accumulates in fp32
-and is rounded once. Launch sizes: ``BLOCK_T x BLOCK_C`` tiles, the backward walks
-``BACKWARD_ROWS`` rows per program (fewer partial sums to reduce).
+and is rounded once. Launch sizes: forward ``BLOCK_T x BLOCK_C`` tiles; backward
+``BACKWARD_BLOCK_T x BACKWARD_BLOCK_C`` tiles, ``BACKWARD_ROWS`` rows at most per program.
 
 This module imports no triton; the kernels are imported at the first launch.
 """
@@ -21,19 +21,17 @@ from .capability import check_causal_conv_inputs
 
 BLOCK_T = 32
 BLOCK_C = 128
+# The backward: overlapping tiles of BACKWARD_BLOCK_T rows x BACKWARD_BLOCK_C channels, each
+# owning its rows after the halo ((K-1) * dilation rows, whose ds it recomputes), dx formed from
+# ds shifted on chip (tl.gather): no scratch memory, no block barrier. [256, 16] with 4 warps
+# is the fastest of a sweep on the H200 at 32K tokens x 2048 and 8192 channels, 2.1x the
+# earlier [32, 64] tiles that went through a global fp32 scratch
+# (benchmarks/causal_conv.py --bwd-tiles; docs/benchmarks.md). A program walks tiles until
+# BACKWARD_ROWS rows (fewer partial sums of dweight to reduce; at 256 rows a tile is a program).
 BACKWARD_ROWS = 256
-# The backward's tile and warps: [32, 64] with 4 warps, the fastest of a sweep on the H200
-# (benchmarks/causal_conv.py --bwd-tiles; docs/benchmarks.md); it compiles for sm_90 with 168
-# registers and no spills (benchmarks/ptxas_report.py --workload conv; with left and
-# doc_positions both given, 8 bytes).
-BACKWARD_BLOCK_T = 32
-BACKWARD_BLOCK_C = 64
+BACKWARD_BLOCK_T = 256
+BACKWARD_BLOCK_C = 16
 BACKWARD_WARPS = 4
-# "scratch": ds of each tile and its halo rows through a per-program fp32 scratch in memory
-# (a block barrier per tile); "gather": overlapping tiles of BACKWARD_BLOCK_T rows, dx from ds
-# shifted on chip with tl.gather (the halo rows' ds computed twice).
-BACKWARD_KERNELS = ("scratch", "gather")
-BACKWARD_KERNEL = "scratch"
 
 
 def _next_pow2(n: int) -> int:
@@ -140,52 +138,31 @@ def _backward_main(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | N
                    pos: torch.Tensor | None, dy: torch.Tensor, dx: torch.Tensor | None,
                    halo: int, dilation: int, need_x: bool, need_weight: bool
                    ) -> torch.Tensor | None:
-    """Launch the backward kernel ``BACKWARD_KERNEL`` (writes dx when given); returns the fp32
-    partial weight gradients ``[B * programs, K, C]`` when ``need_weight``, else None."""
-    from .triton.kernels import causal_conv_silu_bwd_gather_kernel, causal_conv_silu_bwd_kernel
+    """Launch the backward kernel (writes dx when given); returns the fp32 partial weight
+    gradients ``[B * programs, K, C]`` when ``need_weight``, else None."""
+    from .triton.kernels import causal_conv_silu_bwd_kernel
 
-    if BACKWARD_KERNEL not in BACKWARD_KERNELS:
-        raise ValueError(f"causal_conv BACKWARD_KERNEL={BACKWARD_KERNEL!r}: one of "
-                         f"{BACKWARD_KERNELS}")
     batch, seq_len, channels = x.shape
     kernel = weight.shape[1]
-    bt = BACKWARD_BLOCK_T
+    # a tile's own rows are BT - halo (at least half of it); a wide halo widens the tile in
+    # rows and narrows it in channels (same elements per tile)
+    bt = max(BACKWARD_BLOCK_T, _next_pow2(2 * halo))
     bc = min(BACKWARD_BLOCK_C, max(16, _next_pow2(channels)))
-    common = dict(K=kernel, KP=_next_pow2(kernel), HAS_LEFT=left is not None,
-                  HAS_POS=pos is not None, NEED_DX=need_x, NEED_DW=need_weight,
-                  num_warps=BACKWARD_WARPS)
-    if BACKWARD_KERNEL == "gather":
-        # a tile's own rows are BT - halo (at least half of it); a wide halo widens the tile
-        # in rows and narrows it in channels (same elements per tile)
-        bt = max(bt, _next_pow2(2 * halo))
-        bc = max(16, min(bc, BACKWARD_BLOCK_T * BACKWARD_BLOCK_C // bt))
-        own = bt - halo
-        tiles = max(1, min(BACKWARD_ROWS // own, -(-seq_len // own)))
-        programs_t = -(-seq_len // (own * tiles))
-    else:
-        rows = min(BACKWARD_ROWS, bt * -(-seq_len // bt))
-        programs_t = -(-seq_len // rows)
+    bc = max(16, min(bc, BACKWARD_BLOCK_T * BACKWARD_BLOCK_C // bt))
+    own = bt - halo
+    tiles = max(1, min(BACKWARD_ROWS // own, -(-seq_len // own)))
+    programs_t = -(-seq_len // (own * tiles))
     partial = None
     if need_weight:
         partial = torch.empty(batch * programs_t, kernel, channels, dtype=torch.float32,
                               device=x.device)
-    grid = (programs_t, -(-channels // bc), batch)
-    args = (x, x if left is None else left, weight, x if pos is None else pos, dy,
-            x if dx is None else dx, x if partial is None else partial)
     dx_strides = (0, 0) if dx is None else (dx.stride(0), dx.stride(1))
-    if BACKWARD_KERNEL == "gather":
-        causal_conv_silu_bwd_gather_kernel[grid](
-            *args, seq_len, channels, x.stride(0), x.stride(1), *dx_strides, halo, dilation,
-            own, tiles, BT=bt, BC=bc, **common)
-        return partial
-    halo_rows = _next_pow2(max(halo, 1))
-    scratch = None  # each program's ds of one tile and the halo rows after it, fp32
-    if need_x:
-        scratch = torch.empty(grid[0] * grid[1] * grid[2] * (bt + halo_rows) * bc,
-                              dtype=torch.float32, device=x.device)
-    causal_conv_silu_bwd_kernel[grid](
-        *args, x if scratch is None else scratch, seq_len, channels, x.stride(0), x.stride(1),
-        *dx_strides, halo, dilation, rows, BT=bt, BC=bc, HB=halo_rows, **common)
+    causal_conv_silu_bwd_kernel[(programs_t, -(-channels // bc), batch)](
+        x, x if left is None else left, weight, x if pos is None else pos, dy,
+        x if dx is None else dx, x if partial is None else partial, seq_len, channels,
+        x.stride(0), x.stride(1), *dx_strides, halo, dilation, own, tiles, BT=bt, BC=bc,
+        K=kernel, KP=_next_pow2(kernel), HAS_LEFT=left is not None, HAS_POS=pos is not None,
+        NEED_DX=need_x, NEED_DW=need_weight, num_warps=BACKWARD_WARPS)
     return partial
 
 

@@ -12,9 +12,10 @@ sequence ``[left | x]`` indexed from ``-H``::
 
 Forward: one program per ``[BT, BC]`` tile, K shifted loads of x (the overlap of neighbouring
 taps is served by the cache, so HBM reads x about once), fp32 accumulation, one rounding.
-Backward: ``ds`` is recomputed from x (``a`` and the SiLU derivative are not saved), once per
-row: each program keeps the ``ds`` of its current tile and of the ``H`` rows after it in a
-small fp32 scratch of its own and reads the K shifted windows ``dx`` needs from there;
+Backward: ``ds`` is recomputed from x (``a`` and the SiLU derivative are not saved), in
+overlapping tiles of BT rows that each own their first ``BT - H`` rows (the ``H`` rows after
+them are computed again by the next tile); ``dx`` of the own rows is formed from the tile's
+``ds`` shifted on chip (``tl.gather``), with no scratch in memory and no block barrier;
 the weight gradient is a per-program fp32 partial sum over its rows, written to
 ``partial [NP, K, C]`` and reduced once afterwards (deterministic, no atomics). A second small
 kernel computes ``d_left`` (H rows per batch and channel block).
@@ -131,76 +132,14 @@ def causal_conv_silu_fwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, y_ptr, T, C, SX
 
 @triton.jit
 def causal_conv_silu_bwd_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, partial_ptr,
-                                scratch_ptr, T, C, SXB, SXT, SDB, SDT, HALO, DIL,
-                                ROWS_PER_PROG,
+                                T, C, SXB, SXT, SDB, SDT, HALO, DIL, OWN, TILES,
                                 K: tl.constexpr, KP: tl.constexpr, HAS_LEFT: tl.constexpr,
-                                HAS_POS: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-                                BT: tl.constexpr, BC: tl.constexpr, HB: tl.constexpr):
-    """Grid ``(NTP, cdiv(C, BC), B)``, each program ``ROWS_PER_PROG`` rows (a multiple of BT):
-    ``dx`` of its rows (batch / time strides ``SDB, SDT``, channels contiguous: a channel slice
-    of a wider tensor is written in place), and its fp32 partial weight gradient ``partial[b * NTP + pid_t, :, c]``
-    (``[K, BC]``, KP = next power of two of K).
-
-    ``ds`` is computed once per row: for each ``BT``-row tile, ``ds`` of its rows and of the
-    ``HALO`` rows after it (``HB`` = next power of two of HALO, at least 1) go to this program's
-    own fp32 scratch ``[BT + HB, BC]`` (L1/L2 resident), and ``dx`` reads its K shifted row
-    windows back after a block barrier. (Recomputing ``ds`` at every shift in registers, K * K
-    loads of x per tile, spilled registers on Hopper and ran at 7x the memory floor.)"""
-    pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    cols = pid_c * BC + tl.arange(0, BC)
-    col_ok = cols < C
-    taps = tl.arange(0, KP)
-    dw = tl.zeros((KP, BC), dtype=tl.float32)
-    start = pid_t * ROWS_PER_PROG
-    prog = (b * tl.num_programs(1) + pid_c) * tl.num_programs(0) + pid_t
-    scratch = scratch_ptr + prog * ((BT + HB) * BC)
-    lcols = tl.arange(0, BC)
-    srows = tl.arange(0, BT)
-    hrows = tl.arange(0, HB)
-    for sub in range(0, ROWS_PER_PROG, BT):
-        rows = start + sub + srows
-        ds = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, rows, cols, col_ok, T, C, SXB, SXT,
-                 HALO, DIL, K, HAS_LEFT, HAS_POS)
-        if NEED_DW:
-            dp = _doc_pos(pos_ptr, b, rows, T) if HAS_POS else rows
-            dw = _add_dw(dw, ds, x_ptr, left_ptr, dp, b, rows, cols, col_ok, taps, T, C, SXB,
-                         SXT, HALO, DIL, K, HAS_LEFT, HAS_POS)
-        if NEED_DX:
-            dsh = _ds(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, b, start + sub + BT + hrows, cols,
-                      col_ok, T, C, SXB, SXT, HALO, DIL, K, HAS_LEFT, HAS_POS)
-            tl.store(scratch + srows[:, None] * BC + lcols[None, :], ds)
-            tl.store(scratch + (BT + hrows)[:, None] * BC + lcols[None, :], dsh)
-            tl.debug_barrier()
-            dx = tl.zeros((BT, BC), dtype=tl.float32)
-            for m in tl.static_range(K):
-                v = tl.load(scratch + (srows + m * DIL)[:, None] * BC + lcols[None, :])
-                if HAS_POS:  # tap K-1-m of output rows + m*D reaches back m*D
-                    keep = _doc_pos(pos_ptr, b, rows + m * DIL, T) >= m * DIL
-                    v = tl.where(keep[:, None], v, 0.0)
-                w_j = tl.load(w_ptr + cols * K + (K - 1 - m), mask=col_ok,
-                              other=0.0).to(tl.float32)
-                dx += w_j[None, :] * v
-            offs = (b * SDB + rows.to(tl.int64) * SDT)[:, None] + cols[None, :]
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty),
-                     mask=(rows < T)[:, None] & col_ok[None, :])
-            tl.debug_barrier()  # every read of this tile's scratch before the next overwrites it
-    if NEED_DW:
-        block = b * tl.num_programs(0) + pid_t
-        offs = (block * K + taps)[:, None] * C + cols[None, :]
-        tl.store(partial_ptr + offs, dw, mask=(taps < K)[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def causal_conv_silu_bwd_gather_kernel(x_ptr, left_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr,
-                                       partial_ptr, T, C, SXB, SXT, SDB, SDT, HALO, DIL, OWN,
-                                       TILES,
-                                       K: tl.constexpr, KP: tl.constexpr,
-                                       HAS_LEFT: tl.constexpr, HAS_POS: tl.constexpr,
-                                       NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-                                       BT: tl.constexpr, BC: tl.constexpr):
+                                HAS_POS: tl.constexpr, NEED_DX: tl.constexpr,
+                                NEED_DW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Grid ``(NTP, cdiv(C, BC), B)``, each program ``TILES`` tiles of ``OWN = BT - HALO``
-    rows: ``dx`` of its rows and its fp32 partial weight gradient
-    ``partial[b * NTP + pid_t, :, c]`` (as :func:`causal_conv_silu_bwd_kernel`).
+    rows: ``dx`` of its rows (batch / time strides ``SDB, SDT``, channels contiguous: a channel
+    slice of a wider tensor is written in place) and its fp32 partial weight gradient
+    ``partial[b * NTP + pid_t, :, c]`` (``[K, BC]``, KP = next power of two of K).
 
     Each tile computes ``ds`` for ``BT`` rows, its ``OWN`` rows and the ``HALO`` rows after
     them (which the next tile computes again: ``HALO / OWN`` more loads, from the cache), and
