@@ -20,8 +20,8 @@ once ``--budget-s`` seconds have passed):
   (``--variants``: which; each with rel-L2 of o and the final state against the chain's).
 * ``table``: forward (no_grad) and forward+backward medians (``do_bench``, median) and peak
   memory of fla / chain / fused in the issue's rows.
-* ``profile``: per-kernel device times of one forward (no_grad) of chain, fused and fla at
-  B=1 T=32K H=32.
+* ``profile``: per-kernel device times of one forward (no_grad) and of one forward +
+  backward of chain, fused and fla at B=1 T=32K H=32.
 Prints markdown tables last; writes ``$OUT/gdn_fused.json`` when OUT is set.
 """
 
@@ -259,7 +259,6 @@ def timing(fn: Callable, x: dict[str, torch.Tensor], cu: torch.Tensor | None,
 # name: (launch choices, segments per sequence or None for the default)
 VARIANTS = {
     "default": (FusedConfig(), None),
-    "prep_scores": (FusedConfig(prep_scores=True), None),  # the scores from wy_fwd
     "walk_w8": (FusedConfig(walk_warps=8, summary_warps=8), None),
     "summary_s1": (FusedConfig(summary_stages=1), None),
     "walk_s2": (FusedConfig(walk_stages=2), None),  # the default before 2026-12-07
@@ -346,15 +345,29 @@ def profile(args: argparse.Namespace, device: torch.device) -> dict[str, str]:
     out = {}
     x, cu = make_row("b1_32k", device)
     args_ = [x[n] for n in NAMES]
+    gen = torch.Generator(device=device).manual_seed(3)
+    do = torch.randn(x["v"].shape, generator=gen, device=device).to(x["v"].dtype)
+    dh = torch.randn(x["h0"].shape, generator=gen, device=device)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in args_]
     for name in ("chain", "fused", "fla"):
         if over_budget(args):
             break
         fn = impl(name)
+
+        def fwd_bwd() -> None:
+            o, h = fn(*leaves, cu)
+            torch.autograd.backward((o, h), (do, dh))
+            for t in leaves:
+                t.grad = None
+
         with torch.no_grad():
             fn(*args_, cu)  # compile and autotune outside the profile
             text = profile_kernels(lambda: fn(*args_, cu), device, iters=3, top=12)
         print(f"--- {name}, forward, B=1 T=32K H=32\n{text}", flush=True)
-        out[name] = text
+        fwd_bwd()
+        text_b = profile_kernels(fwd_bwd, device, iters=3, top=20)
+        print(f"--- {name}, forward + backward, B=1 T=32K H=32\n{text_b}", flush=True)
+        out[name], out[name + "_fwd_bwd"] = text, text_b
     return out
 
 

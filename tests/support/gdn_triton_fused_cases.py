@@ -131,14 +131,14 @@ def run_case(case: str) -> dict:
     # runs once, for the saved set's comparison).
     with SharedPrepare() as shared:
         # forward alone (nothing saved): one segment and three (summaries + chain); with three
-        # also the scores formed by the prep (FusedConfig.prep_scores) instead of the walk
-        for segments, config in ((1, None), (3, None), (3, FusedConfig(prep_scores=True))):
+        # also two state columns blocks of 16 per program (FusedConfig.block)
+        for segments, config in ((1, None), (3, None), (3, FusedConfig(block=16))):
             with torch.no_grad():
                 o, h, saved, _ = gdn_forward(*inputs, h0, key_dim ** -0.5, l2, segments,
                                              cu_seqlens=cu, fused=True, save=False,
                                              fused_config=config)
             assert saved is None
-            tag = f"ns{segments}" + ("_prep_scores" if config else "")
+            tag = f"ns{segments}" + ("_bv16" if config else "")
             errors[f"o_{tag}"], errors[f"final_{tag}"] = rel_l2(o, o_ref), rel_l2(h, h_ref)
             finite &= bool(torch.isfinite(o).all() and torch.isfinite(h).all())
         # forward + backward through the autograd Function: the saved set (the walk's states and
@@ -161,9 +161,8 @@ def run_case(case: str) -> dict:
                 if t is not None:
                     errors[f"d{n}_{tag}"] = rel_l2(t.grad, g_ref["d" + n])
                     finite &= bool(torch.isfinite(t.grad).all())
-    # the fused prep once, once more with the scores (and in bf16 once more: Ainv fp32 only
-    # when saved), the chain's once
-    runs = 4 if x["q"].dtype != torch.float32 else 3
+    # the fused prep once (and in bf16 once more: Ainv fp32 only when saved), the chain's once
+    runs = 3 if x["q"].dtype != torch.float32 else 2
     assert (shared.runs, shared.reused) == (runs, 6 - runs), (shared.runs, shared.reused)
     return {"errors": errors, "tolerance": tol, "finite": finite, "prep_unequal": unequal,
             "vs_chain": chain_errors}

@@ -41,12 +41,13 @@ class GDNKernelOptions:
             w-only ``wy_fwd`` launch, about 2-3% of forward+backward at 8K; results bit for bit
             the same). Default False: w is saved (docs/gdn.md, "Triton backend"). A bool.
         fused_forward: triton only. True: after two prep kernels that fold the l2 norm in
-            (kkt_solve, wy_fwd with the chunks' scores; no normalised copy of q, k) the forward
+            (kkt_solve, wy_fwd with the queries' 1/norms; no normalised copy of q, k) the forward
             runs the fused walk (``ops/gdn/triton/fused_fwd.py``: the
             state held on chip across chunks, o written, no per-chunk state or residual in
             memory) instead of the chain's scan and output kernels; it keeps the same saved
             set for the backward, and nothing but o and the final state when no gradient is
-            wanted. Default False (docs/benchmarks.md has the timings). A bool.
+            wanted. Default False: faster than the chain in a forward alone, not in
+            forward + backward (docs/gdn.md, "Fused forward"). A bool.
     """
 
     block_chunks: int | None = None

@@ -78,7 +78,7 @@ from .bwd_state import bwd_scan_kernel, dv_local_kernel
 from ..state_link import StateLink
 from .common import CHUNK, choose_segments
 from .fwd_output import output_kernel
-from .fwd_prepare import kkt_solve, wy_forward, wy_scores_forward
+from .fwd_prepare import kkt_solve, wy_forward, wy_norms_forward
 from .fwd_state import chain_kernel, fwd_scan_kernel
 from . import fused_fwd
 from .fused_fwd import FusedConfig, fused_summaries, fused_walk
@@ -118,18 +118,18 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 def prepare_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, use_qk_l2norm: bool, chunks: torch.Tensor | None = None,
-                  save: bool = False, scores: bool = False) -> dict[str, torch.Tensor | None]:
+                  save: bool = False) -> dict[str, torch.Tensor | None]:
     """The fused forward's prep: two launches, no normalised copy of q, k.
 
     ``kkt_solve`` with the norm folded in (the keys' 1/norms, gamma, Ainv: fp32 with ``save``,
-    for the backward, else in k's dtype), then ``wy_fwd`` (w, u, the queries' 1/norms and with
-    ``scores`` the decayed causal scores ``aqk``, else None: the walk forms them), fwd_prepare.py.
+    for the backward, else in k's dtype), then ``wy_fwd`` (w, u and the queries' 1/norms),
+    fwd_prepare.py.
     Without the norm q, k are used as given and the 1/norms are None. Returns ``{"q", "k"``
-    (the raw inputs), ``"q_rstd", "k_rstd", "gamma", "ainv", "w", "u", "aqk"}`` (shapes:
+    (the raw inputs), ``"q_rstd", "k_rstd", "gamma", "ainv", "w", "u"}`` (shapes:
     fwd_prepare.py)."""
     gamma, ainv, k_rstd = kkt_solve(k, g, beta, v.shape[2], chunks, norm=use_qk_l2norm,
                                     ainv_dtype=torch.float32 if save else k.dtype)
-    out = wy_scores_forward(q, k, v, beta, gamma, ainv, k_rstd, chunks, scores)
+    out = wy_norms_forward(q, k, v, beta, gamma, ainv, k_rstd, chunks)
     return {"q": q, "k": k, "k_rstd": k_rstd, "gamma": gamma, "ainv": ainv, **out}
 
 
@@ -462,8 +462,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
     rows = _rows(bh, ns, layout)
     config = fused_fwd.DEFAULT_CONFIG if config is None else config
-    prep = prepare_fused(q, k, v, g, beta, use_qk_l2norm, tables[0], save,
-                         config.prep_scores)
+    prep = prepare_fused(q, k, v, g, beta, use_qk_l2norm, tables[0], save)
     prep["ainv"] = prep["ainv"] if save else None  # the backward's alone: freed before the walks
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps

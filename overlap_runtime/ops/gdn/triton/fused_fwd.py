@@ -5,19 +5,17 @@ v_new go to memory unless a backward needs them.
 1. The prep, two launches parallel over chunks (function.py ``prepare_fused``): ``kkt_solve``
    with the l2 norm folded in (it reads the raw keys, forms their 1/norms and normalises its
    tiles itself: gamma, Ainv) and ``wy_fwd`` (w, u from the raw keys normalised on load, the
-   queries' 1/norms; with ``FusedConfig.prep_scores`` also the decayed causal scores
-   ``aqk = (Qn Kn^T * Gamma)`` of each chunk, in k's dtype). No normalised copy of q or k is
-   written: the walk reads the raw q, k and scales by the 1/norms (``NORM``), which saves the
+   queries' 1/norms). No normalised copy of q or k is written: the walk reads the raw q, k and scales by the 1/norms (``NORM``), which saves the
    chain's two norm launches (read and write q, k). A one-launch parallel prep (norm, cumsum,
    block solve, w and u per chunk) spilled registers and ran 3.5x the chain's prep kernels on
    an H100 (docs/benchmarks.md, "Fused forward").
 2. ``fused_walk_kernel``, grid ``(column blocks, NS, B * HV)``: one program walks the chunks of
    one segment for ``BV`` columns of the state of one ``(sequence, value head)``; per chunk it
    reads q, k (raw, with their 1/norms ``rq``, ``rk``; or as given without the norm), w, u,
-   gamma (and ``aqk`` with ``PREP_SCORES``) and forms::
+   gamma and forms::
 
        v_new   = u - w h
-       S       = (diag(rq) Q K^T diag(rk)) * Gamma   (or aqk)          (output mode)
+       S       = (diag(rq) Q K^T diag(rk)) * Gamma                     (output mode)
        o       = scale (diag(e^gamma rq) Q h + S v_new)                  (output mode)
        h      <- e^gamma_C h + K^T diag(rk e^(gamma_C - gamma)) v_new
 
@@ -35,8 +33,9 @@ The WY solve is not inside the walk: in a walk of one program per state block ev
 of the chunk loop is on the critical path, and the solve's small 16 x 16 products and
 substitution steps made a chunk step about 40x longer than the state update itself
 (docs/benchmarks.md, "Fused forward"). The walk's step is the chain scan's plus the output
-products. Forming the chunk's scores in the prep instead (``FusedConfig.prep_scores``) made
-``wy_fwd`` 0.24 ms longer at 32K on an H100 and the walk no shorter.
+products. Forming the chunk's scores in the prep instead (written to memory, read by the walk)
+made ``wy_fwd`` 0.24 ms longer at 32K on an H100 and the walk no shorter; the whole forward
+was 2.37 ms against 2.30 with the scores formed in the walk on an H200.
 
 Small ``B * HV`` fills the machine by the segment split of function.py: summaries of all
 segments in parallel (summary mode), the fp32 ``chain_kernel`` across them, then every
@@ -65,8 +64,6 @@ class FusedConfig:
         walk_warps, walk_stages / summary_warps, summary_stages: ``num_warps``,
             ``num_stages`` of the output walk / the summary launch.
         block: state columns per program (None: ``min(64, K, V)``).
-        prep_scores: the prep's ``wy_fwd`` forms each chunk's decayed causal scores ``aqk``
-            and the output walk reads them, instead of forming ``Q K^T`` itself.
 
     The defaults are the fastest measured on an H100 at B=1 T=32K H=32, K = V = 128
     (docs/benchmarks.md): one stage for the output walk (2.69 ms against 2.89 ms with two),
@@ -78,7 +75,6 @@ class FusedConfig:
     summary_warps: int = 4
     summary_stages: int = 2
     block: int | None = None
-    prep_scores: bool = False
 
     def columns(self, key_dim: int, value_dim: int) -> int:
         """State columns per program; raises naming the rule when they do not tile V."""
@@ -93,12 +89,11 @@ DEFAULT_CONFIG = FusedConfig()
 
 
 @triton.jit
-def fused_walk_kernel(q, k, q_rstd, k_rstd, aqk, w, u, gamma, h_init, o, h_end, m_sum, s_sum,
+def fused_walk_kernel(q, k, q_rstd, k_rstd, w, u, gamma, h_init, o, h_end, m_sum, s_sum,
                       states, v_new, chunks, segs, scale, T, NT, L, NS, H: tl.constexpr,
                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BV: tl.constexpr, SUMMARY: tl.constexpr, HAS_INIT: tl.constexpr,
-                      SAVE: tl.constexpr, VARLEN: tl.constexpr, NORM: tl.constexpr,
-                      PREP_SCORES: tl.constexpr):
+                      SAVE: tl.constexpr, VARLEN: tl.constexpr, NORM: tl.constexpr):
     i_c, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -142,17 +137,14 @@ def fused_walk_kernel(q, k, q_rstd, k_rstd, aqk, w, u, gamma, h_init, o, h_end, 
             if NORM:
                 b_rq = tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
                 b_row = b_row * b_rq
-            if PREP_SCORES:
-                b_s = tl.load(aqk + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
-                              mask=m_t[:, None], other=0.0)
-            else:  # the decayed causal scores of the normalised q, k, from the raw ones
-                causal = o_i[:, None] >= o_i[None, :]
-                b_s = mm(b_q, tl.trans(b_k))
-                if NORM:
-                    b_s = b_s * (b_rq[:, None] * b_rk[None, :])
-                b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gam[:, None]
-                                                             - b_gam[None, :], 0.0)),
-                               0.0).to(DT)
+            # the decayed causal scores of the normalised q, k, from the raw ones
+            causal = o_i[:, None] >= o_i[None, :]
+            b_s = mm(b_q, tl.trans(b_k))
+            if NORM:
+                b_s = b_s * (b_rq[:, None] * b_rk[None, :])
+            b_s = tl.where(causal, b_s * tl.exp(tl.where(causal, b_gam[:, None]
+                                                         - b_gam[None, :], 0.0)),
+                           0.0).to(DT)
             b_o = mm(b_q, b_hd) * b_row[:, None]
         b_w = tl.load(w + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                       mask=m_t[:, None], other=0.0)
@@ -197,14 +189,14 @@ def _launch(grid, prep: dict, outs: dict, tables, scale: float, num_chunks: int,
 
     chunks, segs = tables
     fused_walk_kernel[grid](
-        q, prep["k"], given("q_rstd"), given("k_rstd"), given("aqk"), prep["w"], u,
+        q, prep["k"], given("q_rstd"), given("k_rstd"), prep["w"], u,
         prep["gamma"], get("h_init"), get("o"), get("h_end"), get("m"), get("s"),
         get("states"), get("v_new"), dummy if chunks is None else chunks,
         dummy if segs is None else segs, scale, seq_len, num_chunks, per_segment, num_segments,
         H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BV=block,
         SUMMARY=summary, HAS_INIT=outs.get("h_init") is not None, SAVE=save,
         VARLEN=chunks is not None, NORM=prep.get("k_rstd") is not None,
-        PREP_SCORES=prep.get("aqk") is not None, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 
@@ -217,7 +209,7 @@ def fused_summaries(prep: dict[str, torch.Tensor | None], num_segments: int, per
 
     ``prep``: function.py ``prepare_fused``'s dict (reads ``"q"``, ``"k"`` ``[B, T, H, K]``
     and their 1/norms ``"q_rstd"``, ``"k_rstd"`` ``[B, T, H]`` fp32 or None (no norm),
-    ``"aqk"`` ``[B, T, HV, 64]``, ``"w"`` ``[B, T, HV, K]``, ``"u"`` ``[B, T, HV, V]``,
+    ``"w"`` ``[B, T, HV, K]``, ``"u"`` ``[B, T, HV, V]``,
     ``"gamma"`` ``[B, T, HV]`` fp32).
     ``rows``: ``(B * HV, NS)`` dense, ``(NS, HV)`` with varlen ``tables`` (chunk table,
     segment table; ``(None, None)`` dense)."""

@@ -22,10 +22,8 @@ w): the backward's recomputation of w (``recompute_w``, function.py).
 The fused forward's prep (function.py ``prepare_fused``) runs both kernels on the raw q, k:
 with ``NORM`` ``kkt_solve_kernel`` forms the keys' 1/norms ``rk`` (l2norm.py's formula) and
 both kernels normalise the tiles they load (common.normalised: the l2 norm kernel's own
-operations, so gamma, Ainv, w and u are the chain's bits); with ``QK`` ``wy_fwd_kernel`` also
-forms the queries' 1/norms and each chunk's decayed causal scores ``aqk = (Qn Kn^T * Gamma)``
-(lower triangle, diagonal included) for the walk's output. No normalised copy of q or k is
-written.
+operations, so gamma, Ainv, w and u are the chain's bits); with ``QN`` ``wy_fwd_kernel`` also
+forms the queries' 1/norms in its one pass over q. No normalised copy of q or k is written.
 With ``VARLEN`` chunk ``i_n`` is the chunk table's (common.chunk_span): it starts anywhere and
 its rows end at its sequence's end.
 """
@@ -183,13 +181,13 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, k_rstd, chunks, T, H: tl.constexpr
 
 
 @triton.autotune(configs=autotune_configs(),
-                 key=["K", "V", "VARLEN", "W_ONLY", "NORM", "QK", "QN"])
+                 key=["K", "V", "VARLEN", "W_ONLY", "NORM", "QN"])
 @triton.jit
-def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, q, k_rstd, q_rstd, aqk, chunks, T,
+def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, q, k_rstd, q_rstd, chunks, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
-                  W_ONLY: tl.constexpr, NORM: tl.constexpr, QK: tl.constexpr,
-                  QN: tl.constexpr, EPS: tl.constexpr):
+                  W_ONLY: tl.constexpr, NORM: tl.constexpr, QN: tl.constexpr,
+                  EPS: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -211,20 +209,8 @@ def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, q, k_rstd, q_rstd, aqk, chunks,
     b_kscale = b_beta * tl.exp(b_gam)
     if NORM:  # raw keys: normalised on load
         b_rk = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
-    if QN and not QK:  # the queries' 1/norms alone, summed in the loop below (q read once)
+    if QN:  # the queries' 1/norms, summed in the loop below (q read once)
         b_sq = tl.zeros([BT], dtype=tl.float32)
-    if QK:
-        b_qk = tl.zeros([BT, BT], dtype=tl.float32)
-        if NORM:  # the queries' 1/norms first (q's second read below is mostly from cache)
-            b_sq = tl.zeros([BT], dtype=tl.float32)
-            for i_k in range(K // BK):
-                o_k = i_k * BK + tl.arange(0, BK)
-                b_qf = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
-                               mask=m_t[:, None], other=0.0).to(tl.float32)
-                b_sq += tl.sum(b_qf * b_qf, axis=1)
-            b_rq = 1.0 / tl.sqrt(b_sq + EPS)
-            if i_hv % (HV // H) == 0:
-                tl.store(q_rstd + (i_b * T + o_t) * H + i_h, b_rq, mask=m_t)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         off_k = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
@@ -234,25 +220,12 @@ def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, q, k_rstd, q_rstd, aqk, chunks,
         b_w = mm(b_a, (b_k * b_kscale[:, None]).to(b_k.dtype))
         tl.store(w + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
                  b_w.to(w.dtype.element_ty), mask=m_t[:, None])
-        if QK:
-            b_q = tl.load(q + off_k, mask=m_t[:, None], other=0.0)
-            if NORM:
-                b_q = normalised(b_q, b_rq)
-            b_qk = mma(b_q, tl.trans(b_k), b_qk)
-        elif QN:
+        if QN:
             b_qf = tl.load(q + off_k, mask=m_t[:, None], other=0.0).to(tl.float32)
             b_sq += tl.sum(b_qf * b_qf, axis=1)
-    if QN and not QK:
+    if QN:
         if i_hv % (HV // H) == 0:
             tl.store(q_rstd + (i_b * T + o_t) * H + i_h, 1.0 / tl.sqrt(b_sq + EPS), mask=m_t)
-    if QK:
-        # the decayed causal scores of the normalised q, k: (Q K^T * Gamma), in k's dtype
-        causal = o_i[:, None] >= o_i[None, :]
-        b_qk = tl.where(causal,
-                        b_qk * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0)),
-                        0.0)
-        tl.store(aqk + ((i_b * T + o_t[:, None]) * HV + i_hv) * BT + o_i[None, :],
-                 b_qk.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
 
 def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_heads: int,
@@ -309,20 +282,18 @@ def wy_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, gamma: torc
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     wy_fwd_kernel[(num_chunks, batch * num_value_heads)](
         k, v, beta, gamma, ainv, w, w if u is None else u, w, w if k_rstd is None else k_rstd,
-        w, w, chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads,
+        w, chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads,
         K=key_dim, V=value_dim, BT=CHUNK, BK=min(64, key_dim), BV=min(64, value_dim),
-        VARLEN=chunks is not None, W_ONLY=w_only, NORM=k_rstd is not None, QK=False,
-        QN=False, EPS=L2NORM_EPS,
+        VARLEN=chunks is not None, W_ONLY=w_only, NORM=k_rstd is not None, QN=False,
+        EPS=L2NORM_EPS,
     )
     return w, u
 
 
-def wy_scores_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
-                      gamma: torch.Tensor, ainv: torch.Tensor, k_rstd: torch.Tensor | None,
-                      chunks: torch.Tensor | None = None, scores: bool = True
-                      ) -> dict[str, torch.Tensor | None]:
-    """The WY factors, the queries' 1/norms and (``scores``) the chunks' decayed causal scores
-    in one launch (the fused forward's).
+def wy_norms_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                     gamma: torch.Tensor, ainv: torch.Tensor, k_rstd: torch.Tensor | None,
+                     chunks: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+    """The WY factors and the queries' 1/norms in one launch (the fused forward's).
 
     Args:
         q, k: ``[B, T, H, K]``, raw when ``k_rstd`` (from :func:`kkt_solve` with ``norm``) is
@@ -330,25 +301,19 @@ def wy_scores_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: t
         v, beta, gamma, ainv, chunks: as :func:`wy_forward`.
 
     Returns:
-        ``{"w" [B, T, HV, K], "u" [B, T, HV, V], "aqk" [B, T, HV, 64] in k's dtype (None
-        without ``scores``): row t of its chunk holds (qn_t . kn_s) exp(gamma_t - gamma_s) for
-        s <= t (zero above), "q_rstd" [B, T, H] fp32 or None}``.
+        ``{"w" [B, T, HV, K], "u" [B, T, HV, V], "q_rstd" [B, T, H] fp32 or None}``.
     """
     batch, seq_len, heads, key_dim = k.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     w = torch.empty(batch, seq_len, num_value_heads, key_dim, device=k.device, dtype=k.dtype)
     u = torch.empty_like(v)
-    aqk = (torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device, dtype=k.dtype)
-           if scores else None)
     norm = k_rstd is not None
     q_rstd = torch.empty_like(k_rstd) if norm else None
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     wy_fwd_kernel[(num_chunks, batch * num_value_heads)](
         k, v, beta, gamma, ainv, w, u, q, k_rstd if norm else w, q_rstd if norm else w,
-        w if aqk is None else aqk,
         chunks if chunks is not None else gamma, seq_len, H=heads, HV=num_value_heads,
         K=key_dim, V=value_dim, BT=CHUNK, BK=min(64, key_dim), BV=min(64, value_dim),
-        VARLEN=chunks is not None, W_ONLY=False, NORM=norm, QK=scores, QN=norm,
-        EPS=L2NORM_EPS,
+        VARLEN=chunks is not None, W_ONLY=False, NORM=norm, QN=norm, EPS=L2NORM_EPS,
     )
-    return {"w": w, "u": u, "aqk": aqk, "q_rstd": q_rstd}
+    return {"w": w, "u": u, "q_rstd": q_rstd}
