@@ -6,7 +6,9 @@
 Both read q, k as given, or with ``NORM`` the raw q, k and their 1/norms, normalising each
 loaded tile (common.normalised: the same bits as the norm kernel's copy, which is not written).
 
-``bwd_scan_kernel``, grid ``(V / BV, NS segments, B * HV)``: walks the chunks of its segment
+``bwd_scan_kernel``, grid ``(V / BV, NS - S0 segments, B * HV)``: walks the chunks of its
+segment (segments ``S0 .. NS - 1``; ``S0 = 1`` leaves out the first, whose local gradient only
+the gradient of the initial state would read)
 (``VARLEN``: of the segment table, common.segment_span) backwards with ``dh`` the gradient of
 the state leaving chunk n::
 
@@ -69,11 +71,11 @@ def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE", "VARLEN", "NORM"])
 @triton.jit
 def bwd_scan_kernel(q, k, q_rstd, k_rstd, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start,
-                    chunks, segs, scale, T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr,
+                    chunks, segs, scale, T, NT, L, NS, S0, H: tl.constexpr, HV: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                     HAS_INIT: tl.constexpr, STORE: tl.constexpr, VARLEN: tl.constexpr,
                     NORM: tl.constexpr):
-    i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1) + S0, tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     n0, n1, row = segment_span(segs, i_s, i_bh, i_hv, L, NT, NS, HV, VARLEN)

@@ -250,7 +250,8 @@ def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: 
                     do: torch.Tensor, dv_local: torch.Tensor, seg_init: torch.Tensor | None,
                     scale: float, num_segments: int, per_segment: int, store: bool = True,
                     layout: VarlenLayout | None = None,
-                    rstd: tuple[torch.Tensor, torch.Tensor] | None = None
+                    rstd: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    first_segment: int = 0
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Reverse walk of every segment from the gradient of the state leaving it.
 
@@ -260,6 +261,9 @@ def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: 
         seg_init: ``[B*HV, NS, K, V]`` fp32 gradient of the state leaving each segment, or None
             for zero (varlen ``layout``: ``[NS, HV, K, V]``).
         store: keep the per-chunk state gradients and dv_new (else only the segment starts).
+        first_segment: 0, or 1 (dense, without ``store``) to leave the first segment out: its
+            ``dh_start`` rows are zero (its local gradient reaches nothing but the gradient of
+            the initial state, which the stored walk gives).
 
     Returns:
         ``(dhs [B, NT, HV, K, V] or None, dv2 [B, T, HV, V] or None,
@@ -270,8 +274,14 @@ def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: 
     num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
     bv = _block(key_dim, value_dim)
     bh = batch * num_value_heads
+    if first_segment not in (0, 1) or (first_segment and (store or layout is not None
+                                                          or num_segments < 2)):
+        raise ValueError(f"state_grad_scan: first_segment={first_segment} must be 0, or 1 for a "
+                         f"dense walk of 2+ segments without store")
     dh_start = torch.empty(*_rows(bh, num_segments, layout), key_dim, value_dim,
                            device=kn.device, dtype=torch.float32)
+    if first_segment:
+        dh_start[:, 0].zero_()
     chunks, segs, _ = _tables(layout, dh_start)
     dhs = dv2 = None
     if store:
@@ -279,12 +289,12 @@ def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: 
                           device=kn.device, dtype=kn.dtype)
         dv2 = torch.empty(batch, seq_len, num_value_heads, value_dim, device=kn.device,
                           dtype=kn.dtype)
-    bwd_scan_kernel[(value_dim // bv, num_segments, bh)](
+    bwd_scan_kernel[(value_dim // bv, num_segments - first_segment, bh)](
         qn, kn, *(rstd or (w, w)), w, gamma, do, dv_local,
         seg_init if seg_init is not None else dh_start, dhs if store else dh_start,
         dv2 if store else dh_start, dh_start, chunks, segs, scale, seq_len, num_chunks,
-        per_segment, num_segments, H=heads, HV=num_value_heads, K=key_dim, V=value_dim,
-        BT=CHUNK, BV=bv, HAS_INIT=seg_init is not None, STORE=store,
+        per_segment, num_segments, first_segment, H=heads, HV=num_value_heads, K=key_dim,
+        V=value_dim, BT=CHUNK, BV=bv, HAS_INIT=seg_init is not None, STORE=store,
         VARLEN=layout is not None, NORM=rstd is not None,
     )
     return dhs, dv2, dh_start
@@ -554,9 +564,13 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     dvl = dv_local(q, k, gamma, do, scale, chunks, rstd)
     local = None
     wants_maps = link is not None and link.wants_segment_maps
+    # dense without a link, the first segment's local gradient reaches only the chain's dh_in
+    # (the initial state's gradient), which the stored walk below gives as dh_start[:, 0]
+    skip_first = layout is None and link is None
     if meta.chained or wants_maps:
         _, _, local = state_grad_scan(q, k, w, gamma, do, dvl, None, scale, ns,
-                                      per_segment, store=False, layout=layout, rstd=rstd)
+                                      per_segment, store=False, layout=layout, rstd=rstd,
+                                      first_segment=int(skip_first and meta.chained))
     if link is not None:
         if wants_maps:
             assert m_seg is not None, "the forward ran without the link's segment maps"
@@ -565,6 +579,7 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     dht_flat = (None if dht is None
                 else dht.to(torch.float32).reshape(-1, key_dim, value_dim).contiguous())
     if meta.chained:
+        # dh_in (without the first segment's term when skip_first: then unread)
         dh_in, dh_seg = chain(m_seg, local, dht_flat, reverse=True, store_segments=True,
                               layout=layout)
         if link is not None:
