@@ -7,6 +7,8 @@ Triton kernels (``conv_backend="triton"``, ``ops.causal_conv``) against cuDNN's 
     python -m benchmarks.causal_conv --tokens 8192 16384 32768 --channels 8192
     python -m benchmarks.causal_conv --tokens 32768 --channels 2048 8192 --impls triton \
         --bwd-tiles 256x16x4 128x32x4 64x64x4   # the backward's tile sweep (rows x channels x warps)
+    python -m benchmarks.causal_conv --tokens 32768 --channels 8192 --impls triton \
+        --fwd-tiles 32x128x4 64x128x4 64x64x4 128x64x8   # the forward's (the backward's default)
 
 For each size: median ms of the forward and of forward + backward (``triton.testing.do_bench``),
 the memory floor (x read and y written once forward; x, dy read and dx written once more
@@ -69,7 +71,13 @@ def main() -> None:
                         help="Triton backward tiles to sweep, ROWSxCHANNELSxWARPS[xPROGRAM_ROWS] "
                              "(e.g. 32x64x4, 32x64x4x128: rows per program, "
                              "function.BACKWARD_ROWS); default: the module's")
+    parser.add_argument("--fwd-tiles", nargs="+", default=[],
+                        help="Triton forward tiles to sweep, ROWSxCHANNELSxWARPS (e.g. 32x128x4: "
+                             "function.BLOCK_T, BLOCK_C, FORWARD_WARPS); each with the default "
+                             "backward; default: the module's")
     args = parser.parse_args()
+    if args.fwd_tiles and args.bwd_tiles:
+        raise SystemExit("--fwd-tiles and --bwd-tiles: sweep one at a time")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/causal_conv.py needs a CUDA device")
     dtype, dev = DTYPES[args.dtype], torch.device("cuda")
@@ -93,7 +101,14 @@ def main() -> None:
         if "triton" in args.impls:
             default = (function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
                        function.BACKWARD_WARPS)
-            for tile in args.bwd_tiles or ["x".join(map(str, default))]:
+            fwd_default = (function.BLOCK_T, function.BLOCK_C, function.FORWARD_WARPS)
+            for tile in args.fwd_tiles:
+                fields = tuple(int(v) for v in tile.split("x"))
+                if len(fields) != 3:
+                    raise SystemExit(f"--fwd-tiles {tile}: ROWSxCHANNELSxWARPS")
+                runs.append((f"triton fwd {tile}", causal_conv_silu_triton, ("fwd", *fields)))
+            for tile in args.bwd_tiles or ([] if args.fwd_tiles else
+                                           ["x".join(map(str, default))]):
                 fields = [int(v) for v in tile.split("x")]
                 fields += [function.BACKWARD_ROWS] * (4 - len(fields))
                 runs.append((f"triton bwd {tile}", causal_conv_silu_triton, tuple(fields)))
@@ -102,7 +117,10 @@ def main() -> None:
         if "compiled" in args.impls:
             runs.append(("compiled shifted", compiled_shifted, None))
         for name, fn, tile in runs:
-            if tile is not None:
+            if tile is not None and tile[0] == "fwd":
+                function.BLOCK_T, function.BLOCK_C, function.FORWARD_WARPS = tile[1:]
+            elif tile is not None:
+                function.BLOCK_T, function.BLOCK_C, function.FORWARD_WARPS = fwd_default
                 (function.BACKWARD_BLOCK_T, function.BACKWARD_BLOCK_C,
                  function.BACKWARD_WARPS, function.BACKWARD_ROWS) = tile
             r = measure(name, fn, x, w, dy, ref, args.dilation)

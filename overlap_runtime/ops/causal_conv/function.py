@@ -21,6 +21,7 @@ from .capability import check_causal_conv_inputs
 
 BLOCK_T = 32
 BLOCK_C = 128
+FORWARD_WARPS = 4
 # The backward: overlapping tiles of BACKWARD_BLOCK_T rows x BACKWARD_BLOCK_C channels, each
 # owning its rows after the halo ((K-1) * dilation rows, whose ds it recomputes), dx formed from
 # ds shifted on chip (tl.gather): no scratch memory, no block barrier. [256, 16] with 4 warps
@@ -69,7 +70,8 @@ def causal_conv_silu_forward(x: torch.Tensor, weight: torch.Tensor, left: torch.
     causal_conv_silu_fwd_kernel[grid](
         x, x if left is None else left, weight, x if pos is None else pos, y, seq_len, channels,
         x.stride(0), x.stride(1), (kernel - 1) * dilation, dilation, K=kernel,
-        HAS_LEFT=left is not None, HAS_POS=pos is not None, BT=BLOCK_T, BC=bc, num_warps=4)
+        HAS_LEFT=left is not None, HAS_POS=pos is not None, BT=BLOCK_T, BC=bc,
+        num_warps=FORWARD_WARPS)
     return y
 
 
