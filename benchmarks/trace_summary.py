@@ -11,7 +11,12 @@ window:
 - the kernels by total time (name, calls, total ms, share of the busy time);
 - the CPU operators by total self time (``cpu_op`` events, exclusive of their children), which
   is where an idle GPU's time went;
-- our own ``record_function`` ranges (``user_annotation``) by total time.
+- our own ``record_function`` ranges (``user_annotation``) by total time;
+- the GPU's idle gaps (``--gaps``): every interval of at least ``--min-gap-us`` with no kernel
+  or copy running, each blamed on what the host was doing instead: the CPU ops that enclose the
+  launch of the kernel after the gap (matched by the profiler's correlation id), summed by the
+  outermost of them and by the innermost, plus the host syncs (``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaMemcpy*``) that overlap a gap.
 
 Output: tables on stdout, and JSON under ``$OUT`` when that is set (``trace_summary.json``).
 """
@@ -64,6 +69,68 @@ def _self_times(events: list[dict[str, Any]]) -> dict[str, list[float]]:
     return out
 
 
+def _gpu_gaps(gpu: list[dict[str, Any]], min_gap_us: float) -> list[tuple[float, float, int]]:
+    """``(start, end, index of the GPU event after the gap)`` of every idle interval between
+    the first and the last GPU event at least ``min_gap_us`` long (``gpu`` sorted by start)."""
+    gaps, end = [], float("-inf")
+    for i, e in enumerate(gpu):
+        if end != float("-inf") and e["ts"] - end >= min_gap_us:
+            gaps.append((end, e["ts"], i))
+        end = max(end, e["ts"] + e["dur"])
+    return gaps
+
+
+def _enclosing(ops: list[dict[str, Any]], at: float) -> list[str]:
+    """Names of the CPU ops (one thread's, sorted by start) that contain time ``at``,
+    outermost first."""
+    return [o["name"] for o in ops if o["ts"] <= at <= o["ts"] + o["dur"]]
+
+
+def gap_report(events: list[dict[str, Any]], min_gap_us: float = 20.0,
+               top: int = 25) -> dict[str, Any]:
+    """Where the GPU sat idle (module docstring); times in milliseconds."""
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launch_of = {e.get("args", {}).get("correlation"): e for e in runtime}
+    ops_by_thread: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            ops_by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for ops in ops_by_thread.values():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+    syncs = [e for e in runtime if "Synchronize" in e["name"] or
+             (e["name"].startswith("cudaMemcpy") and "Async" not in e["name"])]
+    outer: dict[str, list[float]] = defaultdict(list)
+    inner: dict[str, list[float]] = defaultdict(list)
+    sync_in_gaps: dict[str, list[float]] = defaultdict(list)
+    largest = []
+    gaps = _gpu_gaps(gpu, min_gap_us)
+    for start, end, i in gaps:
+        length = end - start
+        nxt = gpu[i]
+        launch = launch_of.get(nxt.get("args", {}).get("correlation"))
+        stack = ([] if launch is None else
+                 _enclosing(ops_by_thread.get((launch.get("pid"), launch.get("tid")), []),
+                            launch["ts"]))
+        outer[stack[0] if stack else "(launch not found)"].append(length)
+        inner[stack[-1] if stack else "(launch not found)"].append(length)
+        for e in syncs:
+            overlap = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+            if overlap > 0:
+                sync_in_gaps[e["name"]].append(overlap)
+        largest.append({"ms": length / 1e3, "next": nxt["name"][:80],
+                        "stack": " > ".join(s[:60] for s in stack[-4:])})
+    largest.sort(key=lambda r: -r["ms"])
+
+    def table(d: dict[str, list[float]]) -> list[dict[str, Any]]:
+        rows = sorted(d.items(), key=lambda kv: -sum(kv[1]))[:top]
+        return [{"name": k[:110], "calls": len(v), "total_ms": sum(v) / 1e3} for k, v in rows]
+
+    return {"gaps": len(gaps), "idle_in_gaps_ms": sum(e - s for s, e, _ in gaps) / 1e3,
+            "by_outer_op": table(outer), "by_inner_op": table(inner),
+            "host_syncs": table(sync_in_gaps), "largest": largest[:top]}
+
+
 def summarize(trace: dict[str, Any], top: int = 25) -> dict[str, Any]:
     """The summary of one chrome trace (``{"traceEvents": [...]}``); times in milliseconds."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
@@ -108,13 +175,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--gaps", action="store_true", help="also blame the GPU's idle gaps")
+    p.add_argument("--min-gap-us", type=float, default=20.0)
     args = p.parse_args()
-    s = summarize(json.loads(args.trace.read_text()), args.top)
+    trace = json.loads(args.trace.read_text())
+    s = summarize(trace, args.top)
     print(f"window {s['wall_ms']:.1f} ms, GPU busy {s['gpu_busy_ms']:.1f} ms "
           f"(idle {s['gpu_idle_share']:.1%})")
     _print("kernels (share of GPU busy time)", s["kernels"])
     _print("CPU ops, self time (share of the window)", s["cpu_self"])
     _print("record_function ranges (share of the window)", s["ranges"])
+    if args.gaps:
+        events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+        g = gap_report(events, args.min_gap_us, args.top)
+        s["gap_report"] = g
+        print(f"\nGPU idle gaps >= {args.min_gap_us:g} us: {g['gaps']}, "
+              f"{g['idle_in_gaps_ms']:.2f} ms in all")
+        for title, key in (("by the outermost CPU op around the next launch", "by_outer_op"),
+                           ("by the innermost CPU op around the next launch", "by_inner_op"),
+                           ("host syncs overlapping a gap", "host_syncs")):
+            print(f"\n{title}\n| gaps | idle ms | name |\n| --- | --- | --- |")
+            for r in g[key]:
+                print(f"| {r['calls']} | {r['total_ms']:.2f} | `{r['name']}` |")
+        print("\nlargest gaps\n| ms | next kernel | launched inside |\n| --- | --- | --- |")
+        for r in g["largest"]:
+            print(f"| {r['ms']:.3f} | `{r['next']}` | {r['stack']} |")
     out = os.environ.get("OUT")
     if out:
         Path(out, "trace_summary.json").write_text(json.dumps(s, indent=1))
