@@ -18,7 +18,8 @@ Packed documents (``segments``): the mixers take ``cu_seqlens`` and run each doc
 (single device), so a packed row resets at its document boundaries.
 
 Helpers (``rope.apply_rotary``, ``rope.apply_partial_rotary``, ``segments.segments_of``,
-``segments.apply_per_segment``) are imported from their modules.
+``segments.apply_per_segment``, ``shared_input.shared_input_linear``) are imported from their
+modules.
 """
 
 from overlap_runtime.layers.attention import Qwen3_5Attention, ReferenceAttention

@@ -32,6 +32,7 @@ from overlap_runtime.layers.core_attention import CoreAttention
 from overlap_runtime.layers.norm import RMSNorm
 from overlap_runtime.layers.rope import apply_partial_rotary, apply_rotary, rotary_dim_for
 from overlap_runtime.layers.segments import apply_per_segment
+from overlap_runtime.layers.shared_input import shared_input_linear
 from overlap_runtime.ops.attention import Backend
 from overlap_runtime.ops.comm_stats import CommStats
 
@@ -100,13 +101,14 @@ class Qwen3_5Attention(nn.Module):
         """
         b, s, _ = x.shape
         h, d = self.num_heads, self.head_dim
-        q_all = self.q_proj(x).view(b, s, h, -1)
+        q_all, k, v = shared_input_linear(x, self.q_proj, self.k_proj, self.v_proj)
+        q_all = q_all.view(b, s, h, -1)
         if self.output_gate:
             q, gate = q_all.split(d, dim=-1)                      # each [B, S, H, D]
         else:
             q, gate = q_all, None
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, d)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, d)
+        k = k.view(b, s, self.num_kv_heads, d)
+        v = v.view(b, s, self.num_kv_heads, d)
         q = apply_partial_rotary(self.q_norm(q), position_ids, self.rotary_dim, self.rope_theta)
         k = apply_partial_rotary(self.k_norm(k), position_ids, self.rotary_dim, self.rope_theta)
         if cu_seqlens is None:

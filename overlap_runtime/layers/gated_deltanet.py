@@ -52,6 +52,7 @@ from torch import nn
 from overlap_runtime.layers.elementwise import causal_conv_silu, gdn_gates
 from overlap_runtime.layers.norm import RMSNormGated
 from overlap_runtime.layers.sequence_mixer import GDNProjections, GDNSequenceMixer, LocalGDNMixer
+from overlap_runtime.layers.shared_input import shared_input_linear
 from overlap_runtime.ops.causal_conv.capability import MAX_KERNEL_SIZE
 from overlap_runtime.ops.causal_conv.function import (causal_conv_silu_triton,
                                                       causal_conv_silu_triton_parts)
@@ -192,12 +193,13 @@ class GatedDeltaNet(nn.Module):
     def project(self, hidden_states: torch.Tensor) -> GDNProjections:
         """Input projections of ``hidden_states`` ``[B, T, hidden]`` (see :class:`GDNProjections`)."""
         batch, seq_len, _ = hidden_states.shape
-        z = self.in_proj_z(hidden_states).view(batch, seq_len, self.num_value_heads, self.head_v_dim)
+        mixed_qkv, z, b, a = shared_input_linear(hidden_states, self.in_proj_qkv, self.in_proj_z,
+                                                 self.in_proj_b, self.in_proj_a)
         return GDNProjections(
-            mixed_qkv=self.in_proj_qkv(hidden_states),
-            z=z,
-            b=self.in_proj_b(hidden_states),
-            a=self.in_proj_a(hidden_states),
+            mixed_qkv=mixed_qkv,
+            z=z.view(batch, seq_len, self.num_value_heads, self.head_v_dim),
+            b=b,
+            a=a,
         )
 
     def causal_conv(

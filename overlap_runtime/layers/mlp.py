@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overlap_runtime.layers.shared_input import shared_input_linear
+
 
 def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``silu(g) * u`` (``[..., I]``, their dtype)."""
@@ -102,5 +104,5 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down_proj.bias is not None:  # never built with one; a swapped-in Linear might
             raise ValueError("SwiGLU.down_proj must have no bias (_swiglu_down takes none)")
-        return _swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight,
-                           self.kernels)
+        gate, up = shared_input_linear(x, self.gate_proj, self.up_proj)
+        return _swiglu_down(gate, up, self.down_proj.weight, self.kernels)
