@@ -214,10 +214,14 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
             trace.events.clear()
         if pm.schedule is None:  # one stage: the step graph's 0F0 and 0B0
             model = pm.parts[0]
+            # every host-to-device copy before the first launch: a copy from pageable memory
+            # waits for the stream, so one issued after the forward's launches would leave the
+            # GPU idle while the host launches the loss and the backward
+            inputs = (batch.input_ids.to(device), batch.position_ids.to(device))
+            kwargs, labels = batch.model_kwargs(device), batch.labels.to(device)
             with task_scope("0F0"):
-                logits = model(batch.input_ids.to(device), batch.position_ids.to(device),
-                               **batch.model_kwargs(device))
-                share = ce_sum(logits, batch.labels.to(device)) / batch.global_tokens
+                logits = model(*inputs, **kwargs)
+                share = ce_sum(logits, labels) / batch.global_tokens
             with task_scope("0B0"):
                 share.backward()
             return share.detach()
@@ -326,9 +330,11 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
                     pc.copy_(pm)
         shares = []
         for rows in _row_groups(batch, grad_microbatches):
-            logits = compute(batch.input_ids[rows].to(device), _rows(batch.position_ids, rows)
-                             .to(device), **batch.model_kwargs(device))
-            share = ce_sum(logits, batch.labels[rows].to(device)) / batch.global_tokens
+            # the host-to-device copies before the forward's launches (see train_distributed)
+            inputs = (batch.input_ids[rows].to(device), _rows(batch.position_ids, rows).to(device))
+            kwargs, labels = batch.model_kwargs(device), batch.labels[rows].to(device)
+            logits = compute(*inputs, **kwargs)
+            share = ce_sum(logits, labels) / batch.global_tokens
             share.backward()
             shares.append(share.detach())
             if compute is not model:  # each group's bf16 gradient, summed in fp32
