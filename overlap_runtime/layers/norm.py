@@ -85,6 +85,63 @@ class RMSNormFunction(torch.autograd.Function):
         return d_x, d_weight, d_gate, None
 
 
+def add_rms_norm_reference(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + delta`` (their dtype) and :func:`rms_norm_reference` of ``h``."""
+    h = residual + delta
+    return h, rms_norm_reference(h, weight, eps)
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """``apply(residual, delta, weight, eps) -> (h, y)``: :func:`add_rms_norm_reference`
+    keeping ``h`` (its dtype), weight and the fp32 ``1/rms`` for backward.
+
+    A pre-norm block's residual add and the next norm in one node: ``h`` feeds both the norm
+    and the next residual add, so autograd would sum its two gradients in a separate add; here
+    the norm's input gradient and ``h``'s own are summed in fp32 and rounded once, and the
+    same tensor is the gradient of ``residual`` and of ``delta``.
+    residual, delta ``[..., D]`` one dtype, weight ``[D]``; h, y ``[..., D]`` in that dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        h = residual + delta
+        compute = _compute_dtype(h.dtype)
+        hc = h.to(compute)
+        rstd = _rstd(hc, eps)
+        ctx.save_for_backward(h, weight, rstd)
+        return h, (weight.to(compute) * (hc * rstd)).to(h.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor, dy: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        h, weight, rstd = ctx.saved_tensors
+        compute = rstd.dtype
+        hhat = h.to(compute) * rstd
+        dyc = dy.to(compute)
+        d_weight = None
+        if ctx.needs_input_grad[2]:
+            d_weight = (dyc * hhat).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+        d_h = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            d_hhat = dyc * weight.to(compute)
+            d_h = (dh.to(compute) + rstd * (d_hhat - hhat * (d_hhat * hhat).mean(dim=-1,
+                                                                                 keepdim=True))
+                   ).to(h.dtype)
+        return (d_h if ctx.needs_input_grad[0] else None,
+                d_h if ctx.needs_input_grad[1] else None, d_weight, None)
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rmsnorm(h))`` with ``h = residual + delta``: :class:`AddRMSNormFunction` eagerly,
+    the plain ops under ``torch.compile`` (which fuses both passes and both gradients)."""
+    if torch.compiler.is_compiling():
+        return add_rms_norm_reference(residual, delta, weight, eps)
+    return AddRMSNormFunction.apply(residual, delta, weight, eps)
+
+
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
           gate: torch.Tensor | None = None) -> torch.Tensor:
     if torch.compiler.is_compiling():
@@ -114,6 +171,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.add_norm_fn = add_rms_norm
 
     def scale(self) -> torch.Tensor:
         """The multiplier ``[dim]``: ``weight``, or ``1 + weight`` in fp32 (float64 stays)."""
@@ -123,6 +181,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _norm(x, self.scale(), self.eps)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, self(h))`` with ``h = residual + delta`` (``[..., dim]``, one dtype): a
+        pre-norm block's residual add fused with this norm (:func:`add_rms_norm`; compiled
+        with the module by ``layers.compile``)."""
+        return self.add_norm_fn(residual, delta, self.scale(), self.eps)
 
     def extra_repr(self) -> str:
         return (f"{self.weight.shape[0]}, eps={self.eps}"

@@ -8,6 +8,8 @@
         h = h + mixer(input_layernorm(h))      mixer: GatedDeltaNet ("linear_attention")
                                                       or Qwen3_5Attention ("full_attention")
         h = h + mlp(post_attention_layernorm(h))      mlp: SwiGLU or MoE (config.mlp)
+    (the mixer's residual add and post_attention_layernorm run as one node:
+    RMSNorm.add_forward)
     logits = lm_head(norm(h))                  [B, S, vocab]   (lm_head tied to the embedding
                                                                 if tie_word_embeddings)
 
@@ -115,10 +117,11 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             assert self.self_attn is not None
             mixed = self.self_attn(x, position_ids, cu_seqlens=cu_seqlens)
-        h = hidden_states + mixed
+        # h = hidden_states + mixed and its norm in one node (one gradient for h's two uses)
+        h, y = self.post_attention_layernorm.add_forward(hidden_states, mixed)
         if router_pool is not None:
-            return h + self.mlp(self.post_attention_layernorm(h), router_pool=router_pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            return h + self.mlp(y, router_pool=router_pool)
+        return h + self.mlp(y)
 
 
 class Qwen3_5ForCausalLM(nn.Module):

@@ -1,0 +1,115 @@
+"""layers.norm.add_rms_norm / RMSNorm.add_forward: the residual add fused with the next norm
+equals the two plain ops (values and every gradient, float64 and fp32), in bf16 sums the two
+gradients of ``h`` once (no worse than the engine's two roundings against float64), and the
+decoder layer uses it without changing its function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap_runtime.layers.norm import (AddRMSNormFunction, RMSNorm, add_rms_norm,
+                                         add_rms_norm_reference)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def _run(fn, residual, delta, weight, dh, dy):
+    r, d, w = (t.detach().clone().requires_grad_(True) for t in (residual, delta, weight))
+    h, y = fn(r, d, w, 1e-6)
+    torch.autograd.backward((h, y), (dh, dy))
+    return h.detach(), y.detach(), r.grad, d.grad, w.grad
+
+
+def _inputs(dtype: torch.dtype, shape=(2, 9, 16)):
+    torch.manual_seed(0)
+    residual, delta, dh, dy = (torch.randn(shape, dtype=dtype) for _ in range(4))
+    weight = torch.rand(shape[-1], dtype=dtype) + 0.5
+    return residual, delta, weight, dh, dy
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_fused_equals_the_plain_ops(dtype: torch.dtype, tol: float) -> None:
+    args = _inputs(dtype)
+    got = _run(AddRMSNormFunction.apply, *args)
+    ref = _run(add_rms_norm_reference, *args)
+    for name, a, b in zip(("h", "y", "d_residual", "d_delta", "d_weight"), got, ref):
+        assert a.dtype == b.dtype and _rel(a, b) <= tol, (name, _rel(a, b))
+
+
+def test_bf16_no_worse_than_the_engine_against_float64() -> None:
+    args = _inputs(torch.bfloat16, (4, 64, 256))
+    exact = _run(add_rms_norm_reference, *(t.double() for t in args))
+    fused = _run(AddRMSNormFunction.apply, *args)
+    plain = _run(add_rms_norm_reference, *args)
+    for i in range(5):
+        assert _rel(fused[i], exact[i]) <= 1e-2
+        assert _rel(fused[i], exact[i]) <= _rel(plain[i], exact[i]) * 1.05 + 1e-4
+
+
+def test_only_the_wanted_gradients() -> None:
+    residual, delta, weight, dh, dy = _inputs(torch.float64)
+    d = delta.clone().requires_grad_(True)
+    h, y = add_rms_norm(residual, d, weight, 1e-6)
+    torch.autograd.backward((h, y), (dh, dy))
+    ref = _run(add_rms_norm_reference, residual, delta, weight, dh, dy)
+    assert _rel(d.grad, ref[3]) <= 1e-12
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_module_add_forward_is_add_then_norm(zero_centered: bool) -> None:
+    torch.manual_seed(1)
+    norm = RMSNorm(16, 1e-6, zero_centered).double()
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(16, dtype=torch.float64) * 0.1)
+    residual, delta = torch.randn(3, 16, dtype=torch.float64), torch.randn(3, 16,
+                                                                          dtype=torch.float64)
+    h, y = norm.add_forward(residual, delta)
+    assert torch.equal(h, residual + delta)
+    assert _rel(y, norm(residual + delta)) <= 1e-14
+
+
+def test_decoder_layer_is_unchanged() -> None:
+    """The decoder block with the fused add against its plain formula (float64): output and
+    the gradients of its input and every parameter."""
+    from overlap_runtime.config.model import Qwen3_5Config
+    from overlap_runtime.models.qwen3_5 import Qwen3_5DecoderLayer
+
+    cfg = Qwen3_5Config(hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8)
+    torch.manual_seed(2)
+    layer = Qwen3_5DecoderLayer(cfg, "linear_attention").double()
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    pos = torch.arange(12)
+
+    def plain(inp):
+        h = inp + layer.linear_attn(layer.input_layernorm(inp))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def nodes(out):
+        seen, stack = set(), [out.grad_fn]
+        while stack:
+            fn = stack.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                stack.extend(f for f, _ in fn.next_functions)
+        return {type(fn).__name__ for fn in seen}
+
+    assert "AddRMSNormFunctionBackward" in nodes(layer(x.clone().requires_grad_(True), pos))
+    outs, grads = [], []
+    for fn in (lambda inp: layer(inp, pos), plain):
+        layer.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_(True)
+        out = fn(inp)
+        out.backward(torch.ones_like(out))
+        outs.append(out.detach())
+        grads.append([inp.grad] + [p.grad for p in layer.parameters()])
+    assert _rel(outs[0], outs[1]) <= 1e-12
+    assert len(grads[0]) == len(list(layer.parameters())) + 1
+    for a, b in zip(*grads):
+        assert _rel(a, b) <= 1e-10
