@@ -210,10 +210,13 @@ def build_parallel_model(config: TrainConfig, dims: ParallelDims, device: torch.
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # on a one-rank FSDP mesh a "shard" is the whole parameter: resharding after forward would
+    # free only the compute-dtype copy and cast and copy every parameter again in backward
+    reshard = dims.mesh("fsdp").size() > 1
     for part in parts.values():
         model_spec.apply_fsdp(part, dims.mesh("fsdp"), mp_policy,
                               expert_mesh=dims.mesh("expert_fsdp") if config.model.mlp == "moe"
-                              else None)
+                              else None, reshard_after_forward=reshard)
     if config.model.init_from is not None:  # built on meta: materialise, then read this share
         for part in parts.values():
             part.to_empty(device=device)
