@@ -13,7 +13,8 @@ from overlap_runtime.layers.elementwise import (causal_conv_silu_shifted,
                                                 causal_conv_silu_shifted_parts, gdn_gates)
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.mlp import SwiGLU, SwiGLUKernels, swiglu_act, swiglu_act_backward
-from overlap_runtime.layers.norm import RMSNorm, RMSNormGated, add_rms_norm
+from overlap_runtime.layers.norm import (RMSNorm, RMSNormGated, add_rms_norm,
+                                         rms_norm_keep_input)
 
 
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -30,7 +31,8 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
     """Compile the elementwise pieces of ``model`` in place (module docstring); returns it.
 
     Every ``RMSNorm`` / ``RMSNormGated`` is compiled (``nn.Module.compile``), and each
-    ``RMSNorm``'s fused residual add (``RMSNorm.add_forward``) with it; every
+    ``RMSNorm``'s fused residual add and residual pass-through (``RMSNorm.add_forward``,
+    ``RMSNorm.forward_keep_input``) with it; every
     ``GatedDeltaNet`` calls the compiled ``gdn_gates`` and, with ``conv_backend="torch"``, the
     compiled ``causal_conv_silu_shifted`` (``conv_backend="triton"`` keeps its Triton conv),
     and the compiled ``causal_conv_silu_shifted_parts`` for q, k, v written contiguous
@@ -44,6 +46,7 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
             module.compile()
             if isinstance(module, RMSNorm):
                 module.add_norm_fn = compiled(add_rms_norm)
+                module.keep_input_fn = compiled(rms_norm_keep_input)
         elif isinstance(module, GatedDeltaNet):
             if module.conv_backend == "torch":
                 module.conv_fn = compiled(causal_conv_silu_shifted)

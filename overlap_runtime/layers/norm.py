@@ -133,6 +133,60 @@ class AddRMSNormFunction(torch.autograd.Function):
                 d_h if ctx.needs_input_grad[1] else None, d_weight, None)
 
 
+def rms_norm_keep_input_reference(x: torch.Tensor, weight: torch.Tensor, eps: float
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm_reference(x), copy of x)`` as plain ops: under ``torch.compile`` the copy is
+    written by the norm's own kernel and its gradient summed into x's in the backward kernel
+    (an output that were x itself would be an alias the engine accumulates outside)."""
+    return rms_norm_reference(x, weight, eps), x.clone()
+
+
+class RMSNormKeepInputFunction(torch.autograd.Function):
+    """``apply(x, weight, eps) -> (y, r)``: ``y`` the RMS norm of x, ``r`` x itself (a view
+    whose gradient comes back through this node). A pre-norm block reads its input twice (the
+    norm and the residual add); with ``r`` as the residual, the two gradients are summed in
+    fp32 here and rounded once instead of by the engine's separate add.
+    x ``[..., D]``, weight ``[D]``; y, r ``[..., D]`` in x's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        compute = _compute_dtype(x.dtype)
+        xc = x.to(compute)
+        rstd = _rstd(xc, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (weight.to(compute) * (xc * rstd)).to(x.dtype), x
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, dr: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        compute = rstd.dtype
+        xhat = x.to(compute) * rstd
+        dyc = dy.to(compute)
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = (dyc * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            d_xhat = dyc * weight.to(compute)
+            d_x = (dr.to(compute) + rstd * (d_xhat - xhat * (d_xhat * xhat).mean(dim=-1,
+                                                                                 keepdim=True))
+                   ).to(x.dtype)
+        return d_x, d_weight, None
+
+
+def rms_norm_keep_input(x: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x), r)`` with ``r`` equal to x and its gradient summed into x's inside the
+    norm: :class:`RMSNormKeepInputFunction` eagerly, :func:`rms_norm_keep_input_reference`
+    under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return rms_norm_keep_input_reference(x, weight, eps)
+    return RMSNormKeepInputFunction.apply(x, weight, eps)
+
+
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, rmsnorm(h))`` with ``h = residual + delta``: :class:`AddRMSNormFunction` eagerly,
@@ -172,6 +226,7 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.add_norm_fn = add_rms_norm
+        self.keep_input_fn = rms_norm_keep_input
 
     def scale(self) -> torch.Tensor:
         """The multiplier ``[dim]``: ``weight``, or ``1 + weight`` in fp32 (float64 stays)."""
@@ -181,6 +236,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _norm(x, self.scale(), self.eps)
+
+    def forward_keep_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x), r)`` with ``r`` equal to x (``[..., dim]``): a pre-norm block's residual,
+        whose gradient this norm's node sums with its own (:func:`rms_norm_keep_input`;
+        compiled with the module by ``layers.compile``)."""
+        return self.keep_input_fn(x, self.scale(), self.eps)
 
     def add_forward(self, residual: torch.Tensor, delta: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

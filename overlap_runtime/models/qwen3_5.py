@@ -8,8 +8,9 @@
         h = h + mixer(input_layernorm(h))      mixer: GatedDeltaNet ("linear_attention")
                                                       or Qwen3_5Attention ("full_attention")
         h = h + mlp(post_attention_layernorm(h))      mlp: SwiGLU or MoE (config.mlp)
-    (the mixer's residual add and post_attention_layernorm run as one node:
-    RMSNorm.add_forward)
+    (autograd nodes: input_layernorm passes h through as the residual,
+    RMSNorm.forward_keep_input; the mixer's add and post_attention_layernorm are one,
+    RMSNorm.add_forward: each use of h twice gets one summed gradient)
     logits = lm_head(norm(h))                  [B, S, vocab]   (lm_head tied to the embedding
                                                                 if tie_word_embeddings)
 
@@ -111,14 +112,15 @@ class Qwen3_5DecoderLayer(nn.Module):
 
     def _block(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                cu_seqlens: torch.Tensor | None = None, router_pool: Any = None) -> torch.Tensor:
-        x = self.input_layernorm(hidden_states)
+        # the input's two uses (norm, residual) get one gradient: the residual passes through
+        # the norm's node, and the mixer's add and the next norm are one node
+        x, residual = self.input_layernorm.forward_keep_input(hidden_states)
         if self.linear_attn is not None:
             mixed = self.linear_attn(x, cu_seqlens=cu_seqlens)
         else:
             assert self.self_attn is not None
             mixed = self.self_attn(x, position_ids, cu_seqlens=cu_seqlens)
-        # h = hidden_states + mixed and its norm in one node (one gradient for h's two uses)
-        h, y = self.post_attention_layernorm.add_forward(hidden_states, mixed)
+        h, y = self.post_attention_layernorm.add_forward(residual, mixed)
         if router_pool is not None:
             return h + self.mlp(y, router_pool=router_pool)
         return h + self.mlp(y)

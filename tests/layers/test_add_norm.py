@@ -1,15 +1,17 @@
-"""layers.norm.add_rms_norm / RMSNorm.add_forward: the residual add fused with the next norm
-equals the two plain ops (values and every gradient, float64 and fp32), in bf16 sums the two
-gradients of ``h`` once (no worse than the engine's two roundings against float64), and the
-decoder layer uses it without changing its function."""
+"""layers.norm.add_rms_norm / RMSNorm.add_forward (the residual add fused with the next norm)
+and rms_norm_keep_input / RMSNorm.forward_keep_input (the residual passed through the norm's
+node) equal the plain ops (values and every gradient, float64 and fp32); in bf16 they sum the
+two gradients once (no worse than the engine's two roundings against float64); the decoder
+layer uses both without changing its function, and its input then has one consumer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from overlap_runtime.layers.norm import (AddRMSNormFunction, RMSNorm, add_rms_norm,
-                                         add_rms_norm_reference)
+from overlap_runtime.layers.norm import (AddRMSNormFunction, RMSNorm,
+                                         RMSNormKeepInputFunction, add_rms_norm,
+                                         add_rms_norm_reference, rms_norm_keep_input_reference)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,6 +61,32 @@ def test_only_the_wanted_gradients() -> None:
     assert _rel(d.grad, ref[3]) <= 1e-12
 
 
+def _run_keep(fn, x, weight, dy, dr):
+    xx, w = (t.detach().clone().requires_grad_(True) for t in (x, weight))
+    y, r = fn(xx, w, 1e-6)
+    torch.autograd.backward((y, r), (dy, dr))
+    return y.detach(), r.detach(), xx.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_keep_input_equals_the_plain_ops(dtype: torch.dtype, tol: float) -> None:
+    x, _, weight, dy, dr = _inputs(dtype)
+    got = _run_keep(RMSNormKeepInputFunction.apply, x, weight, dy, dr)
+    ref = _run_keep(rms_norm_keep_input_reference, x, weight, dy, dr)
+    assert torch.equal(got[1], x)
+    for name, a, b in zip(("y", "r", "dx", "d_weight"), got, ref):
+        assert a.dtype == b.dtype and _rel(a, b) <= tol, (name, _rel(a, b))
+
+
+def test_keep_input_bf16_no_worse_than_the_engine() -> None:
+    x, _, weight, dy, dr = _inputs(torch.bfloat16, (4, 64, 256))
+    exact = _run_keep(rms_norm_keep_input_reference, *(t.double() for t in (x, weight, dy, dr)))
+    fused = _run_keep(RMSNormKeepInputFunction.apply, x, weight, dy, dr)
+    plain = _run_keep(rms_norm_keep_input_reference, x, weight, dy, dr)
+    for i in range(4):
+        assert _rel(fused[i], exact[i]) <= _rel(plain[i], exact[i]) * 1.05 + 1e-4
+
+
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_module_add_forward_is_add_then_norm(zero_centered: bool) -> None:
     torch.manual_seed(1)
@@ -70,6 +98,8 @@ def test_module_add_forward_is_add_then_norm(zero_centered: bool) -> None:
     h, y = norm.add_forward(residual, delta)
     assert torch.equal(h, residual + delta)
     assert _rel(y, norm(residual + delta)) <= 1e-14
+    y, r = norm.forward_keep_input(residual)
+    assert torch.equal(r, residual) and _rel(y, norm(residual)) <= 1e-14
 
 
 def test_decoder_layer_is_unchanged() -> None:
@@ -100,7 +130,21 @@ def test_decoder_layer_is_unchanged() -> None:
                 stack.extend(f for f, _ in fn.next_functions)
         return {type(fn).__name__ for fn in seen}
 
-    assert "AddRMSNormFunctionBackward" in nodes(layer(x.clone().requires_grad_(True), pos))
+    found = nodes(layer(x.clone().requires_grad_(True), pos))
+    assert {"AddRMSNormFunctionBackward", "RMSNormKeepInputFunctionBackward"} <= found
+    # the layer's input (a node's output here) is read by one node: no engine add for it
+    inp = x.clone().requires_grad_(True) * 1.0
+    out = layer(inp, pos)
+    consumers = 0
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        consumers += sum(1 for f, _ in fn.next_functions if f is inp.grad_fn)
+        stack.extend(f for f, _ in fn.next_functions)
+    assert consumers == 1
     outs, grads = [], []
     for fn in (lambda inp: layer(inp, pos), plain):
         layer.zero_grad(set_to_none=True)
