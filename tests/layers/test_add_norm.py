@@ -157,3 +157,33 @@ def test_decoder_layer_is_unchanged() -> None:
     assert len(grads[0]) == len(list(layer.parameters())) + 1
     for a, b in zip(*grads):
         assert _rel(a, b) <= 1e-10
+
+
+def test_model_backward_sums_no_gradient_in_the_engine() -> None:
+    """In the tiny hybrid (GDN + attention layers, SwiGLU), no autograd node's output is read
+    by two nodes: every pair of gradients is summed inside a node (shared-input projections,
+    the norms' residual nodes), none by the engine's separate add."""
+    from overlap_runtime.trainer import config_from_dict
+    from overlap_runtime.trainer.build import build_model
+
+    cfg = config_from_dict({"model": {
+        "hidden_size": 32, "num_hidden_layers": 4, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8}, "data": {"seq_len": 16, "batch_size": 1}})
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.device("cpu"))
+    loss = model(torch.randint(0, 100, (1, 16))).float().sum()
+    reads: dict[tuple[object, int], int] = {}
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for f, nr in fn.next_functions:
+            if f is not None:
+                reads[(f, nr)] = reads.get((f, nr), 0) + 1
+                stack.append(f)
+    twice = sorted(type(f).__name__ for (f, _), n in reads.items() if n > 1)
+    assert twice == []
