@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from overlap_runtime.layers.core_attention import CoreAttention
+from overlap_runtime.layers.elementwise import sigmoid_gate
 from overlap_runtime.layers.norm import RMSNorm
 from overlap_runtime.layers.rope import apply_partial_rotary, apply_rotary, rotary_dim_for
 from overlap_runtime.layers.segments import apply_per_segment
@@ -86,6 +87,7 @@ class Qwen3_5Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps, norm_zero_centered)
         self.k_norm = RMSNorm(head_dim, norm_eps, norm_zero_centered)
         self.core_attention: nn.Module = CoreAttention(softmax_scale=None, backend=backend)
+        self.gate_fn = sigmoid_gate  # compiled by layers.compile under train.compile
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, stats: CommStats | None = None,
@@ -126,7 +128,7 @@ class Qwen3_5Attention(nn.Module):
                     f"CoreAttention or a core with supports_packed=True; got "
                     f"{type(self.core_attention).__name__}")
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = self.gate_fn(o, gate)
         return self.o_proj(o.reshape(b, s, h * d))
 
 

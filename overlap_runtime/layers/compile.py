@@ -9,8 +9,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from overlap_runtime.layers.attention import Qwen3_5Attention
 from overlap_runtime.layers.elementwise import (causal_conv_silu_shifted,
-                                                causal_conv_silu_shifted_parts, gdn_gates)
+                                                causal_conv_silu_shifted_parts, gdn_gates,
+                                                sigmoid_gate)
 from overlap_runtime.layers.gated_deltanet import GatedDeltaNet
 from overlap_runtime.layers.mlp import SwiGLU, SwiGLUKernels, swiglu_act, swiglu_act_backward
 from overlap_runtime.layers.norm import (RMSNorm, RMSNormGated, add_rms_norm,
@@ -36,7 +38,8 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
     ``GatedDeltaNet`` calls the compiled ``gdn_gates`` and, with ``conv_backend="torch"``, the
     compiled ``causal_conv_silu_shifted`` (``conv_backend="triton"`` keeps its Triton conv),
     and the compiled ``causal_conv_silu_shifted_parts`` for q, k, v written contiguous
-    (``GatedDeltaNet.causal_conv_qkv``); every ``SwiGLU`` runs its elementwise halves
+    (``GatedDeltaNet.causal_conv_qkv``); every ``Qwen3_5Attention`` its output gate
+    (``sigmoid_gate``); every ``SwiGLU`` runs its elementwise halves
     (``silu(g) * u`` and its backward) compiled, one fused pass each.
     Call it before FSDP2 wraps the model (as torchtitan does); the cores and collectives stay
     eager.
@@ -52,6 +55,8 @@ def compile_elementwise(model: nn.Module) -> nn.Module:
                 module.conv_fn = compiled(causal_conv_silu_shifted)
                 module.conv_parts_fn = compiled(causal_conv_silu_shifted_parts)
             module.gates_fn = compiled(gdn_gates)
+        elif isinstance(module, Qwen3_5Attention):
+            module.gate_fn = compiled(sigmoid_gate)
         elif isinstance(module, SwiGLU):
             module.kernels = SwiGLUKernels(compiled(swiglu_act), compiled(swiglu_act_backward))
     return model

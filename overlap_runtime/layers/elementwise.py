@@ -29,6 +29,7 @@ compiled regions; it is what ``train.compile: true`` applies.
   (each token's position in its document) and drop the taps that reach before a document start
   (``F.conv1d`` cannot, so :func:`causal_conv_silu` hands them to the shifted sum).
 - :func:`gdn_gates`: ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
+- :func:`sigmoid_gate`: the attention layer's output gate ``o * sigmoid(gate)``.
 - ``RMSNorm`` / ``RMSNormGated`` modules: compiled in place (``nn.Module.compile``).
 """
 
@@ -151,3 +152,10 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
     gate_dtype = torch.promote_types(a.dtype, torch.float32)  # g is never half precision
     g = -a_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + dt_bias.to(gate_dtype))
     return g, torch.sigmoid(b)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``o * sigmoid(gate)``: the attention layer's output gate (o, gate ``[B, S, H, D]``, one
+    dtype; gate may be a strided view); compiled, one kernel forward and one backward instead of
+    a sigmoid, a product and their backward's four passes over ``[B, S, H, D]``."""
+    return o * torch.sigmoid(gate)
