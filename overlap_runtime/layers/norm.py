@@ -28,6 +28,26 @@ def _rstd(xc: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
+def _rms_backward(xhat: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                  dy: torch.Tensor, extra: torch.Tensor | None, want_x: bool, want_weight: bool,
+                  x_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The RMS norm's gradients from ``dy`` (the compute dtype, any gate already applied):
+    ``d_x`` in ``x_dtype``, with ``extra`` (another gradient of x, or None) summed in the
+    compute dtype before its one rounding, and ``d_weight`` in weight's dtype."""
+    compute = rstd.dtype
+    d_weight = None
+    if want_weight:
+        d_weight = (dy * xhat).reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype)
+    d_x = None
+    if want_x:
+        d_xhat = dy * weight.to(compute)
+        d_x = rstd * (d_xhat - xhat * (d_xhat * xhat).mean(dim=-1, keepdim=True))
+        if extra is not None:
+            d_x = extra.to(compute) + d_x
+        d_x = d_x.to(x_dtype)
+    return d_x, d_weight
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        gate: torch.Tensor | None = None) -> torch.Tensor:
     """``weight * x / rms(x) [* silu(gate)]`` as plain ops in fp32 (float64 stays); x's dtype."""
@@ -74,14 +94,8 @@ class RMSNormFunction(torch.autograd.Function):
                 d_silu = dy * weight.to(compute) * xhat
                 d_gate = (d_silu * sg * (1 + gc * (1 - sg))).to(gate.dtype)
             dy = dy * silu
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            d_weight = (dy * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        d_x = None
-        if ctx.needs_input_grad[0]:
-            d_xhat = dy * weight.to(compute)
-            d_x = (rstd * (d_xhat - xhat * (d_xhat * xhat).mean(dim=-1, keepdim=True))
-                   ).to(x.dtype)
+        d_x, d_weight = _rms_backward(xhat, weight, rstd, dy, None, ctx.needs_input_grad[0],
+                                      ctx.needs_input_grad[1], x.dtype)
         return d_x, d_weight, d_gate, None
 
 
@@ -117,18 +131,9 @@ class AddRMSNormFunction(torch.autograd.Function):
     def backward(ctx: Any, dh: torch.Tensor, dy: torch.Tensor
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         h, weight, rstd = ctx.saved_tensors
-        compute = rstd.dtype
-        hhat = h.to(compute) * rstd
-        dyc = dy.to(compute)
-        d_weight = None
-        if ctx.needs_input_grad[2]:
-            d_weight = (dyc * hhat).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
-        d_h = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            d_hhat = dyc * weight.to(compute)
-            d_h = (dh.to(compute) + rstd * (d_hhat - hhat * (d_hhat * hhat).mean(dim=-1,
-                                                                                 keepdim=True))
-                   ).to(h.dtype)
+        d_h, d_weight = _rms_backward(h.to(rstd.dtype) * rstd, weight, rstd, dy.to(rstd.dtype),
+                                      dh, ctx.needs_input_grad[0] or ctx.needs_input_grad[1],
+                                      ctx.needs_input_grad[2], h.dtype)
         return (d_h if ctx.needs_input_grad[0] else None,
                 d_h if ctx.needs_input_grad[1] else None, d_weight, None)
 
@@ -162,18 +167,9 @@ class RMSNormKeepInputFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor, dr: torch.Tensor
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
-        compute = rstd.dtype
-        xhat = x.to(compute) * rstd
-        dyc = dy.to(compute)
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            d_weight = (dyc * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        d_x = None
-        if ctx.needs_input_grad[0]:
-            d_xhat = dyc * weight.to(compute)
-            d_x = (dr.to(compute) + rstd * (d_xhat - xhat * (d_xhat * xhat).mean(dim=-1,
-                                                                                 keepdim=True))
-                   ).to(x.dtype)
+        d_x, d_weight = _rms_backward(x.to(rstd.dtype) * rstd, weight, rstd, dy.to(rstd.dtype),
+                                      dr, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                      x.dtype)
         return d_x, d_weight, None
 
 

@@ -61,6 +61,22 @@ def test_only_the_wanted_gradients() -> None:
     assert _rel(d.grad, ref[3]) <= 1e-12
 
 
+def _reads(out: torch.Tensor) -> dict[tuple[object, int], int]:
+    """``{(node, output index): how many nodes read it}`` over the autograd graph of ``out``."""
+    reads: dict[tuple[object, int], int] = {}
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for f, nr in fn.next_functions:
+            if f is not None:
+                reads[(f, nr)] = reads.get((f, nr), 0) + 1
+                stack.append(f)
+    return reads
+
+
 def _run_keep(fn, x, weight, dy, dr):
     xx, w = (t.detach().clone().requires_grad_(True) for t in (x, weight))
     y, r = fn(xx, w, 1e-6)
@@ -121,30 +137,12 @@ def test_decoder_layer_is_unchanged() -> None:
         h = inp + layer.linear_attn(layer.input_layernorm(inp))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def nodes(out):
-        seen, stack = set(), [out.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is not None and fn not in seen:
-                seen.add(fn)
-                stack.extend(f for f, _ in fn.next_functions)
-        return {type(fn).__name__ for fn in seen}
-
-    found = nodes(layer(x.clone().requires_grad_(True), pos))
-    assert {"AddRMSNormFunctionBackward", "RMSNormKeepInputFunctionBackward"} <= found
     # the layer's input (a node's output here) is read by one node: no engine add for it
     inp = x.clone().requires_grad_(True) * 1.0
-    out = layer(inp, pos)
-    consumers = 0
-    seen, stack = set(), [out.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        consumers += sum(1 for f, _ in fn.next_functions if f is inp.grad_fn)
-        stack.extend(f for f, _ in fn.next_functions)
-    assert consumers == 1
+    reads = _reads(layer(inp, pos))
+    assert {"AddRMSNormFunctionBackward", "RMSNormKeepInputFunctionBackward"} <= {
+        type(f).__name__ for f, _ in reads}
+    assert reads[(inp.grad_fn, 0)] == 1
     outs, grads = [], []
     for fn in (lambda inp: layer(inp, pos), plain):
         layer.zero_grad(set_to_none=True)
@@ -173,17 +171,6 @@ def test_model_backward_sums_no_gradient_in_the_engine() -> None:
         "linear_value_head_dim": 8}, "data": {"seq_len": 16, "batch_size": 1}})
     torch.manual_seed(0)
     model = build_model(cfg, torch.device("cpu"))
-    loss = model(torch.randint(0, 100, (1, 16))).float().sum()
-    reads: dict[tuple[object, int], int] = {}
-    seen, stack = set(), [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        for f, nr in fn.next_functions:
-            if f is not None:
-                reads[(f, nr)] = reads.get((f, nr), 0) + 1
-                stack.append(f)
+    reads = _reads(model(torch.randint(0, 100, (1, 16))).float().sum())
     twice = sorted(type(f).__name__ for (f, _), n in reads.items() if n > 1)
     assert twice == []
