@@ -9,6 +9,14 @@ a bf16 model needs its bf16 input alone. Eagerly both norms therefore run as aut
 ``1/rms`` ``[..., 1]`` and recompute the rest in backward, in the same fp32 arithmetic. Under
 ``torch.compile`` (``layers.compile``, ``train.compile``) the plain ops are traced instead: the
 compiler's partitioner already keeps only the inputs, and the fused kernels stay its own.
+
+A pre-norm block reads its input twice (the input norm and the residual add) and the mixer's
+sum twice (the next norm and the final add); autograd would sum each pair of gradients in a
+separate add. ``RMSNorm.forward_keep_input`` (:class:`RMSNormKeepInputFunction`) passes the
+residual through the norm's own node and ``RMSNorm.add_forward``
+(:class:`AddRMSNormFunction`) makes the residual add and the norm one node; each sums its
+two gradients in fp32 and rounds once (one backward, ``_rms_backward``, for all three
+nodes). Their plain-op forms (``*_reference``) are what the compiler traces.
 """
 
 from __future__ import annotations
