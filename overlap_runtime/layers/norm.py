@@ -36,6 +36,15 @@ def _rstd(xc: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
+def _rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * x / rms(x), 1/rms [..., 1])``, both in the compute dtype (fp32, float64
+    stays): the forward of :func:`rms_norm_reference` and of every node below."""
+    xc = x.to(_compute_dtype(x.dtype))
+    rstd = _rstd(xc, eps)
+    return weight.to(xc.dtype) * (xc * rstd), rstd
+
+
 def _rms_backward(xhat: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                   dy: torch.Tensor, extra: torch.Tensor | None, want_x: bool, want_weight: bool,
                   x_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -59,11 +68,9 @@ def _rms_backward(xhat: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                        gate: torch.Tensor | None = None) -> torch.Tensor:
     """``weight * x / rms(x) [* silu(gate)]`` as plain ops in fp32 (float64 stays); x's dtype."""
-    compute = _compute_dtype(x.dtype)
-    xc = x.to(compute)
-    out = weight.to(compute) * (xc * _rstd(xc, eps))
+    out, _ = _rms_forward(x, weight, eps)
     if gate is not None:
-        out = out * F.silu(gate.to(compute))
+        out = out * F.silu(gate.to(out.dtype))
     return out.to(x.dtype)
 
 
@@ -77,12 +84,9 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None,
                 eps: float) -> torch.Tensor:
-        compute = _compute_dtype(x.dtype)
-        xc = x.to(compute)
-        rstd = _rstd(xc, eps)
-        out = weight.to(compute) * (xc * rstd)
+        out, rstd = _rms_forward(x, weight, eps)
         if gate is not None:
-            out = out * F.silu(gate.to(compute))
+            out = out * F.silu(gate.to(out.dtype))
         ctx.save_for_backward(x, weight, gate, rstd)
         return out.to(x.dtype)
 
@@ -129,11 +133,9 @@ class AddRMSNormFunction(torch.autograd.Function):
     def forward(ctx: Any, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         h = residual + delta
-        compute = _compute_dtype(h.dtype)
-        hc = h.to(compute)
-        rstd = _rstd(hc, eps)
+        y, rstd = _rms_forward(h, weight, eps)
         ctx.save_for_backward(h, weight, rstd)
-        return h, (weight.to(compute) * (hc * rstd)).to(h.dtype)
+        return h, y.to(h.dtype)
 
     @staticmethod
     def backward(ctx: Any, dh: torch.Tensor, dy: torch.Tensor
@@ -165,11 +167,9 @@ class RMSNormKeepInputFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        compute = _compute_dtype(x.dtype)
-        xc = x.to(compute)
-        rstd = _rstd(xc, eps)
+        y, rstd = _rms_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (weight.to(compute) * (xc * rstd)).to(x.dtype), x
+        return y.to(x.dtype), x
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, dr: torch.Tensor
