@@ -91,7 +91,7 @@ def _unpack(spec: str, into: Path) -> tuple[str, Path]:
     ``into``) or a directory."""
     path = Path(spec)
     if path.is_dir():
-        return ("this tree" if path.resolve() == Path.cwd().resolve() else path.name,
+        return ("worktree" if path.resolve() == Path.cwd().resolve() else path.name,
                 path.resolve())
     if not path.name.endswith(".tgz") or not path.is_file():
         raise SystemExit(f"--tree {spec}: neither a directory nor a .tgz made by `pack`")

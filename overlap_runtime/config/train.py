@@ -24,6 +24,7 @@
       compile: false              # torch.compile norms, GDN conv and gates (layers.compile)
       precision: fp32             # or bf16 (also on the CPU: slow, for numerics studies)
       metrics: null               # path of the metrics JSON (or --metrics)
+      launch_ahead: true          # launch the next step before reading this one's numbers
       validate_step_graph: true   # stepgraph.compile_step proven deadlock-free before step 1
       check_conformance: false    # record step 1 and check it against the step graph
       step_graph_max_tasks: 500000 # a larger step graph is an error while validating (below)
@@ -302,6 +303,8 @@ class TrainSection(_Strict):
     compile: bool = False  # torch.compile the elementwise pieces (layers.compile)
     precision: Literal["fp32", "bf16"] = "fp32"
     log_every: int = Field(1, ge=1)
+    # launch step n+1's forward and backward before step n's numbers are read (trainer.launch_ahead)
+    launch_ahead: bool = True
     validate_step_graph: bool = True  # prove the step's task graph deadlock-free first
     check_conformance: bool = False  # record step 1, check it against the graph (tests)
     step_graph_max_tasks: int = Field(500_000, ge=1)  # larger graphs: validate offline

@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 
 from overlap_runtime.context_parallel.sharding import shard_positions, shard_sequence
+from overlap_runtime.trainer.launch_ahead import to_device
 
 Packing = Literal["concat", "reset_at_document_boundaries"]
 PACKING_MODES: tuple[str, ...] = ("concat", "reset_at_document_boundaries")
@@ -80,8 +81,8 @@ class Batch:
         if self.cu_seqlens is None:
             raise ValueError("packing='reset_at_document_boundaries' needs a batch with "
                              "cu_seqlens (document boundaries)")
-        return {"cu_seqlens": self.cu_seqlens.to(device) if device is not None
-                else self.cu_seqlens}
+        return {"cu_seqlens": to_device(self.cu_seqlens, torch.device(device))
+                if device is not None else self.cu_seqlens}
 
 
 def _document_boundaries(doc_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -42,6 +42,7 @@ from overlap_runtime.config.train import ConfigError, TrainConfig, config_from_d
 from overlap_runtime.launch import spawn
 from overlap_runtime.layers.compile import compile_elementwise
 from overlap_runtime.models.parallelize import parameter_count
+from overlap_runtime.ops.comm import DEFAULT_TIMEOUT_S
 from overlap_runtime.ops.step_record import task_scope
 from overlap_runtime.trainer.build import ParallelModel, build_model, build_parallel_model, ce_sum
 from overlap_runtime.trainer.checkpoint import CheckpointError, Checkpointer
@@ -49,6 +50,8 @@ from overlap_runtime.trainer.data import Batch, build_dataset
 from overlap_runtime.trainer.errors import step_context
 from overlap_runtime.trainer.fsdp_pipeline import GatheredStep
 from overlap_runtime.trainer.grad_norm import clip_grad_norm
+from overlap_runtime.trainer.launch_ahead import (LaunchedStep, queue_scalars, to_device,
+                                                   wait_for)
 from overlap_runtime.trainer.observe import RunObserver, observed_trace
 from overlap_runtime.trainer.parallel_dims import ParallelDims
 from overlap_runtime.trainer.step_check import StepCheck
@@ -114,11 +117,6 @@ def _optimizer(params: list[nn.Parameter], config: TrainConfig
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     return opt, sched
-
-
-def _to_float(x: torch.Tensor) -> float:
-    full = getattr(x, "full_tensor", None)
-    return float(full() if full is not None else x)
 
 
 def format_step(m: StepMetrics, total: int) -> str:
@@ -217,8 +215,8 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
             # every host-to-device copy before the first launch: a copy from pageable memory
             # waits for the stream, so one issued after the forward's launches would leave the
             # GPU idle while the host launches the loss and the backward
-            inputs = (batch.input_ids.to(device), batch.position_ids.to(device))
-            kwargs, labels = batch.model_kwargs(device), batch.labels.to(device)
+            inputs = (to_device(batch.input_ids, device), to_device(batch.position_ids, device))
+            kwargs, labels = batch.model_kwargs(device), to_device(batch.labels, device)
             with task_scope("0F0"):
                 logits = model(*inputs, **kwargs)
                 share = ce_sum(logits, labels) / batch.global_tokens
@@ -226,8 +224,8 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
                 share.backward()
             return share.detach()
         losses: list[torch.Tensor] = []
-        inputs = (batch.input_ids.to(device),) if pm.has_first else ()
-        target = batch.labels.to(device) if pm.has_last else None
+        inputs = (to_device(batch.input_ids, device),) if pm.has_first else ()
+        target = to_device(batch.labels, device) if pm.has_last else None
         with GatheredStep(pm.modules()):
             pm.schedule.step(*inputs, target=target, losses=losses, trace=trace)
         if not losses:
@@ -240,14 +238,25 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
 
     observer: RunObserver | None = None
     try:
+        # the step time's and the metrics' max and sums over ranks on a host-side group: on an
+        # NCCL one the host would read the result only after every launch queued before it
+        # (under launch-ahead, the next step's forward and backward)
+        host_group = (dist.new_group(backend="gloo") if config.train.launch_ahead
+                      and device.type != "cpu" and world > 1 else None)
         observer = RunObserver(config, device, rank, world, pm.modules(), trace,
                                (log or print) if rank == 0 else None, True, acc.comm_timeout_s,
-                               resume_step=resumed.step if resumed else 0)
+                               resume_step=resumed.step if resumed else 0,
+                               host_group=host_group)
+        ahead = config.train.launch_ahead and not observer.reads_forward_state()
         steps = _run(config, optimizer, scheduler, device,
                      lambda s: data.rank_batch(s, coords["dp"], coords["cp"], dims.cp), step_fn,
                      norm_fn, distributed=True, log=observer.line_log(),
                      on_step=observer,
-                     start_step=resumed.step if resumed else 0, after_step=ckpt.after_step)
+                     start_step=resumed.step if resumed else 0, after_step=ckpt.after_step,
+                     launch_ahead=ahead,
+                     drain_after=lambda s: ckpt.due(s, config.train.steps)
+                     or observer.drains_after(s),
+                     time_group=host_group, timeout_s=acc.comm_timeout_s or DEFAULT_TIMEOUT_S)
         ckpt.close()
     finally:
         ckpt.release()  # checkpoint.dir's lock, also when a step failed
@@ -331,8 +340,9 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
         shares = []
         for rows in _row_groups(batch, grad_microbatches):
             # the host-to-device copies before the forward's launches (see train_distributed)
-            inputs = (batch.input_ids[rows].to(device), _rows(batch.position_ids, rows).to(device))
-            kwargs, labels = batch.model_kwargs(device), batch.labels[rows].to(device)
+            inputs = (to_device(batch.input_ids[rows], device),
+                      to_device(_rows(batch.position_ids, rows), device))
+            kwargs, labels = batch.model_kwargs(device), to_device(batch.labels[rows], device)
             logits = compute(*inputs, **kwargs)
             share = ce_sum(logits, labels) / batch.global_tokens
             share.backward()
@@ -355,7 +365,11 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
     try:
         steps = _run(config, optimizer, scheduler, device, data.full_batch, step_fn, norm_fn,
                      distributed=False, log=observer.line_log(), on_step=observer,
-                     start_step=resumed.step if resumed else 0, after_step=ckpt.after_step)
+                     start_step=resumed.step if resumed else 0, after_step=ckpt.after_step,
+                     launch_ahead=config.train.launch_ahead
+                     and not observer.reads_forward_state(),
+                     drain_after=lambda s: ckpt.due(s, config.train.steps)
+                     or observer.drains_after(s))
         ckpt.close()
     finally:
         ckpt.release()  # checkpoint.dir's lock, also when a step failed
@@ -381,7 +395,9 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
          norm_fn: Callable[[], torch.Tensor], distributed: bool, log: Log | None,
          on_step: Callable[[StepMetrics], None] | None = None,
          start_step: int = 0,
-         after_step: Callable[[int, int], None] | None = None) -> list[StepMetrics]:
+         after_step: Callable[[int, int], None] | None = None, *,
+         launch_ahead: bool = False, drain_after: Callable[[int], bool] | None = None,
+         time_group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[StepMetrics]:
     """The steps shared by both runs; returns the metrics every rank agrees on.
 
     ``step_fn`` runs forward and backward and returns this rank's share of the mean loss
@@ -393,19 +409,57 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
     profiler window; it may run collectives, at the same steps on every rank). Steps
     ``start_step + 1 .. train.steps`` run (a resumed run starts after its checkpoint's step);
     ``after_step(step, total)`` runs after each (the checkpointer saves there).
+
+    ``launch_ahead`` (trainer.launch_ahead): step n+1's forward and backward are launched before
+    step n is finished (its numbers read, ``on_step``, the check, ``after_step``); steps where
+    ``drain_after(step)`` is true, and the last, are finished before the next launch. Step times
+    are then host wall times between consecutive finishes. ``time_group``: the process group of
+    the step time's max over ranks (a host-side one, so the host never waits for the device
+    there; None: the default group). ``timeout_s`` bounds each wait for a step's end.
     """
     total = config.train.steps
     if start_step >= total:
         raise CheckpointError(f"the checkpoint is at step {start_step} and train.steps={total}: "
                               f"nothing left to train (raise train.steps)")
     out: list[StepMetrics] = []
+    last_end = 0.0  # host time the previous step finished (or the device was drained)
+
+    def finish(launched: LaunchedStep) -> None:
+        nonlocal last_end
+        wait_for(launched.done, timeout_s, f"training step {launched.step}")
+        now = time.perf_counter()
+        elapsed, last_end = now - last_end, now
+        if distributed and dist.get_world_size(time_group) > 1:
+            t = torch.tensor([elapsed], dtype=torch.float64)
+            if time_group is None:
+                t = t.to(device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=time_group)
+            elapsed = float(t)
+        loss, grad_norm = (float(x) for x in launched.scalars)
+        m = StepMetrics(launched.step, loss, grad_norm, launched.lr, launched.tokens, elapsed,
+                        launched.tokens / elapsed)
+        if on_step is not None:
+            on_step(m)
+        _check_finite(m)
+        out.append(m)
+        if log is not None and (m.step % config.train.log_every == 0 or m.step == total):
+            log(format_step(m, total))
+        if after_step is not None:
+            after_step(m.step, total)
+
+    pending: LaunchedStep | None = None
     for step in range(start_step, total):
         batch = batch_for(step)
-        platform.synchronize(device)
-        t0 = time.perf_counter()
+        if pending is None:  # a drained device: this step's time starts here
+            platform.synchronize(device)
+            last_end = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         with step_context(step + 1):  # a failure names rank, step, stage, action (errors.py)
             share = step_fn(batch)
+        if pending is not None:
+            finish(pending)
+            pending = None
+        with step_context(step + 1):
             norm = norm_fn()
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
@@ -413,23 +467,12 @@ def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
         loss = share.float().reshape(1).clone()
         if distributed:
             dist.all_reduce(loss)
-        grad_norm = _to_float(norm)
-        platform.synchronize(device)
-        elapsed = time.perf_counter() - t0
-        if distributed:
-            t = torch.tensor(elapsed, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            elapsed = float(t)
-        m = StepMetrics(step + 1, float(loss), grad_norm, lr,
-                        batch.global_tokens, elapsed, batch.global_tokens / elapsed)
-        if on_step is not None:
-            on_step(m)
-        _check_finite(m)
-        out.append(m)
-        if log is not None and ((step + 1) % config.train.log_every == 0 or step + 1 == total):
-            log(format_step(m, total))
-        if after_step is not None:
-            after_step(step + 1, total)
+        scalars, done = queue_scalars(loss, norm, device)
+        pending = LaunchedStep(step + 1, lr, batch.global_tokens, scalars, done)
+        if not launch_ahead or step + 1 == total or (drain_after is not None
+                                                     and drain_after(step + 1)):
+            finish(pending)
+            pending = None
     return out
 
 

@@ -158,24 +158,29 @@ class MetricsStream:
         load_stats: the sink the MoE layers count into (None: dense model), reset every step.
         trace: the rank's execution trace of the current step (for ``a2a_overlap``; None:
             ep == 1, no number).
+        group: a host-side (gloo) process group for the per-record all-reduces, whose tensors
+            then stay on the host: reading a device tensor's result would make the host wait for
+            every launch queued before it, the next step's too under launch-ahead. None: the
+            default group, tensors on ``device``. One rank: no all-reduce at all.
     """
 
     def __init__(self, writers: list[Any], log_every: int, total: int, device: torch.device,
                  distributed: bool, flops_per_step: float, peak_flops: float | None,
                  devices: int, load_stats: ExpertLoadStats | None = None,
-                 trace: ExecutionTrace | None = None) -> None:
+                 trace: ExecutionTrace | None = None, group: Any = None) -> None:
         self.writers = writers
         self.log_every, self.total = log_every, total
         self.device, self.distributed = device, distributed
         self.flops_per_step, self.peak_flops, self.devices = flops_per_step, peak_flops, devices
-        self.load_stats, self.trace = load_stats, trace
+        self.load_stats, self.trace, self.group = load_stats, trace, group
         self.records: list[dict[str, Any]] = []  # what rank 0 wrote (tests, summaries)
 
     def _all_reduce(self, values: list[float], op: Any) -> list[float]:
-        if not self.distributed:
+        if not self.distributed or dist.get_world_size(self.group) == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op)
+        device = self.device if self.group is None else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op, group=self.group)
         return t.tolist()
 
     def __call__(self, m: Any) -> None:

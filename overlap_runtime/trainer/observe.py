@@ -80,13 +80,17 @@ class RunObserver:
         timeout_s: bound of the execution-trace gather.
         resume_step: the checkpoint step a resumed run continues after (0: a new run); the
             metric files keep what earlier steps wrote.
+        host_group: a gloo group for the metrics' all-reduces (``MetricsStream``'s ``group``);
+            None: the default group.
     """
 
     def __init__(self, config: TrainConfig, device: torch.device, rank: int, world: int,
                  modules: list[nn.Module], trace: ExecutionTrace | None,
                  log: Callable[[str], None] | None, distributed: bool,
-                 timeout_s: float | None = None, resume_step: int = 0) -> None:
+                 timeout_s: float | None = None, resume_step: int = 0,
+                 host_group: Any = None) -> None:
         total, every = config.train.steps, config.train.log_every
+        self.trace = trace
         self.metrics: MetricsStream | None = None
         self.profiler: ProfilerWindow | None = None
         self.progress: Progress | None = None
@@ -102,7 +106,7 @@ class RunObserver:
                     get_model_spec("qwen3_5").flops_per_step(config.model, config.data.seq_len,
                                                                tokens),
                     device_peak_flops(device), world,
-                    _count_moe_loads(config, modules), overlap_trace)
+                    _count_moe_loads(config, modules), overlap_trace, host_group)
             if rank == 0 and log is not None:
                 mode = resolve_progress_mode(config.metrics.progress)
                 self.progress = Progress(mode, total, every, log)
@@ -136,6 +140,19 @@ class RunObserver:
         }
         return cls(config.model_copy(update=update), device, 0, 1, [model], None, log, False,
                    resume_step=resume_step)
+
+    def reads_forward_state(self) -> bool:
+        """Whether a step's callbacks read what the next step's forward writes (the execution
+        trace, the MoE load counters): then no step is launched before the previous one is
+        finished (trainer.launch_ahead)."""
+        m = self.metrics
+        return self.trace is not None or (m is not None and m.load_stats is not None)
+
+    def drains_after(self, step: int) -> bool:
+        """Whether step ``step`` must be finished before the next launch: the profiler window
+        opens right after it or closes with it (its edges see whole steps)."""
+        p = self.profiler
+        return p is not None and step in (p.start - 1, p.end)
 
     def line_log(self) -> Callable[[str], None] | None:
         """The loop's per-step line printer (None: no lines: not rank 0, bar or off)."""
