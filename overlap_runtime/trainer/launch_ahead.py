@@ -66,9 +66,12 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``x`` on ``device`` without the host waiting for the device's queued work.
 
     A CPU tensor goes through pinned memory with a non-blocking copy (the caching host allocator
-    keeps the pinned block until the copy has run); on the CPU, ``x`` itself.
+    keeps the pinned block until the copy has run); for a CPU ``device``, ``x`` itself; a tensor
+    already on an accelerator is moved with a plain non-blocking ``to``.
     """
-    if device.type == "cpu" or x.device == device:
+    if x.device.type != "cpu":
+        return x.to(device, non_blocking=True)
+    if device.type == "cpu":
         return x
     return x.pin_memory().to(device, non_blocking=True)
 
