@@ -2,10 +2,11 @@
 
 Usage (on the H200; fla-core is optional, see gpu/README.md for the wheels):
     PYTHONPATH=$PWD python3 -m benchmarks.gdn_kernels [--quick] [--seq-lens 8192 16384 ...]
-        [--heads 32] [--dim 128] [--num-segments N ...] [--profile [T ...]]
+        [--heads 32] [--key-heads 16] [--dim 128] [--num-segments N ...] [--profile [T ...]]
         [--no-fla] [--no-eager] [--no-accuracy]
 
-Speed: B=1, H=HV=32, K=V=128, bf16 q/k/v/beta, fp32 g, random initial state, l2norm of q and k
+Speed: B=1, HV=32 value heads (``--heads``), H key heads (``--key-heads``, default HV: grouped
+heads with fewer), K=V=128, bf16 q/k/v/beta, fp32 g, random initial state, l2norm of q and k
 inside the op, chunk 64. For each implementation and T: forward, backward and forward+backward
 medians of ``triton.testing.do_bench(..., return_mode="median")`` after a warm-up call (the
 compile and autotune stay outside), on random inputs; peak memory of one forward+backward above
@@ -41,16 +42,18 @@ MiB = 2**20
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
-def make_inputs(seq_len: int, heads: int, dim: int, device: torch.device, seed: int = 0
-                ) -> dict[str, torch.Tensor]:
+def make_inputs(seq_len: int, heads: int, dim: int, device: torch.device, seed: int = 0,
+                key_heads: int | None = None) -> dict[str, torch.Tensor]:
+    """Random inputs: ``heads`` value heads, ``key_heads`` (default ``heads``) q/k heads."""
+    kh = heads if key_heads is None else key_heads
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device)
 
     return {
-        "q": randn(1, seq_len, heads, dim).bfloat16(),
-        "k": randn(1, seq_len, heads, dim).bfloat16(),
+        "q": randn(1, seq_len, kh, dim).bfloat16(),
+        "k": randn(1, seq_len, kh, dim).bfloat16(),
         "v": randn(1, seq_len, heads, dim).bfloat16(),
         "g": F.logsigmoid(randn(1, seq_len, heads) + 2.0),
         "beta": torch.sigmoid(randn(1, seq_len, heads)).bfloat16(),
@@ -163,8 +166,8 @@ def profile_fwd_bwd(fn: Callable, x: dict[str, torch.Tensor]) -> str:
 
 
 def accuracy(seq_len: int, heads: int, dim: int, device: torch.device,
-             num_segments: int | None) -> dict:
-    x = make_inputs(seq_len, heads, dim, device, seed=2)
+             num_segments: int | None, key_heads: int | None = None) -> dict:
+    x = make_inputs(seq_len, heads, dim, device, seed=2, key_heads=key_heads)
     x["h0"] = x["h0"] * 0.5
     do, dht = cotangents(x, seed=3)
     results = {}
@@ -188,7 +191,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="T=8K and 16K, accuracy at 8K only")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=None)
-    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=32, help="value heads")
+    parser.add_argument("--key-heads", type=int, default=None,
+                        help="q/k heads (a divisor of --heads; default: --heads)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--num-segments", type=int, nargs="+", default=[0],
                         help="segments of our parallel state scan; several values give one "
@@ -200,6 +205,9 @@ def main() -> int:
     parser.add_argument("--no-eager", action="store_true")
     parser.add_argument("--no-accuracy", action="store_true")
     args = parser.parse_args()
+    if args.key_heads is not None and (args.key_heads < 1 or args.heads % args.key_heads):
+        parser.error(f"--key-heads {args.key_heads} must be a positive divisor of --heads "
+                     f"{args.heads}")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -209,7 +217,8 @@ def main() -> int:
     import triton
     segs = [None if n == 0 else n for n in args.num_segments]
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "triton": triton.__version__, "heads": args.heads, "dim": args.dim,
+                    "triton": triton.__version__, "heads": args.heads,
+                    "key_heads": args.key_heads or args.heads, "dim": args.dim,
                     "num_segments": segs, "speed": [], "accuracy": []}
     impls: dict[str, Callable] = {("triton" if n is None else f"triton-ns{n}"): ours(n)
                                   for n in segs}
@@ -223,7 +232,7 @@ def main() -> int:
         impls["eager"] = eager
 
     for seq_len in seq_lens:
-        x = make_inputs(seq_len, args.heads, args.dim, device)
+        x = make_inputs(seq_len, args.heads, args.dim, device, key_heads=args.key_heads)
         for name, fn in impls.items():
             if name == "eager" and seq_len > 16384:
                 continue
@@ -254,7 +263,8 @@ def main() -> int:
         for seq_len in acc_lens:
             row = {"T": seq_len}
             try:
-                row.update(accuracy(seq_len, args.heads, args.dim, device, segs[0]))
+                row.update(accuracy(seq_len, args.heads, args.dim, device, segs[0],
+                                    args.key_heads))
             except Exception as error:  # noqa: BLE001
                 row["error"] = f"{type(error).__name__}: {error}"
                 row["ok"] = False
@@ -264,7 +274,8 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     print(f"\nGDN kernels, {report['device']}, torch {report['torch']}, triton "
-          f"{report['triton']}, B=1 H={args.heads} K=V={args.dim} bf16")
+          f"{report['triton']}, B=1 H={args.key_heads or args.heads} HV={args.heads} "
+          f"K=V={args.dim} bf16")
     print(f"{'impl':8} {'T':>6} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'peak MiB':>9} "
           f"{'f+b vs fla':>10} {'f+b vs eager':>12}")
     by_key = {(r["impl"], r["T"]): r for r in report["speed"]}
