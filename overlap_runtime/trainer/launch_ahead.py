@@ -85,7 +85,8 @@ def queue_scalars(loss: torch.Tensor, norm: torch.Tensor, device: torch.device
                   ) -> tuple[torch.Tensor, Any]:
     """Queue the copy of ``(loss, grad norm)`` (one-element device tensors, any float dtype) to
     host memory behind the work launched so far; returns ``(host [2] float32, event)``."""
-    both = torch.stack([loss.detach().reshape(()).float(), _dense(norm).detach().reshape(()).float()])
+    both = torch.stack([loss.detach().reshape(()).float(),
+                        _dense(norm).detach().reshape(()).float()])
     event = platform.new_event(device)
     if device.type == "cpu":
         return both, event

@@ -247,16 +247,13 @@ def train_distributed(config: TrainConfig, device: torch.device | str = "cpu",
                                (log or print) if rank == 0 else None, True, acc.comm_timeout_s,
                                resume_step=resumed.step if resumed else 0,
                                host_group=host_group)
-        ahead = config.train.launch_ahead and not observer.reads_forward_state()
         steps = _run(config, optimizer, scheduler, device,
                      lambda s: data.rank_batch(s, coords["dp"], coords["cp"], dims.cp), step_fn,
                      norm_fn, distributed=True, log=observer.line_log(),
                      on_step=observer,
                      start_step=resumed.step if resumed else 0, after_step=ckpt.after_step,
-                     launch_ahead=ahead,
-                     drain_after=lambda s: ckpt.due(s, config.train.steps)
-                     or observer.drains_after(s),
-                     time_group=host_group, timeout_s=acc.comm_timeout_s or DEFAULT_TIMEOUT_S)
+                     **_launch_plan(config, observer, ckpt), time_group=host_group,
+                     timeout_s=acc.comm_timeout_s or DEFAULT_TIMEOUT_S)
         ckpt.close()
     finally:
         ckpt.release()  # checkpoint.dir's lock, also when a step failed
@@ -366,10 +363,7 @@ def train_single(config: TrainConfig, device: torch.device | str = "cpu",
         steps = _run(config, optimizer, scheduler, device, data.full_batch, step_fn, norm_fn,
                      distributed=False, log=observer.line_log(), on_step=observer,
                      start_step=resumed.step if resumed else 0, after_step=ckpt.after_step,
-                     launch_ahead=config.train.launch_ahead
-                     and not observer.reads_forward_state(),
-                     drain_after=lambda s: ckpt.due(s, config.train.steps)
-                     or observer.drains_after(s))
+                     **_launch_plan(config, observer, ckpt))
         ckpt.close()
     finally:
         ckpt.release()  # checkpoint.dir's lock, also when a step failed
@@ -387,6 +381,15 @@ def _row_groups(batch: Batch, groups: int) -> list[slice]:
 def _rows(position_ids: torch.Tensor, rows: slice) -> torch.Tensor:
     """Position ids of some rows: ``[s]`` (shared by every row) as is, ``[b, s]`` sliced."""
     return position_ids if position_ids.dim() == 1 else position_ids[rows]
+
+
+def _launch_plan(config: TrainConfig, observer: RunObserver, ckpt: Checkpointer
+                 ) -> dict[str, Any]:
+    """:func:`_run`'s ``launch_ahead`` and ``drain_after`` for a run: launch-ahead as configured
+    unless the observers read what the next forward writes; a step is drained before a
+    checkpoint save and at the profiler window's edges."""
+    return {"launch_ahead": config.train.launch_ahead and not observer.reads_forward_state(),
+            "drain_after": lambda s: ckpt.due(s, config.train.steps) or observer.drains_after(s)}
 
 
 def _run(config: TrainConfig, optimizer: torch.optim.Optimizer,
