@@ -3,12 +3,17 @@
 With ``h`` the state entering the chunk, ``dH`` the gradient of the state leaving it,
 ``dv_new`` the full gradient of the residuals (from the reverse scan) and ``P = dO v_new^T``:
 
-``dqkwg_kernel``, grid ``(K / BK, NT, B * HV)``::
+``dqkwg_kernel``, grid ``(K / BK, NT, B * H)``, for each of the ``G = HV / H`` value heads of
+the key head in turn (q, k tiles loaded once)::
 
     dq  = scale (diag(exp(gamma)) dO h^T + (P * Gamma) K)
     dk  = scale (P * Gamma)^T Q + diag(exp(gamma_C - gamma)) v_new dH^T
     dw  = -dv_new h^T
     dgamma (partial) = q . dq - k . dk  (+ the chunk-end terms on the last valid token)
+
+dw and dgamma are stored per value head; dq and dk are summed over the group in registers and
+stored once per key head in fp32 (``[B, T, H, K]``: half the bytes of per-value-head copies at
+G = 2, read once by what follows).
 
 ``(P * Gamma)^T`` is formed by a second product ``v_new dO^T`` rather than transposing the
 cast result of a product (Triton miscompiles that transpose on Hopper; docs/gdn.md).
@@ -21,14 +26,14 @@ normalised in registers (common.normalised: the norm kernel's bits; no normalise
 ``u = Ainv diag(beta) V`` and ``w = Ainv diag(beta exp(gamma)) K``: dv, the beta and gamma parts,
 and ``dAinv = du (beta V)^T + dw (beta e^gamma K)^T``; through ``Ainv = (I + A)^-1``:
 ``dA = -strict_lower(Ainv^T dAinv Ainv^T)`` (in registers); through
-``A = strict_lower(diag(beta) K K^T * Gamma)``: the A parts of dk, dbeta and dgamma. The fp32 dk
-of dqkwg is read once and gets all three parts (WY, A rows, A columns); with ``NORM_OUT``
-(l2norm in the op and ``H == HV``) whole rows are finished in registers and the l2norm backward
-``dk_raw = rstd (dk - y (y . dk))`` is applied before the one store (in k's dtype), else dk is
-written back in fp32 for the grouped l2norm backward. dgamma's partial sums are added and turned
-into dg by a reverse cumsum inside the chunk. On an H200 at T = 32K (B=1, H=32, K=V=128, bf16)
-it runs 1.39 ms, dk's norm backward included; the two kernels it replaced (dA through memory in
-fp32, dk read-modify-written twice, an ``ieee`` fp32 product) took 2.5 ms without it.
+``A = strict_lower(diag(beta) K K^T * Gamma)``: the A parts of dk, dbeta and dgamma. With one
+value head per key head (``H == HV``) whole rows get dqkwg's dk, both parts and (with the norm)
+the l2norm backward ``dk_raw = rstd (dk - y (y . dk))``, stored once in k's dtype. With
+``H < HV`` the value head's WY and A parts are written alone in fp32 (nothing read back); the
+grouped norm backward adds them to dqkwg's key-head rows. (Summing the group inside this kernel,
+one program per key head, spilled 0.6-0.9 KB per thread on sm_90 and ran 1.03 ms slower at
+B=1 T=32K H=16 HV=32 on an H100.) dgamma's partial sums are added and turned into dg by a
+reverse cumsum inside the chunk.
 """
 
 from __future__ import annotations
@@ -39,44 +44,22 @@ import triton.language as tl
 from .common import autotune_configs, chunk_span, gate_floored, mm, mma, normalised
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["H", "HV", "K", "V", "VARLEN", "NORM"])
 @triton.jit
 def dqkwg_kernel(q, k, q_rstd, k_rstd, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part,
                  chunks, scale, T, NT, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  VARLEN: tl.constexpr, NORM: tl.constexpr):
     i_kb, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
+    i_b, i_h = i_bh // H, i_bh % H
+    G: tl.constexpr = HV // H
     o_i = tl.arange(0, BT)
     t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
     o_t = t0 + o_i
     m_t = o_t < eos
     o_k = i_kb * BK + tl.arange(0, BK)
     DT = k.dtype.element_ty
-    base = ((i_b * NT + i_n) * HV + i_hv).to(tl.int64) * (K * V)
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_p = tl.zeros([BT, BT], dtype=tl.float32)
-    b_pt = tl.zeros([BT, BT], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_vn = tl.load(v_new + off_v, mask=m_t[:, None], other=0.0)
-        b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
-        b_vnt = tl.trans(b_vn)
-        b_dot = tl.trans(b_do)
-        b_dv = tl.load(dv2 + off_v, mask=m_t[:, None], other=0.0)
-        b_ht = tl.load(states + base + o_k[None, :] * V + o_v[:, None])  # [BV, BK]
-        b_dht = tl.load(dhs + base + o_k[None, :] * V + o_v[:, None])
-        b_dq += mm(b_do, b_ht)
-        b_p += mm(b_do, b_vnt)
-        b_pt += mm(b_vn, b_dot)
-        b_dkt += mm(b_vn, b_dht)
-        b_dw += mm(b_dv, b_ht)
-        b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
+    # the key head's q, k tiles, shared by its G value heads
     b_q = tl.load(q + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
@@ -84,61 +67,95 @@ def dqkwg_kernel(q, k, q_rstd, k_rstd, gamma, states, dhs, v_new, dv2, do, dq, d
     if NORM:
         b_q = normalised(b_q, tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0))
         b_k = normalised(b_k, tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0))
-    # padded tokens (t >= eos) take the last token's gamma: every exponent below stays <= 0
-    # (with gamma 0 there, 0 - gamma_j overflowed to inf once a partial chunk's gates summed
-    # below -88, and inf * 0 = NaN reached dk)
-    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
-    last = tl.minimum(t0 + BT, eos) - 1
-    g_last = tl.load(gamma + (i_b * T + last) * HV + i_hv)
-    causal = o_i[:, None] >= o_i[None, :]
-    b_p = tl.where(causal, b_p * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], 0.0)),
-                   0.0) * scale
-    later = o_i[None, :] >= o_i[:, None]
-    b_pt = tl.where(later, b_pt * tl.exp(tl.where(later, b_gam[None, :] - b_gam[:, None], 0.0)),
-                    0.0) * scale
-    b_dq = b_dq * (scale * tl.exp(b_gam))[:, None] + mm(b_p.to(DT), b_k)
-    b_dko = mm(b_pt.to(DT), b_q)
-    b_dkt = b_dkt * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
     b_qf = b_q.to(tl.float32)
     b_kf = b_k.to(tl.float32)
-    b_tail = tl.sum(b_kf * b_dkt, axis=1)
-    b_dgam = tl.sum(b_qf * b_dq, axis=1) - tl.sum(b_kf * b_dko, axis=1) - b_tail
-    end_term = tl.sum(b_tail, axis=0) + tl.exp(g_last) * tl.sum(b_hdh, axis=0)
-    b_dgam += tl.where(o_t == last, end_term, 0.0)
-    off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-    tl.store(dq + off_k, b_dq, mask=m_t[:, None])
-    tl.store(dk + off_k, b_dko + b_dkt, mask=m_t[:, None])
-    tl.store(dw + off_k, (-b_dw).to(dw.dtype.element_ty), mask=m_t[:, None])
-    tl.store(dg_part + ((i_kb * B + i_b) * T + o_t) * HV + i_hv, b_dgam, mask=m_t)
+    last = tl.minimum(t0 + BT, eos) - 1
+    causal = o_i[:, None] >= o_i[None, :]
+    later = o_i[None, :] >= o_i[:, None]
+    # dq, dk of the key head: sums over its value heads
+    b_dq_h = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk_h = tl.zeros([BT, BK], dtype=tl.float32)
+    for j in range(G):
+        i_hv = i_h * G + j
+        base = ((i_b * NT + i_n) * HV + i_hv).to(tl.int64) * (K * V)
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dkt = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        b_p = tl.zeros([BT, BT], dtype=tl.float32)
+        b_pt = tl.zeros([BT, BT], dtype=tl.float32)
+        b_hdh = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+            b_vn = tl.load(v_new + off_v, mask=m_t[:, None], other=0.0)
+            b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
+            b_vnt = tl.trans(b_vn)
+            b_dot = tl.trans(b_do)
+            b_dv = tl.load(dv2 + off_v, mask=m_t[:, None], other=0.0)
+            b_ht = tl.load(states + base + o_k[None, :] * V + o_v[:, None])  # [BV, BK]
+            b_dht = tl.load(dhs + base + o_k[None, :] * V + o_v[:, None])
+            b_dq += mm(b_do, b_ht)
+            b_p += mm(b_do, b_vnt)
+            b_pt += mm(b_vn, b_dot)
+            b_dkt += mm(b_vn, b_dht)
+            b_dw += mm(b_dv, b_ht)
+            b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
+        # padded tokens (t >= eos) take the last token's gamma: every exponent below stays <= 0
+        # (with gamma 0 there, 0 - gamma_j overflowed to inf once a partial chunk's gates summed
+        # below -88, and inf * 0 = NaN reached dk)
+        b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
+        g_last = tl.load(gamma + (i_b * T + last) * HV + i_hv)
+        b_p = tl.where(causal, b_p * tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :],
+                                                     0.0)), 0.0) * scale
+        b_pt = tl.where(later, b_pt * tl.exp(tl.where(later, b_gam[None, :] - b_gam[:, None],
+                                                      0.0)), 0.0) * scale
+        b_dq = b_dq * (scale * tl.exp(b_gam))[:, None] + mm(b_p.to(DT), b_k)
+        b_dko = mm(b_pt.to(DT), b_q)
+        b_dkt = b_dkt * tl.where(m_t, tl.exp(g_last - b_gam), 0.0)[:, None]
+        b_tail = tl.sum(b_kf * b_dkt, axis=1)
+        b_dgam = tl.sum(b_qf * b_dq, axis=1) - tl.sum(b_kf * b_dko, axis=1) - b_tail
+        end_term = tl.sum(b_tail, axis=0) + tl.exp(g_last) * tl.sum(b_hdh, axis=0)
+        b_dgam += tl.where(o_t == last, end_term, 0.0)
+        off_w = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        tl.store(dw + off_w, (-b_dw).to(dw.dtype.element_ty), mask=m_t[:, None])
+        tl.store(dg_part + ((i_kb * B + i_b) * T + o_t) * HV + i_hv, b_dgam, mask=m_t)
+        b_dq_h += b_dq
+        b_dk_h += b_dko + b_dkt
+    off_k = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+    tl.store(dq + off_k, b_dq_h, mask=m_t[:, None])
+    tl.store(dk + off_k, b_dk_h, mask=m_t[:, None])
 
 
 @triton.jit
 def _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta, b_bk, b_knr,
-              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
-    """Columns ``o_k`` of the full key gradient of one chunk (fp32 ``[BT, len(o_k)]``): dqkwg's
-    part, the WY part ``diag(beta e^gamma) Ainv^T dw`` and both A parts ``diag(beta) dM K``,
-    ``dM^T diag(beta) K`` (``dM`` the decayed gradient of A)."""
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+              ADD_DK: tl.constexpr):
+    """Columns ``o_k`` of one value head's key gradient of one chunk (fp32 ``[BT, len(o_k)]``):
+    the WY part ``diag(beta e^gamma) Ainv^T dw`` and both A parts ``diag(beta) dM K``,
+    ``dM^T diag(beta) K`` (``dM`` the decayed gradient of A); with ``ADD_DK`` plus dqkwg's key-head
+    rows of ``dk``."""
     DT = k.dtype.element_ty
     b_k = tl.load(k + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None], other=0.0)
     if NORM:
         b_k = normalised(b_k, b_knr)
-    off_k = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-    b_dk = tl.load(dk + off_k, mask=m_t[:, None], other=0.0)
-    b_dk += mm(b_atd, tl.load(dw + off_k, mask=m_t[:, None], other=0.0)) * b_bk[:, None]
+    off_w = ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+    b_dk = mm(b_atd, tl.load(dw + off_w, mask=m_t[:, None], other=0.0)) * b_bk[:, None]
+    if ADD_DK:
+        b_dk += tl.load(dk + ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                        mask=m_t[:, None], other=0.0)
     b_dk += mm(b_dmd, b_k) * b_beta[:, None]
     b_dk += tl.trans(mm(tl.trans((b_k * b_beta[:, None]).to(DT)), b_dmd))
     return b_dk
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "NORM_OUT", "VARLEN", "NORM"],
-                 restore_value=["dk"])
+@triton.autotune(configs=autotune_configs(), key=["H", "HV", "K", "V", "VARLEN", "NORM"])
 @triton.jit
-def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbeta, dg, kraw,
-                      k_rstd, dk_out, chunks, T, B, H: tl.constexpr, HV: tl.constexpr,
+def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbeta, dg, k_rstd,
+                      dk_out, chunks, T, B, H: tl.constexpr, HV: tl.constexpr,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, SLOTS: tl.constexpr, NORM_OUT: tl.constexpr,
-                      VARLEN: tl.constexpr, NORM: tl.constexpr):
+                      BV: tl.constexpr, SLOTS: tl.constexpr, VARLEN: tl.constexpr,
+                      NORM: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -202,23 +219,26 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
     b_z = b_z * b_beta[:, None]
     b_dgam += tl.sum(b_z, axis=1) - tl.sum(b_z, axis=0)
     b_dmd = b_dm.to(DT)
-    if NORM_OUT:
-        # whole rows: dk of the normalised keys, then the l2norm backward
-        # dk_raw = rstd (dk - y (y . dk)), y = k_raw rstd (H == HV: no sum over value heads)
+    if H == HV:
+        # one value head per key head: whole rows, dqkwg's part added, then (with the norm) the
+        # l2norm backward dk_raw = rstd (dk - y (y . dk)), y = k_raw rstd; stored in k's dtype
         o_k = tl.arange(0, K)
         b_dk = _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
-                         b_bk, b_knr, H, HV, K, NORM)
-        b_r = tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0)
+                         b_bk, b_knr, H, HV, K, NORM, True)
         off_raw = ((i_b * T + o_t[:, None]) * H + i_h) * K + o_k[None, :]
-        b_y = tl.load(kraw + off_raw, mask=m_t[:, None], other=0.0).to(tl.float32) * b_r[:, None]
-        b_dk = b_r[:, None] * (b_dk - b_y * tl.sum(b_y * b_dk, axis=1)[:, None])
+        if NORM:
+            b_y = tl.load(k + off_raw, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_y = b_y * b_knr[:, None]
+            b_dk = b_knr[:, None] * (b_dk - b_y * tl.sum(b_y * b_dk, axis=1)[:, None])
         tl.store(dk_out + off_raw, b_dk.to(dk_out.dtype.element_ty), mask=m_t[:, None])
     else:
+        # this value head's parts alone, fp32, for the grouped norm backward (which adds
+        # dqkwg's key-head rows): nothing read back
         for i_k in range(K // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             b_dk = _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
-                             b_bk, b_knr, H, HV, K, NORM)
-            tl.store(dk + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_dk,
+                             b_bk, b_knr, H, HV, K, NORM, False)
+            tl.store(dk_out + ((i_b * T + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_dk,
                      mask=m_t[:, None])
     off = (i_b * T + o_t) * HV + i_hv
     tl.store(dbeta + off, b_db.to(dbeta.dtype.element_ty), mask=m_t)

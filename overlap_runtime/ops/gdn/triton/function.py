@@ -41,11 +41,13 @@ Backward::
     dv_local              scale (Q K^T * Gamma)^T dO                      grid (NT, B*HV)
     reverse scan          NS > 1: segment-local state gradients c_s from zero, the chain
                           dH_(s) = M_s^T dH_(s+1) + c_s, then every segment's reverse walk
-    dqkwg                 dq, dk (output and chunk-end parts), dw, dgamma  grid (K/BK, NT, B*HV)
-    wy_kkt_bwd            dv, dk (WY and A parts), dbeta, dg (reverse cumsum)  grid (NT, B*HV)
-                          (and dk's norm backward when H == HV)
-    l2norm_bwd            sum over the value heads of each key head, norm backward (dq; dk
-                          when H < HV)
+    dqkwg                 dw, dgamma per value head; dq, dk (output and chunk-end parts)
+                          summed over each key head's value heads  grid (K/BK, NT, B*H)
+    wy_kkt_bwd            dv, dbeta, dg (reverse cumsum); dk: H == HV: finished in the kernel
+                          (dqkwg's rows + the WY and A parts + the norm backward); H < HV:
+                          each value head's WY and A parts                  grid (NT, B*HV)
+    l2norm_bwd            norm backward of dq; with H < HV also of dk: dqkwg's key-head rows
+                          plus the sum of the value heads' parts
 
 Packed variable-length sequences (``cu_seqlens``, varlen.py): ``B = 1``, offsets int32 or
 int64 ``[N + 1]`` from 0 to T (empty sequences allowed); the state restarts at every offset;
@@ -597,12 +599,13 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     bv = min(64, value_dim)
     slots = key_dim // bk
     f32 = dict(device=q.device, dtype=torch.float32)
-    dq_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
-    dk_v = torch.empty(batch, seq_len, num_value_heads, key_dim, **f32)
+    # dq, dk of the key heads (dqkwg sums them over their value heads), fp32
+    dq_h = torch.empty(batch, seq_len, heads, key_dim, **f32)
+    dk_h = torch.empty(batch, seq_len, heads, key_dim, **f32)
     dw = torch.empty_like(w)
     dg_part = torch.empty(slots, batch, seq_len, num_value_heads, **f32)
-    dqkwg_kernel[(key_dim // bk, num_chunks, bh)](
-        q, k, *(rstd or (dw, dw)), gamma, states, dhs, v_new, dv2, do, dq_v, dk_v, dw, dg_part,
+    dqkwg_kernel[(key_dim // bk, num_chunks, batch * heads)](
+        q, k, *(rstd or (dw, dw)), gamma, states, dhs, v_new, dv2, do, dq_h, dk_h, dw, dg_part,
         chunks if chunks is not None else dw, scale, seq_len, num_chunks, batch, H=heads,
         HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
         VARLEN=chunks is not None, NORM=rstd is not None,
@@ -611,18 +614,19 @@ def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: tor
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     dg = torch.empty(batch, seq_len, num_value_heads, **f32)
-    # with the norm in the op and one value head per key head, the kernel finishes dk itself
-    norm_out = k_rstd is not None and heads == num_value_heads
-    dk = torch.empty_like(k) if norm_out else dk_v
+    # one value head per key head: the kernel finishes dk (norm backward included); else it
+    # writes each value head's WY and A parts, and the grouped norm backward adds dqkwg's rows
+    finish = heads == num_value_heads
+    dk_out = (torch.empty_like(k) if finish
+              else torch.empty(batch, seq_len, num_value_heads, key_dim, **f32))
     wy_kkt_bwd_kernel[(num_chunks, bh)](
-        k, v, beta, g, gamma, ainv, dv2, dw, dv, dk_v, dg_part, dbeta, dg, k,
-        dbeta if k_rstd is None else k_rstd, dk, chunks if chunks is not None else dg, seq_len,
-        batch, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk, BV=bv,
-        SLOTS=slots, NORM_OUT=norm_out, VARLEN=chunks is not None, NORM=rstd is not None,
+        k, v, beta, g, gamma, ainv, dv2, dw, dv, dk_h, dg_part, dbeta, dg,
+        dbeta if k_rstd is None else k_rstd, dk_out, chunks if chunks is not None else dg,
+        seq_len, batch, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK, BK=bk,
+        BV=bv, SLOTS=slots, VARLEN=chunks is not None, NORM=rstd is not None,
     )
-    dq = l2norm_group_backward(q, q_rstd, dq_v)
-    if not norm_out:
-        dk = l2norm_group_backward(k, k_rstd, dk_v)
+    dq = l2norm_group_backward(q, q_rstd, dq_h)
+    dk = dk_out if finish else l2norm_group_backward(k, k_rstd, dk_out, base=dk_h)
     if layout is None:
         dh0 = dh_start[:, 0].reshape(batch, num_value_heads, key_dim, value_dim)
     else:

@@ -5,7 +5,8 @@ value heads that share a key head.
 reference's epsilon, inside the root), y in x's dtype, ``rstd`` fp32 per row. The kernels that
 read the raw q, k with their 1/norms instead (the fused forward's prep, the backward) normalise
 their tiles with the same operations (common.normalised): ``x * rstd`` and its cast, y's bits.
-``l2norm_bwd_kernel``, same grid: ``dy = sum over the G value heads of the key head``, then
+``l2norm_bwd_kernel``, same grid: ``dy = base + sum over the G value heads of the key head``
+(``base``: a gradient already summed per key head, optional), then
 ``dx = rstd (dy - y (y . dy))`` with ``y = x rstd`` recomputed in fp32 (or ``dx = dy`` without
 the norm); dx in x's dtype.
 """
@@ -33,12 +34,15 @@ def l2norm_fwd_kernel(x, y, rstd, R, D: tl.constexpr, BR: tl.constexpr, EPS: tl.
 
 
 @triton.jit
-def l2norm_bwd_kernel(x, rstd, dyg, dx, R, D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr,
-                      NORM: tl.constexpr):
+def l2norm_bwd_kernel(x, rstd, dyg, base, dx, R, D: tl.constexpr, G: tl.constexpr,
+                      BR: tl.constexpr, NORM: tl.constexpr, BASE: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < R
     o_d = tl.arange(0, D)
-    b_dy = tl.zeros([BR, D], dtype=tl.float32)
+    if BASE:
+        b_dy = tl.load(base + o_r[:, None] * D + o_d[None, :], mask=m_r[:, None], other=0.0)
+    else:
+        b_dy = tl.zeros([BR, D], dtype=tl.float32)
     for i in range(G):
         b_dy += tl.load(dyg + (o_r[:, None] * G + i) * D + o_d[None, :], mask=m_r[:, None],
                         other=0.0)
@@ -69,14 +73,16 @@ def l2norm_forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y, rstd
 
 
-def l2norm_group_backward(x: torch.Tensor, rstd: torch.Tensor | None, dy_value_heads: torch.Tensor
-                          ) -> torch.Tensor:
+def l2norm_group_backward(x: torch.Tensor, rstd: torch.Tensor | None, dy_value_heads: torch.Tensor,
+                          base: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient of the (normalised, grouped) input.
 
     Args:
         x: ``[B, T, H, D]`` the raw input (before the norm).
         rstd: ``[B, T, H]`` fp32 from :func:`l2norm_forward`, or None when no norm was applied.
         dy_value_heads: ``[B, T, HV, D]`` fp32 gradient per value head (HV = G H).
+        base: ``[B, T, H, D]`` fp32 gradient already summed per key head, added to the group's
+            sum (None: nothing).
 
     Returns:
         ``dx [B, T, H, D]`` in x's dtype.
@@ -87,7 +93,7 @@ def l2norm_group_backward(x: torch.Tensor, rstd: torch.Tensor | None, dy_value_h
     dx = torch.empty_like(x)
     block = _rows(dim)
     l2norm_bwd_kernel[(triton.cdiv(rows, block),)](
-        x, rstd if rstd is not None else x, dy_value_heads, dx, rows, D=dim, G=group, BR=block,
-        NORM=rstd is not None,
+        x, rstd if rstd is not None else x, dy_value_heads, base if base is not None else x, dx,
+        rows, D=dim, G=group, BR=block, NORM=rstd is not None, BASE=base is not None,
     )
     return dx
