@@ -41,10 +41,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, chunk_span, gate_floored, mm, mma, normalised
+from .common import SCAN_PAIRS, autotune_configs, chunk_span, gate_floored, mm, mma, normalised
 
 
-@triton.autotune(configs=autotune_configs(), key=["H", "HV", "K", "V", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(SCAN_PAIRS), key=["H", "HV", "K", "V", "VARLEN", "NORM"])
 @triton.jit
 def dqkwg_kernel(q, k, q_rstd, k_rstd, gamma, states, dhs, v_new, dv2, do, dq, dk, dw, dg_part,
                  chunks, scale, T, NT, B, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -149,7 +149,7 @@ def _dk_block(k, dw, dk, o_t, m_t, o_k, i_b, i_h, i_hv, T, b_atd, b_dmd, b_beta,
     return b_dk
 
 
-@triton.autotune(configs=autotune_configs(), key=["H", "HV", "K", "V", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(SCAN_PAIRS), key=["H", "HV", "K", "V", "VARLEN", "NORM"])
 @triton.jit
 def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbeta, dg, k_rstd,
                       dk_out, chunks, T, B, H: tl.constexpr, HV: tl.constexpr,

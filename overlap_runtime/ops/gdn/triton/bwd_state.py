@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (autotune_configs, chunk_span, mm, mma, normalised, normalised_cols,
-                     segment_span)
+from .common import (SCAN_PAIRS, autotune_configs, chunk_span, mm, mma, normalised,
+                     normalised_cols, segment_span)
 
 
 @triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "NORM"])
@@ -68,7 +68,7 @@ def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
                  mask=m_t[:, None])
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "STORE", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(SCAN_PAIRS), key=["K", "V", "STORE", "VARLEN", "NORM"])
 @triton.jit
 def bwd_scan_kernel(q, k, q_rstd, k_rstd, w, gamma, do, dv_local, dh_init, dhs, dv2, dh_start,
                     chunks, segs, scale, T, NT, L, NS, S0, H: tl.constexpr, HV: tl.constexpr,

@@ -146,6 +146,14 @@ def segment_span(segs, i_s, i_bh, i_hv, L, NT, NS, HV: tl.constexpr, VARLEN: tl.
 AUTOTUNE_ENV = "OVERLAP_RUNTIME_GDN_AUTOTUNE"
 
 
+#: the launch configurations of the kernels with a loop over tiles (the state walks, dqkwg,
+#: wy_kkt_bwd): the default list and 3 stages (they prefetch the next iteration's tiles while
+#: its products run; the walks on sm_90: spill-free at 4 and 8 warps, up to 182 KB of shared
+#: memory; 4 stages need up to 249 KB, over the 227 KB a block may have)
+SCAN_PAIRS: tuple[tuple[int, int], ...] = ((8, 2), (2, 2), (4, 1), (4, 2), (8, 1), (4, 3),
+                                           (8, 3))
+
+
 def autotune_configs(pairs: tuple[tuple[int, int], ...] = ((8, 2), (2, 2), (4, 1), (4, 2), (8, 1))
                      ) -> list[triton.Config]:
     """Launch configurations ``(num_warps, num_stages)`` to try on a GPU (few: each costs a

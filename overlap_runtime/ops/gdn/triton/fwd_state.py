@@ -25,10 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import autotune_configs, chunk_span, mm, mm_f32x3, mma, segment_span
+from .common import SCAN_PAIRS, autotune_configs, chunk_span, mm, mm_f32x3, mma, segment_span
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "BV", "SUMMARY", "VARLEN"])
+@triton.autotune(configs=autotune_configs(SCAN_PAIRS), key=["K", "V", "BV", "SUMMARY", "VARLEN"])
 @triton.jit
 def fwd_scan_kernel(k, w, u, gamma, h_init, states, v_new, h_end, m_sum, s_sum, chunks, segs,
                     T, NT, L, NS, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
