@@ -1,7 +1,8 @@
 """Backward state kernels: the local value gradient and the reverse state-gradient scan.
 
-``dv_local_kernel``, grid ``(NT, B * HV)``: ``dv_local = scale (Q K^T * Gamma)^T dO`` per chunk
-(the part of dv_new's gradient that does not depend on the state gradient), in dO's dtype.
+``dv_local_kernel``, grid ``(NT, B * H)``: ``dv_local = scale (Q K^T * Gamma)^T dO`` per chunk
+(the part of dv_new's gradient that does not depend on the state gradient), in dO's dtype;
+one program per key head walks its ``HV / H`` value heads with the raw ``K Q^T`` formed once.
 
 Both read q, k as given, or with ``NORM`` the raw q, k and their 1/norms, normalising each
 loaded tile (common.normalised: the same bits as the norm kernel's copy, which is not written).
@@ -30,15 +31,15 @@ from .common import (SCAN_PAIRS, autotune_configs, chunk_span, mm, mma, normalis
                      normalised_cols, segment_span)
 
 
-@triton.autotune(configs=autotune_configs(), key=["K", "V", "VARLEN", "NORM"])
+@triton.autotune(configs=autotune_configs(), key=["H", "HV", "K", "V", "VARLEN", "NORM"])
 @triton.jit
 def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BT: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr,
                     NORM: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
+    i_b, i_h = i_bh // H, i_bh % H
+    G: tl.constexpr = HV // H
     t0, eos = chunk_span(chunks, i_n, T, BT, VARLEN)
     o_i = tl.arange(0, BT)
     o_t = t0 + o_i
@@ -52,20 +53,24 @@ def dv_local_kernel(q, k, q_rstd, k_rstd, gamma, do, dv_local, chunks, scale, T,
     if NORM:
         b_q = normalised(b_q, tl.load(q_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0))
         b_k = normalised(b_k, tl.load(k_rstd + (i_b * T + o_t) * H + i_h, mask=m_t, other=0.0))
-    # padded tokens (t >= eos) take the last token's gamma, so no exponent is positive (gamma 0
-    # there overflowed to inf once a partial chunk's gates summed below -88: inf * 0 = NaN)
-    b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
-    # (K Q^T)[j, i] for i >= j: the transposed intra-chunk attention, built directly
+    # (K Q^T)[j, i] for i >= j: the transposed intra-chunk attention, built directly, once for
+    # the key head's G value heads
     later = o_i[None, :] >= o_i[:, None]
-    b_kq = mm(b_k, tl.trans(b_q))
-    b_kq = tl.where(later, b_kq * tl.exp(tl.where(later, b_gam[None, :] - b_gam[:, None], 0.0)),
-                    0.0) * scale
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
-        b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
-        tl.store(dv_local + off_v, mm(b_kq.to(DT), b_do).to(dv_local.dtype.element_ty),
-                 mask=m_t[:, None])
+    b_kq_raw = mm(b_k, tl.trans(b_q))
+    for j in range(G):
+        i_hv = i_h * G + j
+        # padded tokens (t >= eos) take the last token's gamma, so no exponent is positive
+        # (gamma 0 there overflowed to inf once a partial chunk's gates summed below -88:
+        # inf * 0 = NaN)
+        b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)
+        b_kq = tl.where(later, b_kq_raw * tl.exp(tl.where(later, b_gam[None, :]
+                                                          - b_gam[:, None], 0.0)), 0.0) * scale
+        for i_v in range(V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            off_v = ((i_b * T + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+            b_do = tl.load(do + off_v, mask=m_t[:, None], other=0.0).to(DT)
+            tl.store(dv_local + off_v, mm(b_kq.to(DT), b_do).to(dv_local.dtype.element_ty),
+                     mask=m_t[:, None])
 
 
 @triton.autotune(configs=autotune_configs(SCAN_PAIRS), key=["K", "V", "STORE", "VARLEN", "NORM"])

@@ -312,7 +312,7 @@ def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.
     num_value_heads, value_dim = do.shape[2], do.shape[3]
     out = torch.empty_like(do)
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
-    dv_local_kernel[(num_chunks, batch * num_value_heads)](
+    dv_local_kernel[(num_chunks, batch * heads)](
         qn, kn, *(rstd or (out, out)), gamma, do, out, chunks if chunks is not None else out,
         scale, seq_len, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
         BV=_block(key_dim, value_dim), VARLEN=chunks is not None, NORM=rstd is not None,
@@ -438,7 +438,7 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         link.leaving_state(final)
     o = torch.empty_like(v)
     bv = _block(key_dim, value_dim)
-    output_kernel[(value_dim // bv, num_chunks, bh)](
+    output_kernel[(value_dim // bv, num_chunks, batch * heads)](
         prep["qn"], kn, gamma, states, v_new, o, o if layout is None else layout.chunks, scale,
         seq_len, num_chunks, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
         BV=bv, VARLEN=layout is not None,
