@@ -80,18 +80,27 @@ def _store_rstd(k_rstd, r, i_b, i_h, row0, T, eos, H: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(a):
-    """``(I + a)^-1`` of a strictly lower ``[16, 16]`` fp32 block, by forward substitution:
-    row r of the inverse is ``e_r - sum_{c < r} a_rc inv_c``, rows taken in order."""
+def _unit_lower_inverse4(a0, a1, a2, a3):
+    """``(I + a)^-1`` of four strictly lower ``[16, 16]`` fp32 blocks, by forward substitution:
+    row r of an inverse is ``e_r - sum_{c < r} a_rc inv_c``, rows taken in order. One loop
+    updates row r of all four blocks (independent chains: their latencies overlap instead of
+    running one block after the other)."""
     o = tl.arange(0, 16)
     o_row = o[:, None]
-    inv = tl.where(o_row == o[None, :], 1.0, 0.0)
+    eye = tl.where(o_row == o[None, :], 1.0, 0.0)
+    inv0, inv1, inv2, inv3 = eye, eye, eye, eye
     for r in range(1, 16):
         at_r = o_row == r
-        a_r = tl.sum(tl.where(at_r, a, 0.0), axis=0)
-        row = tl.where(o == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inv, axis=0)
-        inv = tl.where(at_r, row[None, :], inv)
-    return inv
+        e_r = tl.where(o == r, 1.0, 0.0)
+        r0 = e_r - tl.sum(tl.sum(tl.where(at_r, a0, 0.0), axis=0)[:, None] * inv0, axis=0)
+        r1 = e_r - tl.sum(tl.sum(tl.where(at_r, a1, 0.0), axis=0)[:, None] * inv1, axis=0)
+        r2 = e_r - tl.sum(tl.sum(tl.where(at_r, a2, 0.0), axis=0)[:, None] * inv2, axis=0)
+        r3 = e_r - tl.sum(tl.sum(tl.where(at_r, a3, 0.0), axis=0)[:, None] * inv3, axis=0)
+        inv0 = tl.where(at_r, r0[None, :], inv0)
+        inv1 = tl.where(at_r, r1[None, :], inv1)
+        inv2 = tl.where(at_r, r2[None, :], inv2)
+        inv3 = tl.where(at_r, r3[None, :], inv3)
+    return inv0, inv1, inv2, inv3
 
 
 @triton.jit
@@ -162,10 +171,7 @@ def kkt_solve_kernel(k, g, beta, gamma, ainv, k_rstd, chunks, T, H: tl.constexpr
     a31 = _kkt_block(k3, k1, c3, c1, b3, False)
     a32 = _kkt_block(k3, k2, c3, c2, b3, False)
 
-    t00 = _unit_lower_inverse(a00)
-    t11 = _unit_lower_inverse(a11)
-    t22 = _unit_lower_inverse(a22)
-    t33 = _unit_lower_inverse(a33)
+    t00, t11, t22, t33 = _unit_lower_inverse4(a00, a11, a22, a33)
     t10 = -mm_f32x3(t11, mm_f32x3(a10, t00))
     t21 = -mm_f32x3(t22, mm_f32x3(a21, t11))
     t32 = -mm_f32x3(t33, mm_f32x3(a32, t22))
