@@ -206,11 +206,10 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
         b_rk = tl.sum(mm(b_atd, b_dwb) * b_k.to(tl.float32), axis=1)
         b_db += b_eg * b_rk
         b_dgam += b_bk * b_rk
-    # through Ainv = (I + A)^-1: dA = -Ainv^T dAinv Ainv^T (strictly lower; fp32 operands,
-    # tf32 on NVIDIA), then dM = dA * Gamma
+    # through Ainv = (I + A)^-1: dA = -Ainv^T dAinv Ainv^T (strictly lower; operands in the
+    # storage dtype, fp32 accumulation), then dM = dA * Gamma
     lower = o_i[:, None] > o_i[None, :]
-    b_at = tl.load(p_at, mask=m_t[None, :], other=0.0)
-    b_dm = mm(b_at, mm(tl.where(lower, b_dai, 0.0), b_at))
+    b_dm = mm(b_atd, mm(tl.where(lower, b_dai, 0.0).to(DT), b_atd).to(DT))
     b_decay = tl.exp(tl.where(lower, b_gam[:, None] - b_gam[None, :], 0.0))
     b_dm = tl.where(lower & m_t[:, None] & m_t[None, :], -b_dm * b_decay, 0.0)
     # A = strict_lower(diag(beta) K K^T * Gamma): beta and gamma parts from dA * A

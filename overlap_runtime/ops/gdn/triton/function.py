@@ -112,7 +112,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         kn, k_rstd = l2norm_forward(k)
     else:
         qn, kn, q_rstd, k_rstd = q, k, None, None
-    gamma, ainv, _ = kkt_solve(kn, g, beta, v.shape[2], chunks)
+    gamma, ainv, _ = kkt_solve(kn, g, beta, v.shape[2], chunks, ainv_dtype=kn.dtype)
     w, u = wy_forward(kn, v, beta, gamma, ainv, chunks)
     return {"qn": qn, "kn": kn, "q_rstd": q_rstd, "k_rstd": k_rstd, "gamma": gamma,
             "ainv": ainv, "w": w, "u": u}
@@ -130,7 +130,7 @@ def prepare_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     (the raw inputs), ``"q_rstd", "k_rstd", "gamma", "ainv", "w", "u"}`` (shapes:
     fwd_prepare.py)."""
     gamma, ainv, k_rstd = kkt_solve(k, g, beta, v.shape[2], chunks, norm=use_qk_l2norm,
-                                    ainv_dtype=torch.float32 if save else k.dtype)
+                                    ainv_dtype=k.dtype)
     out = wy_norms_forward(q, k, v, beta, gamma, ainv, k_rstd, chunks)
     return {"q": q, "k": k, "k_rstd": k_rstd, "gamma": gamma, "ainv": ainv, **out}
 
