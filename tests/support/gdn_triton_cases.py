@@ -73,12 +73,9 @@ class SharedPrepare:
         flags = (use_qk_l2norm,)
         return self._shared("prepare", (q, k, v, g, beta, chunks), flags, flags)
 
-    def fused(self, q, k, v, g, beta, use_qk_l2norm, chunks=None,  # noqa: ANN001, ANN201
-              save=False):  # noqa: ANN001
-        # save changes only Ainv's dtype (fp32, else k's): the same outputs where k is fp32
-        return self._shared("prepare_fused", (q, k, v, g, beta, chunks),
-                            (use_qk_l2norm, save),
-                            (use_qk_l2norm, torch.float32 if save else k.dtype))
+    def fused(self, q, k, v, g, beta, use_qk_l2norm, chunks=None):  # noqa: ANN001, ANN201
+        flags = (use_qk_l2norm,)
+        return self._shared("prepare_fused", (q, k, v, g, beta, chunks), flags, flags)
 
     def __enter__(self) -> "SharedPrepare":
         for module in self._modules:

@@ -13,12 +13,12 @@ segments; the fused forward, fused_fwd.py, has its own prep and walk)::
     output                o                                               grid (V/BV, NT, B*HV)
 
 Saved for backward (per layer at T = 32K, B = 1, H = 16, HV = 32, K = V = 128, bf16, NS = 4;
-1.90 GB, 1.63 GB with ``recompute_w``)::
+1.77 GB, 1.50 GB with ``recompute_w``)::
 
     q, k                  the raw inputs [B, T, H, K]                     2 x 134 MB
     q_rstd, k_rstd        fp32 1/norm [B, T, H] (with the norm)           2 x 2.1 MB
     v, g, beta            inputs (g fp32: dg = 0 where it was floored)    268 + 4.2 + 2.1 MB
-    gamma, Ainv           fp32 [B, T, HV], [B, T, HV, 64]                 4.2 + 268 MB
+    gamma, Ainv           [B, T, HV] fp32, [B, T, HV, 64] in k's dtype    4.2 + 134 MB
     w                     [B, T, HV, K] (not with recompute_w)            268 MB
     M_s                   fp32 segment transitions (NS > 1 only)          8.4 MB
     states, v_new         per-chunk states [B, NT, HV, K, V] and residuals
@@ -112,25 +112,23 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         kn, k_rstd = l2norm_forward(k)
     else:
         qn, kn, q_rstd, k_rstd = q, k, None, None
-    gamma, ainv, _ = kkt_solve(kn, g, beta, v.shape[2], chunks, ainv_dtype=kn.dtype)
+    gamma, ainv, _ = kkt_solve(kn, g, beta, v.shape[2], chunks)
     w, u = wy_forward(kn, v, beta, gamma, ainv, chunks)
     return {"qn": qn, "kn": kn, "q_rstd": q_rstd, "k_rstd": k_rstd, "gamma": gamma,
             "ainv": ainv, "w": w, "u": u}
 
 
 def prepare_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, use_qk_l2norm: bool, chunks: torch.Tensor | None = None,
-                  save: bool = False) -> dict[str, torch.Tensor | None]:
+                  beta: torch.Tensor, use_qk_l2norm: bool, chunks: torch.Tensor | None = None
+                  ) -> dict[str, torch.Tensor | None]:
     """The fused forward's prep: two launches, no normalised copy of q, k.
 
-    ``kkt_solve`` with the norm folded in (the keys' 1/norms, gamma, Ainv: fp32 with ``save``,
-    for the backward, else in k's dtype), then ``wy_fwd`` (w, u and the queries' 1/norms),
-    fwd_prepare.py.
+    ``kkt_solve`` with the norm folded in (the keys' 1/norms, gamma, Ainv in k's dtype), then
+    ``wy_fwd`` (w, u and the queries' 1/norms), fwd_prepare.py.
     Without the norm q, k are used as given and the 1/norms are None. Returns ``{"q", "k"``
     (the raw inputs), ``"q_rstd", "k_rstd", "gamma", "ainv", "w", "u"}`` (shapes:
     fwd_prepare.py)."""
-    gamma, ainv, k_rstd = kkt_solve(k, g, beta, v.shape[2], chunks, norm=use_qk_l2norm,
-                                    ainv_dtype=k.dtype)
+    gamma, ainv, k_rstd = kkt_solve(k, g, beta, v.shape[2], chunks, norm=use_qk_l2norm)
     out = wy_norms_forward(q, k, v, beta, gamma, ainv, k_rstd, chunks)
     return {"q": q, "k": k, "k_rstd": k_rstd, "gamma": gamma, "ainv": ainv, **out}
 
@@ -474,7 +472,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
     rows = _rows(bh, ns, layout)
     config = fused_fwd.DEFAULT_CONFIG if config is None else config
-    prep = prepare_fused(q, k, v, g, beta, use_qk_l2norm, tables[0], save)
+    prep = prepare_fused(q, k, v, g, beta, use_qk_l2norm, tables[0])
     prep["ainv"] = prep["ainv"] if save else None  # the backward's alone: freed before the walks
     m_seg = s_seg = None
     wants_maps = link is not None and link.wants_segment_maps

@@ -14,7 +14,8 @@ Gates are raised to ``-GATE_FLOOR`` (-20) where lower before the fp32 cumsum (co
 blocks, inverts the four diagonal blocks by forward substitution (row by row, in registers)
 and the six blocks below them by block forward substitution
 ``Ainv_ij = -Ainv_ii sum_{j <= m < i} A_im Ainv_mj``, all in fp32 (block products in 3xTF32 on
-NVIDIA: ``ieee`` fp32 products run on the CUDA cores, not the tensor cores).
+NVIDIA: ``ieee`` fp32 products run on the CUDA cores, not the tensor cores), stored once in
+k's dtype (the operand dtype of every product that reads it).
 ``wy_fwd_kernel`` (grid ``(NT, B * HV)``) forms u and w from Ainv with tensor-core products;
 with ``W_ONLY`` it forms w alone, the same operations in the same order (bitwise the forward's
 w): the backward's recomputation of w (``recompute_w``, function.py).
@@ -235,8 +236,7 @@ def wy_fwd_kernel(k, v, beta, gamma, ainv, w, u, q, k_rstd, q_rstd, chunks, T,
 
 
 def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_heads: int,
-              chunks: torch.Tensor | None = None, norm: bool = False,
-              ainv_dtype: torch.dtype = torch.float32
+              chunks: torch.Tensor | None = None, norm: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gate cumsum and WY inverse.
 
@@ -248,22 +248,18 @@ def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, num_value_he
             chunks of 64 from token 0).
         norm: k is raw: the kernel forms the keys' 1/norms and normalises its tiles itself
             (the same bits as ``l2norm_forward``'s copy), which is not written.
-        ainv_dtype: fp32, or the keys' dtype when only :func:`wy_forward` reads Ainv (it rounds
-            Ainv to that dtype for its products: w and u are the same bits).
 
     Returns:
-        ``(gamma [B, T, HV] fp32, ainv [B, T, HV, 64], k_rstd [B, T, H] fp32 or None)``; gamma
-        is the in-chunk cumsum of the gates floored at ``-GATE_FLOOR`` (common.py); k_rstd
-        with ``norm``.
+        ``(gamma [B, T, HV] fp32, ainv [B, T, HV, 64] in k's dtype, k_rstd [B, T, H] fp32 or
+        None)``; gamma is the in-chunk cumsum of the gates floored at ``-GATE_FLOOR``
+        (common.py); Ainv is computed in fp32 and rounded once to k's dtype, the operand dtype
+        of every product that reads it (``wy_fwd``'s w and u, the backward's
+        ``wy_kkt_bwd``); k_rstd with ``norm``.
     """
-    if ainv_dtype not in (torch.float32, k.dtype):
-        raise ValueError(f"kkt_solve: ainv_dtype={ainv_dtype} must be float32 or the keys' "
-                         f"dtype {k.dtype}")
     batch, seq_len, heads, key_dim = k.shape
     num_chunks = triton.cdiv(seq_len, CHUNK) if chunks is None else chunks.shape[0]
     gamma = torch.empty(batch, seq_len, num_value_heads, device=k.device, dtype=torch.float32)
-    ainv = torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device,
-                       dtype=ainv_dtype)
+    ainv = torch.empty(batch, seq_len, num_value_heads, CHUNK, device=k.device, dtype=k.dtype)
     k_rstd = (torch.empty(batch, seq_len, heads, device=k.device, dtype=torch.float32)
               if norm else None)
     kkt_solve_kernel[(num_chunks, batch * num_value_heads)](
