@@ -30,10 +30,10 @@ accumulation); through ``A = strict_lower(diag(beta) K K^T * Gamma)``: the A par
 and dgamma. With one value head per key head (``H == HV``) whole rows get dqkwg's dk, both
 parts and (with the norm) the l2norm backward ``dk_raw = rstd (dk - y (y . dk))``, stored once
 in k's dtype. With ``H < HV`` the value head's WY and A parts are written alone in fp32
-(nothing read back); the grouped norm backward adds them to dqkwg's key-head rows. (Summing the group inside this kernel,
-one program per key head, spilled 0.6-0.9 KB per thread on sm_90 and ran 1.03 ms slower at
-B=1 T=32K H=16 HV=32 on an H100.) dgamma's partial sums are added and turned into dg by a
-reverse cumsum inside the chunk.
+(nothing read back); the grouped norm backward adds them to dqkwg's key-head rows. (Summing
+the group inside this kernel, one program per key head, spilled 0.6-0.9 KB per thread on sm_90
+and ran 1.03 ms slower at B=1 T=32K H=16 HV=32 on an H100.) dgamma's partial sums are added
+and turned into dg by a reverse cumsum inside the chunk.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def wy_kkt_bwd_kernel(k, v, beta, g, gamma, ainv, dv2, dw, dv, dk, dg_part, dbet
     DT = k.dtype.element_ty
     # Ainv^T (stored in k's dtype), loaded transposed from memory
     p_at = ainv + ((i_b * T + o_t[None, :]) * HV + i_hv) * BT + o_i[:, None]
-    b_atd = tl.load(p_at, mask=m_t[None, :], other=0.0).to(DT)
+    b_atd = tl.load(p_at, mask=m_t[None, :], other=0.0)
     b_beta = tl.load(beta + (i_b * T + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     # padded tokens take the last token's gamma (no positive exponent, as in dqkwg)
     b_gam = tl.load(gamma + (i_b * T + tl.minimum(o_t, eos - 1)) * HV + i_hv)

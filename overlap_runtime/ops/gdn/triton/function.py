@@ -1,7 +1,7 @@
 """Launchers and the autograd Function of the Triton backend.
 
-Forward by the kernel chain (``B`` batch, ``HV`` value heads, ``NT`` chunks of 64, ``NS``
-segments; the fused forward, fused_fwd.py, has its own prep and walk)::
+Forward by the kernel chain (``B`` batch, ``H`` key and ``HV`` value heads, ``NT`` chunks of 64,
+``NS`` segments; the fused forward, fused_fwd.py, has its own prep and walk)::
 
     l2norm_fwd            q, k -> normalised q, k and 1/norm             (optional)
     kkt_solve             gamma (gate cumsum), Ainv = (I + A)^-1          grid (NT, B*HV)
@@ -10,7 +10,7 @@ segments; the fused forward, fused_fwd.py, has its own prep and walk)::
                           NS > 1: segment summaries (M_s, S_s) in parallel, the chain
                           h_(s+1) = M_s h_s + S_s across segments, then every segment's walk
                           from its true entering state, in parallel   grid (blocks, NS, B*HV)
-    output                o                                               grid (V/BV, NT, B*HV)
+    output                o (Q K^T once per key head)                     grid (V/BV, NT, B*H)
 
 Saved for backward (per layer at T = 32K, B = 1, H = 16, HV = 32, K = V = 128, bf16, NS = 4;
 1.77 GB, 1.50 GB with ``recompute_w``)::
@@ -38,7 +38,7 @@ off by default. The per-chunk states stay saved: they spare the backward a whole
 Backward::
 
     recompute             w from Ainv and the raw keys (with recompute_w)  grid (NT, B*HV)
-    dv_local              scale (Q K^T * Gamma)^T dO                      grid (NT, B*HV)
+    dv_local              scale (Q K^T * Gamma)^T dO (per key head)       grid (NT, B*H)
     reverse scan          NS > 1: segment-local state gradients c_s from zero, the chain
                           dH_(s) = M_s^T dH_(s+1) + c_s, then every segment's reverse walk
     dqkwg                 dw, dgamma per value head; dq, dk (output and chunk-end parts)
@@ -457,8 +457,9 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                               "ScanMeta"]:
     """:func:`gdn_forward` by the fused walk: two prep launches with the norm folded in
     (:func:`prepare_fused`), segment summaries (when the sequence is split), the chain and the
-    state hooks as the kernel chain runs them, then one walk that writes o (and, with ``save``, the per-chunk states and
-    v_new of the chain's saved set; the rest of that set is the prep's)."""
+    state hooks as the kernel chain runs them, then one walk that writes o (and, with ``save``,
+    the per-chunk states and v_new of the chain's saved set; the rest of that set is the
+    prep's)."""
     batch, seq_len, heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     bh = batch * num_value_heads
