@@ -2,7 +2,7 @@
 state in registers across the segment's chunks and writes o; neither the per-chunk states nor
 v_new go to memory unless a backward needs them.
 
-1. The prep, two launches parallel over chunks (function.py ``prepare_fused``): ``kkt_solve``
+1. The prep, two launches parallel over chunks (launch.py ``prepare_fused``): ``kkt_solve``
    with the l2 norm folded in (it reads the raw keys, forms their 1/norms and normalises its
    tiles itself: gamma, Ainv) and ``wy_fwd`` (w, u from the raw keys normalised on load, the
    queries' 1/norms). No normalised copy of q or k is written: the walk reads the raw q, k and scales by the 1/norms (``NORM``), which saves the
@@ -207,7 +207,7 @@ def fused_summaries(prep: dict[str, torch.Tensor | None], num_segments: int, per
     """Affine summary ``(M [*rows, K, K], S [*rows, K, V])`` fp32 of every segment from zero,
     all in parallel (summary mode of :func:`fused_walk_kernel`).
 
-    ``prep``: function.py ``prepare_fused``'s dict (reads ``"q"``, ``"k"`` ``[B, T, H, K]``
+    ``prep``: launch.py ``prepare_fused``'s dict (reads ``"q"``, ``"k"`` ``[B, T, H, K]``
     and their 1/norms ``"q_rstd"``, ``"k_rstd"`` ``[B, T, H]`` fp32 or None (no norm),
     ``"w"`` ``[B, T, HV, K]``, ``"u"`` ``[B, T, HV, V]``,
     ``"gamma"`` ``[B, T, HV]`` fp32).

@@ -20,7 +20,7 @@ k's dtype (the operand dtype of every product that reads it).
 with ``W_ONLY`` it forms w alone, the same operations in the same order (bitwise the forward's
 w): the backward's recomputation of w (``recompute_w``, function.py).
 
-The fused forward's prep (function.py ``prepare_fused``) runs both kernels on the raw q, k:
+The fused forward's prep (launch.py ``prepare_fused``) runs both kernels on the raw q, k:
 with ``NORM`` ``kkt_solve_kernel`` forms the keys' 1/norms ``rk`` (l2norm.py's formula) and
 both kernels normalise the tiles they load (common.normalised: the l2 norm kernel's own
 operations, so gamma, Ainv, w and u are the chain's bits); with ``QN`` ``wy_fwd_kernel`` also

@@ -24,7 +24,7 @@ import torch
 import triton
 
 from .common import CHUNK
-from .function import _block, chain, dv_local, prepare, segment_layout, segment_summaries, \
+from .launch import _block, chain, dv_local, prepare, segment_layout, segment_summaries, \
     state_grad_scan
 
 
