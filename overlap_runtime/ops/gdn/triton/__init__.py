@@ -4,7 +4,7 @@ Importing this package imports no triton: the names below load their module (and
 first use, so ``TRITON_INTERPRET`` can still be set before that.
 
 * ``chunk_gated_delta_rule_triton``, ``TritonChunkGatedDeltaRuleFunction`` (function.py):
-  the fused chunked forward/backward.
+  the fused chunked forward/backward (its kernel launchers: launch.py).
 * ``state_summary``, ``output_state_grad``, ``apply_summary``, ``apply_summary_backward``,
   ``compose`` (summary.py): the context-parallel state-summary kernels, with the signatures
   of their eager counterparts in ``overlap_runtime.ops.gdn.summary`` (forward only).

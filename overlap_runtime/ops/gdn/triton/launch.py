@@ -1,8 +1,8 @@
 """Launchers of the Triton backend's kernels: one function per launch, shapes in, tensors out.
 
 The orchestration (which launches a forward or backward runs, the saved set, the autograd
-Function) is function.py's; the kernels are those of fwd_prepare.py, fwd_state.py,
-bwd_state.py and the fused prep's. Every launcher takes contiguous ``[B, T, heads, dim]``
+Function) is function.py's; the kernels are those of l2norm.py, fwd_prepare.py, fwd_state.py
+and bwd_state.py. Every launcher takes contiguous ``[B, T, heads, dim]``
 tensors (``B = 1`` with a varlen layout, varlen.py) and returns new tensors; none keeps state.
 """
 
