@@ -84,8 +84,8 @@ from .fwd_prepare import wy_forward
 from . import fused_fwd
 from .fused_fwd import FusedConfig, fused_summaries, fused_walk
 from .l2norm import l2norm_group_backward
-from .launch import (_block, _rows, chain, dv_local, prepare, prepare_fused, segment_layout,
-                     segment_summaries, state_grad_scan, state_scan)
+from .launch import (chain, dv_local, prepare, prepare_fused, segment_layout, segment_rows,
+                     segment_summaries, state_grad_scan, state_scan, value_block)
 from .varlen import VarlenLayout, varlen_layout
 
 
@@ -122,7 +122,7 @@ def _layout(kn: torch.Tensor, u: torch.Tensor, num_segments: int | None,
             min_segments: int) -> tuple[int, int]:
     batch, seq_len, _, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
-    programs = batch * num_value_heads * (value_dim // _block(key_dim, value_dim))
+    programs = batch * num_value_heads * (value_dim // value_block(key_dim, value_dim))
     num_chunks = triton.cdiv(seq_len, CHUNK)
     ns, per_segment = segment_layout(num_chunks, programs, kn.device, num_segments)
     if ns < min_segments and num_chunks >= min_segments:
@@ -206,7 +206,7 @@ def gdn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if link is not None and ns == 1:
         link.leaving_state(final)
     o = torch.empty_like(v)
-    bv = _block(key_dim, value_dim)
+    bv = value_block(key_dim, value_dim)
     output_kernel[(value_dim // bv, num_chunks, batch * heads)](
         prep["qn"], kn, gamma, states, v_new, o, o if layout is None else layout.chunks, scale,
         seq_len, num_chunks, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
@@ -242,7 +242,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         num_chunks, ns, per_segment = layout.num_chunks, layout.num_segments, 0
         tables = (layout.chunks, layout.segments)
     meta = ScanMeta(scale, ns, per_segment, layout, recompute_w)
-    rows = _rows(bh, ns, layout)
+    rows = segment_rows(bh, ns, layout)
     config = fused_fwd.DEFAULT_CONFIG if config is None else config
     prep = prepare_fused(q, k, v, g, beta, use_qk_l2norm, tables[0])
     prep["ainv"] = prep["ainv"] if save else None  # the backward's alone: freed before the walks
@@ -298,9 +298,8 @@ def _varlen(q: torch.Tensor, v: torch.Tensor, num_segments: int | None,
         raise NotImplementedError("cu_seqlens with a context-parallel state link is not "
                                   "supported by the Triton kernels (one sequence per rank chain)")
     key_dim, value_heads, value_dim = q.shape[3], v.shape[2], v.shape[3]
-    return varlen_layout(cu_seqlens, q.shape[1], value_heads * (value_dim // _block(key_dim,
-                                                                                     value_dim)),
-                         q.device, num_segments)
+    programs = value_heads * (value_dim // value_block(key_dim, value_dim))
+    return varlen_layout(cu_seqlens, q.shape[1], programs, q.device, num_segments)
 
 
 def gdn_backward(saved: tuple[torch.Tensor | None, ...], meta: ScanMeta, do: torch.Tensor,

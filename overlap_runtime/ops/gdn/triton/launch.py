@@ -19,7 +19,8 @@ from .l2norm import l2norm_forward
 from .varlen import VarlenLayout
 
 
-def _block(key_dim: int, value_dim: int) -> int:
+def value_block(key_dim: int, value_dim: int) -> int:
+    """Value columns per program of the scans and dv_local (64, or less for small heads)."""
     return min(64, key_dim, value_dim)
 
 
@@ -64,7 +65,7 @@ def prepare_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return {"q": q, "k": k, "k_rstd": k_rstd, "gamma": gamma, "ainv": ainv, **out}
 
 
-def _rows(bh: int, num_segments: int, layout: VarlenLayout | None) -> tuple[int, int]:
+def segment_rows(bh: int, num_segments: int, layout: VarlenLayout | None) -> tuple[int, int]:
     """Leading dims of the per-segment tensors: ``[B*HV, NS]`` dense, ``[NS, HV]`` varlen
     (B = 1; common.segment_span)."""
     return (bh, num_segments) if layout is None else (num_segments, bh)
@@ -89,9 +90,9 @@ def segment_summaries(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma:
     """
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
-    bv = _block(key_dim, value_dim)
+    bv = value_block(key_dim, value_dim)
     bh = batch * num_value_heads
-    rows = _rows(bh, num_segments, layout)
+    rows = segment_rows(bh, num_segments, layout)
     m = torch.empty(*rows, key_dim, key_dim, device=kn.device, dtype=torch.float32)
     s = torch.empty(*rows, key_dim, value_dim, device=kn.device, dtype=torch.float32)
     chunks, segs, num_chunks = _tables(layout, m)
@@ -160,13 +161,13 @@ def state_scan(kn: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gamma: torch.
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = u.shape[2], u.shape[3]
     num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
-    bv = _block(key_dim, value_dim)
+    bv = value_block(key_dim, value_dim)
     bh = batch * num_value_heads
     states = torch.empty(batch, num_chunks, num_value_heads, key_dim, value_dim, device=kn.device,
                          dtype=kn.dtype)
     v_new = torch.empty_like(u)
-    h_end = torch.empty(*_rows(bh, num_segments, layout), key_dim, value_dim, device=kn.device,
-                        dtype=torch.float32)
+    h_end = torch.empty(*segment_rows(bh, num_segments, layout), key_dim, value_dim,
+                        device=kn.device, dtype=torch.float32)
     chunks, segs, _ = _tables(layout, h_end)
     fwd_scan_kernel[(value_dim // bv, num_segments, bh)](
         kn, w, u, gamma, seg_init if seg_init is not None else h_end, states, v_new, h_end,
@@ -203,13 +204,13 @@ def state_grad_scan(qn: torch.Tensor, kn: torch.Tensor, w: torch.Tensor, gamma: 
     batch, seq_len, heads, key_dim = kn.shape
     num_value_heads, value_dim = do.shape[2], do.shape[3]
     num_chunks = triton.cdiv(seq_len, CHUNK) if layout is None else layout.num_chunks
-    bv = _block(key_dim, value_dim)
+    bv = value_block(key_dim, value_dim)
     bh = batch * num_value_heads
     if first_segment not in (0, 1) or (first_segment and (store or layout is not None
                                                           or num_segments < 2)):
         raise ValueError(f"state_grad_scan: first_segment={first_segment} must be 0, or 1 for a "
                          f"dense walk of 2+ segments without store")
-    dh_start = torch.empty(*_rows(bh, num_segments, layout), key_dim, value_dim,
+    dh_start = torch.empty(*segment_rows(bh, num_segments, layout), key_dim, value_dim,
                            device=kn.device, dtype=torch.float32)
     if first_segment:
         dh_start[:, 0].zero_()
@@ -244,6 +245,6 @@ def dv_local(qn: torch.Tensor, kn: torch.Tensor, gamma: torch.Tensor, do: torch.
     dv_local_kernel[(num_chunks, batch * heads)](
         qn, kn, *(rstd or (out, out)), gamma, do, out, chunks if chunks is not None else out,
         scale, seq_len, H=heads, HV=num_value_heads, K=key_dim, V=value_dim, BT=CHUNK,
-        BV=_block(key_dim, value_dim), VARLEN=chunks is not None, NORM=rstd is not None,
+        BV=value_block(key_dim, value_dim), VARLEN=chunks is not None, NORM=rstd is not None,
     )
     return out

@@ -24,8 +24,8 @@ import torch
 import triton
 
 from .common import CHUNK
-from .launch import _block, chain, dv_local, prepare, segment_layout, segment_summaries, \
-    state_grad_scan
+from .launch import (chain, dv_local, prepare, segment_layout, segment_summaries,
+                     state_grad_scan, value_block)
 
 
 def _check_chunk(chunk_size: int) -> None:
@@ -44,7 +44,7 @@ def _segments(k: torch.Tensor, v: torch.Tensor, num_segments: int | None, column
               ) -> tuple[int, int]:
     batch, seq_len, _, key_dim = k.shape
     bh = batch * v.shape[2]
-    programs = bh * (columns // _block(key_dim, v.shape[3]))
+    programs = bh * (columns // value_block(key_dim, v.shape[3]))
     return segment_layout(triton.cdiv(seq_len, CHUNK), programs, k.device, num_segments)
 
 
